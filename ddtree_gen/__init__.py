@@ -1,0 +1,22 @@
+"""ddtree-gen: generated GPU kernels for tree-based speculative decoding on MLA models.
+
+    import ddtree_gen
+    ks = ddtree_gen.load("kimi-k2.6-tp8")      # compiled kernel set of a spec (built if needed)
+    tree = ks.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget=64)
+
+`ddtree_gen.reference` holds the numpy reference of every kernel.
+"""
+from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
+from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
+
+__version__ = "0.1.0"
+
+
+def load(spec, *, kernels=None):
+    """The compiled kernel set of `spec` (name in specs/, path to a .toml, or Spec)."""
+    from .runtime import load as _load
+    return _load(spec, kernels=kernels)
+
+
+__all__ = ["load", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",
+           "AttentionOutput", "TreeAcceptOutput", "TreeBuildOutput", "__version__"]

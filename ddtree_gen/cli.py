@@ -1,0 +1,131 @@
+"""The `ddtree-gen` command line (also `python -m ddtree_gen`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import DdtreeError
+
+
+def _specs(names):
+    from . import artifacts
+    return [artifacts.find_spec(n) for n in names] if names else artifacts.all_specs()
+
+
+def cmd_build(args) -> int:
+    from . import artifacts
+    specs = _specs(args.specs)
+    if args.check:
+        problems = artifacts.check_generated(specs if args.specs else artifacts.all_specs())
+        for p in problems:
+            print(f"out of date: {p}")
+        if problems:
+            print(f"generated/ is out of date ({len(problems)} problem(s)); run `ddtree-gen build`")
+            return 1
+        print(f"generated/ is up to date with specs/ and templates/ ({len(specs)} specs)")
+        return 0
+    kdefs = artifacts.select_kernels(args.kernel)
+    total = len(specs) * len(kdefs)
+    rows, failed, compiled, n = [], [], 0, 0
+    for spec in specs:
+        built = []
+        for kdef in kdefs:
+            n += 1
+            try:
+                b = artifacts.compile_variant(spec, kdef)
+            except DdtreeError as e:
+                failed.append((spec.name, kdef.name, str(e)))
+                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<18} FAILED", flush=True)
+                continue
+            compiled += b.status == "compiled"
+            took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
+            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<18} {b.status}{took}", flush=True)
+            built.append(b)
+            plan = kdef.plan(spec)
+            rows.append((spec.name, kdef.name, plan, b.report))
+        if len(built) == len(kdefs) and not args.kernel:
+            artifacts.write_generated(spec, built)   # only a complete, successful set replaces generated/
+    if rows:
+        _resource_table(rows)
+    for spec_name, kernel, msg in failed:
+        print(f"\nbuild of {spec_name}/{kernel} failed (previous artifacts left in place):\n{msg}", file=sys.stderr)
+    if failed:
+        return 1
+    print(f"nothing to compile: all {total} variants were cached" if compiled == 0 else
+          f"compiled {compiled} of {total} variants")
+    return 0
+
+
+def _resource_table(rows) -> None:
+    from .resources import compare
+    print(f"\n{'spec':<18} {'kernel':<18} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
+          f"{'model':>7} {'stack':>5} {'spill':>5}  model vs ptxas")
+    for spec, kernel, plan, r in rows:
+        problems = compare(plan, r)
+        print(f"{spec:<18} {kernel:<18} {plan.value(plan.threads):>7} {r.registers:>5} {plan.register_budget:>6} "
+              f"{r.smem:>7} {plan.value(plan.static_smem):>7} {r.stack:>5} {r.spill_stores + r.spill_loads:>5}  "
+              f"{'agree' if not problems else '; '.join(problems)}")
+
+
+def cmd_list(args) -> int:
+    from . import artifacts
+    for spec in _specs(args.specs):
+        print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
+              f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth}")
+        state = artifacts.generated_state(spec)
+        for kdef in artifacts.select_kernels():
+            cached = "cached" if _is_cached(spec, kdef) else "not compiled here"
+            print(f"  {kdef.name:<18} generated/: {state[kdef.name]:<10}  binary: {cached}")
+    return 0
+
+
+def _is_cached(spec, kdef) -> bool:
+    from . import artifacts
+    from .compile import nvrtc_version
+    from .render import render
+    key = artifacts.cache_key(render(spec, kdef), kdef, nvrtc_version())
+    return artifacts._read_cache(key, kdef.entry) is not None
+
+
+def cmd_refs(args) -> int:
+    from . import refs
+    return refs.main(args)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddtree-gen", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="render, compile and write generated/<spec>/ (all specs by default)")
+    b.add_argument("specs", nargs="*", help="spec names (specs/<name>.toml) or paths")
+    b.add_argument("--kernel", action="append", help="build only this kernel (repeatable; generated/ untouched)")
+    b.add_argument("--check", action="store_true", help="exit 1 if generated/ is out of date; compiles nothing")
+    b.set_defaults(func=cmd_build)
+    ls = sub.add_parser("list", help="specs, kernels and their build state")
+    ls.add_argument("specs", nargs="*")
+    ls.set_defaults(func=cmd_list)
+    r = sub.add_parser("refs", help="regenerate refs/ (KDTR bundles) from the numpy references")
+    r.add_argument("specs", nargs="*")
+    r.add_argument("--check", action="store_true", help="compare refs/ with the references instead")
+    r.set_defaults(func=cmd_refs)
+    be = sub.add_parser("bench", help="time kernels against their peers on the GPU")
+    be.add_argument("kernels", nargs="+", help="tree_build, tree_verify, ...")
+    be.add_argument("--spec", action="append", help="spec(s) to bench (default: per benchmark)")
+    be.add_argument("--out", help="write the table (and plot) to this folder")
+    be.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DdtreeError as e:
+        print(f"ddtree-gen: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

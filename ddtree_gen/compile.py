@@ -1,0 +1,96 @@
+"""Compiling: CUDA source -> sm_90 cubin with NVRTC (through CuPy), plus the ptxas report.
+
+Needs no GPU and no CUDA toolkit: NVRTC comes from its pip wheel.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import BuildError
+from .resources import PtxasReport
+
+ARCH = "sm_90"
+OPTIONS = (f"--gpu-architecture={ARCH}", "--std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
+
+
+def nvrtc_version() -> str:
+    from cupy.cuda import nvrtc
+    major, minor = nvrtc.getVersion()
+    return f"{major}.{minor}"
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    cubin: bytes
+    log: str
+    reports: dict  # entry name -> PtxasReport
+
+
+_FUNC_RE = re.compile(r"Compiling entry function '([^']+)' for")
+_PROPS_RE = re.compile(r"Function properties for (\S+)")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_RE = re.compile(r"Used (\d+) registers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> dict:
+    """Parse `ptxas -v` output into {entry: PtxasReport}."""
+    reports, current, frame = {}, None, {}
+    for line in log.splitlines():
+        m = _FUNC_RE.search(line)
+        if m:
+            current = m.group(1)
+            continue
+        m = _PROPS_RE.search(line)
+        if m:
+            current = m.group(1)
+            continue
+        m = _FRAME_RE.search(line)
+        if m and current:
+            frame[current] = tuple(int(x) for x in m.groups())
+            continue
+        m = _USED_RE.search(line)
+        if m and current:
+            s = _SMEM_RE.search(line)
+            stack, st, ld = frame.get(current, (0, 0, 0))
+            reports[current] = PtxasReport(registers=int(m.group(1)), smem=int(s.group(1)) if s else 0,
+                                           stack=stack, spill_stores=st, spill_loads=ld)
+    return reports
+
+
+def _excerpt(source: str, log: str, filename: str, context: int = 2) -> str:
+    """The rendered source lines that NVRTC's errors point at."""
+    lines = source.splitlines()
+    shown, out = set(), []
+    for m in re.finditer(re.escape(filename) + r"\((\d+)\)", log):
+        n = int(m.group(1))
+        if n in shown:
+            continue
+        shown.add(n)
+        out.append(f"--- {filename}:{n} ---")
+        for i in range(max(1, n - context), min(len(lines), n + context) + 1):
+            out.append(f"{'>' if i == n else ' '}{i:5d} | {lines[i - 1]}")
+    return "\n".join(out)
+
+
+def compile_source(source: str, filename: str, entries: list[str], options=OPTIONS) -> CompileResult:
+    from cupy.cuda import nvrtc
+    prog = nvrtc.createProgram(source, filename, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+            raise BuildError(f"NVRTC failed to compile {filename}:\n{log.strip()}\n\n"
+                             f"{_excerpt(source, log, filename)}") from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    reports = parse_ptxas(log)
+    missing = [e for e in entries if e not in reports]
+    if missing:
+        raise BuildError(f"{filename}: ptxas reported nothing for entry {missing[0]!r}; "
+                         f"is it declared extern \"C\" __global__?\n{log}")
+    return CompileResult(cubin=cubin, log=log, reports=reports)

@@ -1,0 +1,229 @@
+"""refs/: small KDTR bundles of reference inputs and outputs, regenerated with fixed seeds.
+
+`ddtree-gen refs` rewrites refs/<spec>/<kernel>-<case>.kdtr from the numpy references;
+`ddtree-gen refs --check` recomputes every bundle's outputs from its stored inputs and
+compares (discrete outputs exactly, float outputs to float32 rounding), and checks that the
+set of bundles is the set of cases.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from . import bf16, kdtr, paths, reference
+from .spec import Spec
+
+INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask", "first_child", "next_sibling",
+            "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after"}
+
+
+def _seed(spec: Spec, kernel: str, case: str) -> int:
+    return zlib.crc32(f"{spec.name}/{kernel}/{case}".encode())
+
+
+def _topk(rng, b, dp, kp, mode):
+    ids = rng.integers(0, 32000, size=(b, dp, kp), dtype=np.int32)
+    if mode == "ties":
+        lps = np.full((b, dp, kp), -1.0, np.float32)
+    else:
+        lps = -np.sort(rng.exponential(1.0, size=(b, dp, kp)).astype(np.float32), axis=-1)
+        lps = np.ascontiguousarray(lps)
+    if mode == "nan-inf":
+        lps[:, :, 1::3] = -np.inf
+        lps[:, 1::2, 2::4] = np.nan
+    return ids, lps
+
+
+def _tree_build_inputs(spec, rng, case):
+    n, d = spec.max_tree_size, spec.max_depth
+    b = 3
+    dp, kp, budget, mode = {"full": (d, n - 1, n - 1, "plain"), "ties": (d, 4, n - 1, "ties"),
+                            "nan-inf": (d, 8, n - 1, "nan-inf"), "chain": (d, 1, n - 1, "plain"),
+                            "budget0": (2, 2, 0, "plain")}[case]
+    ids, lps = _topk(rng, b, dp, kp, mode)
+    return {"topk_ids": ids, "topk_logprobs": lps, "root_tokens": rng.integers(0, 32000, b, dtype=np.int32),
+            "prefix_lens": np.array([0, 63, 100000], np.int32), "budget": np.array(budget, np.int32)}
+
+
+def _paged(spec, rng, lens, extra_pages=2):
+    """A kv cache and a block table that is a random permutation of pages (never contiguous)."""
+    page = spec.page_size
+    per = [-(-int(n) // page) for n in lens]
+    max_pages = max(per + [1])
+    num_pages = sum(per) + extra_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.zeros((len(lens), max_pages), np.int32)
+    k = 0
+    for i, c in enumerate(per):
+        table[i, :c] = perm[k:k + c]
+        k += c
+    kv = bf16.to_bits(rng.standard_normal((num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim)))
+    return kv, table
+
+
+def _ancestor_mask(parents, n_words):
+    nq = len(parents)
+    mask = np.zeros((nq, n_words), np.uint32)
+    for i in range(nq):
+        j = i
+        while j >= 0:
+            mask[i, j // 32] |= np.uint32(1 << (j % 32))
+            j = parents[j]
+    return mask
+
+
+def _verify_inputs(spec, rng, case):
+    h, r, p = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    nq = 3
+    prefix = np.array([70], np.int32)
+    q_lens = np.array([3], np.int32)
+    kv, table = _paged(spec, rng, prefix + q_lens)
+    mask = _ancestor_mask([-1, 0, 0], spec.mask_words)[None]
+    return {"q_nope": bf16.to_bits(rng.standard_normal((1, nq, h, r))),
+            "q_pe": bf16.to_bits(rng.standard_normal((1, nq, h, p))),
+            "kv_cache": kv, "block_table": table, "prefix_lens": prefix, "q_lens": q_lens, "tree_mask": mask,
+            "softmax_scale": np.array(192 ** -0.5, np.float64)}
+
+
+def _merge_inputs(spec, rng, case):
+    h, r = spec.num_heads, spec.kv_lora_rank
+    lse_a = rng.standard_normal((1, 2, h)).astype(np.float32)
+    lse_b = rng.standard_normal((1, 2, h)).astype(np.float32)
+    lse_a[0, 0, ::4] = -np.inf
+    lse_b[0, 0, 1::4] = np.inf
+    lse_a[0, 1, ::3] = -np.inf
+    lse_b[0, 1, ::3] = -np.inf   # both sides empty
+    return {"o_a": bf16.to_bits(rng.standard_normal((1, 2, h, r))), "lse_a": lse_a,
+            "o_b": bf16.to_bits(rng.standard_normal((1, 2, h, r))), "lse_b": lse_b}
+
+
+def _accept_inputs(spec, rng, case):
+    n = spec.max_tree_size
+    tb = _tree_build_inputs(spec, rng, "full")
+    tb["prefix_lens"] = np.array([0, 63, 130], np.int32)
+    tree = reference.tree_build(**{k: v for k, v in tb.items() if k != "budget"}, budget=int(tb["budget"]),
+                                max_tree_size=n)
+    target = rng.integers(0, 32000, (3, n), dtype=np.int32)
+    # follow a few first children so that something is accepted (request 0: the full first-child chain)
+    for b, steps in enumerate([spec.max_depth, 3, 0]):
+        cur = 0
+        for _ in range(steps):
+            c = int(tree.first_child[b, cur])
+            if c < 0:
+                break
+            nxt = int(tree.next_sibling[b, c])
+            pick = nxt if (b == 1 and nxt > 0) else c   # request 1 takes a sibling
+            target[b, cur] = tree.tokens[b, pick]
+            cur = pick
+    kv, table = _paged(spec, rng, tb["prefix_lens"] + n)
+    return {"num_nodes": tree.num_nodes, "tokens": tree.tokens, "first_child": tree.first_child,
+            "next_sibling": tree.next_sibling, "target_tokens": target, "prefix_lens": tb["prefix_lens"],
+            "kv_cache": kv, "block_table": table}
+
+
+class _Tree:
+    def __init__(self, a):
+        self.num_nodes, self.tokens = a["num_nodes"], a["tokens"]
+        self.first_child, self.next_sibling = a["first_child"], a["next_sibling"]
+
+
+def _run(spec: Spec, kernel: str, a: dict) -> dict:
+    """Reference outputs for stored inputs (the same function builds and checks bundles)."""
+    if kernel == "tree_build":
+        out = reference.tree_build(a["topk_ids"], a["topk_logprobs"], a["root_tokens"], a["prefix_lens"],
+                                   int(a["budget"]), max_tree_size=spec.max_tree_size)
+        return dict(out._asdict())
+    if kernel in ("tree_verify", "tree_verify_tail"):
+        fn = getattr(reference, kernel)
+        out = fn(a["q_nope"], a["q_pe"], a["kv_cache"], a["block_table"], a["prefix_lens"], a["q_lens"],
+                 a["tree_mask"], float(a["softmax_scale"]))
+        return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
+    if kernel == "merge_states":
+        out = reference.merge_states(a["o_a"], a["lse_a"], a["o_b"], a["lse_b"])
+        return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
+    if kernel == "tree_accept":
+        kv = a["kv_cache"].copy()
+        out = reference.tree_accept(_Tree(a), a["target_tokens"], a["prefix_lens"], kv, a["block_table"],
+                                    max_depth=spec.max_depth)
+        return dict(out._asdict()) | {"kv_cache_after": kv}
+    raise KeyError(kernel)
+
+
+CASES = {
+    "tree_build": (_tree_build_inputs, ["full", "ties", "nan-inf", "chain", "budget0"]),
+    "tree_verify": (_verify_inputs, ["prefix70"]),
+    "tree_verify_tail": (_verify_inputs, ["prefix70"]),
+    "merge_states": (_merge_inputs, ["empty-sides"]),
+    "tree_accept": (_accept_inputs, ["walks"]),
+}
+
+
+def bundle_path(spec: Spec, kernel: str, case: str):
+    return paths.refs_dir() / spec.name / f"{kernel}-{case}.kdtr"
+
+
+def make(spec: Spec, kernel: str, case: str) -> dict:
+    seed = _seed(spec, kernel, case)
+    make_inputs, _ = CASES[kernel]
+    inputs = make_inputs(spec, np.random.default_rng(seed), case)
+    outputs = _run(spec, kernel, inputs)
+    arrays = {f"in.{k}": np.asarray(v) for k, v in inputs.items()}
+    arrays.update({f"out.{k}": np.asarray(v) for k, v in outputs.items()})
+    return {"seed": seed, "arrays": arrays}
+
+
+def compare(spec: Spec, kernel: str, bundle) -> list[str]:
+    """Recompute a bundle's outputs from its inputs; differences as messages."""
+    inputs = {k[3:]: v for k, v in bundle.arrays.items() if k.startswith("in.")}
+    stored = {k[4:]: v for k, v in bundle.arrays.items() if k.startswith("out.")}
+    got = {k: np.asarray(v) for k, v in _run(spec, kernel, inputs).items()}
+    problems = []
+    if set(got) != set(stored):
+        return [f"outputs {sorted(stored)} stored, reference gives {sorted(got)}"]
+    for k in sorted(got):
+        g, s = got[k], stored[k]
+        if g.shape != s.shape or g.dtype != s.dtype:
+            problems.append(f"{k}: stored {s.dtype}{list(s.shape)}, reference gives {g.dtype}{list(g.shape)}")
+        elif g.dtype.kind in "iu" or k in INT_KEYS:
+            if not np.array_equal(g, s):
+                problems.append(f"{k}: {int((g != s).sum())} elements differ")
+        elif k == "scores":  # tree_build scores are exact float32 sums
+            if not np.array_equal(g.view(np.uint32), s.view(np.uint32)):
+                problems.append(f"{k}: not bit-identical")
+        elif not np.allclose(g, s, rtol=1e-6, atol=1e-7, equal_nan=True):
+            problems.append(f"{k}: max difference {np.nanmax(np.abs(g.astype(np.float64) - s)):.3g}")
+    return problems
+
+
+def main(args) -> int:
+    from .artifacts import all_specs, find_spec
+    specs = [find_spec(n) for n in args.specs] if args.specs else all_specs()
+    bad = 0
+    for spec in specs:
+        wanted = {bundle_path(spec, k, c) for k, (_, cases) in CASES.items() for c in cases}
+        for kernel, (_, cases) in CASES.items():
+            for case in cases:
+                path = bundle_path(spec, kernel, case)
+                if args.check:
+                    try:
+                        problems = compare(spec, kernel, kdtr.read(path))
+                    except (kdtr.KdtrError, OSError) as e:
+                        problems = [str(e)]
+                    bad += bool(problems)
+                    print(f"{spec.name:<18} {kernel:<18} {case:<12} {'ok' if not problems else 'DIFFERS'}")
+                    for p in problems:
+                        print(f"    {path}: {p}")
+                else:
+                    made = make(spec, kernel, case)
+                    kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"],
+                               arrays=made["arrays"])
+                    print(f"wrote {path.relative_to(paths.project_root())} ({path.stat().st_size} bytes)")
+        spec_dir = paths.refs_dir() / spec.name
+        stray = sorted(set(spec_dir.glob("*.kdtr")) - wanted) if spec_dir.is_dir() else []
+        for p in stray:
+            print(f"{p}: not a known case (stray bundle)")
+            bad += 1
+    if args.check:
+        print("refs/ match the references" if not bad else f"{bad} bundle(s) differ; run `ddtree-gen refs`")
+    return 1 if bad else 0

@@ -1,0 +1,82 @@
+"""Shared test machinery: spec parametrization (ids = spec names), the gpu marker, fakes."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from ddtree_gen import artifacts
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason where none is present)")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_reason() -> str | None:
+    """None when a CUDA GPU is usable, else why not."""
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no CuPy, no device
+        return f"no CUDA GPU here ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    return None if n > 0 else "no CUDA GPU here (0 devices)"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_reason() if any("gpu" in it.keywords for it in items) else None
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for it in items:
+            if "gpu" in it.keywords:
+                it.add_marker(skip)
+
+
+SPECS = artifacts.all_specs()
+
+
+def pytest_generate_tests(metafunc):
+    if "spec" in metafunc.fixturenames:
+        metafunc.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+
+
+@pytest.fixture
+def kset(spec):
+    """The compiled kernel set of the spec (GPU tests only)."""
+    import ddtree_gen
+    return ddtree_gen.load(spec)
+
+
+class FakeCudaArray:
+    """A stand-in CUDA array (only __cuda_array_interface__) for argument checks without a GPU."""
+
+    def __init__(self, shape, dtype, strides=None, ptr=0x10000):
+        dt = np.dtype(dtype)
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dt.str, "strides": strides,
+                                         "data": (ptr, False), "version": 3}
+
+
+class LaunchReached(AssertionError):
+    """Raised by FakeKernelSet.launch: the launcher passed every check and tried to launch."""
+
+
+class FakeKernelSet:
+    """A KernelSet stand-in: the spec, and a launch that refuses to run (CPU tests of the checks)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def launch(self, name, **kwargs):
+        raise LaunchReached(name)
+
+    def plan(self, name):
+        from ddtree_gen.kernels import by_name
+        return by_name(name).plan(self.spec)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Every fake array lives on device 0 unless its pointer says otherwise (ptr >= 1<<40: device 1)."""
+    from ddtree_gen import runtime
+    monkeypatch.setattr(runtime, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
