@@ -125,7 +125,164 @@ def bench_tree_build(args) -> None:
                 "bench_tree_build")
 
 
-BENCHES = {"tree_build": bench_tree_build}
+# ---------------------------------------------------------------- tree_verify
+
+SPEC_BY_HEADS = {8: "kimi-k2.6-tp8", 16: "deepseek-v3-tp8", 64: "kimi-k2.6", 128: "deepseek-v3"}
+VERIFY_CONFIGS = [(1, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096), (8, 128, 4096),
+                  (8, 64, 512), (8, 64, 16384), (8, 64, "mixed")]
+
+
+def verify_inputs(spec, b: int, lens, nq: int, seed: int = 0):
+    """Random bf16 inputs on the GPU (cupy uint16 bits), a random-permutation block table, random trees."""
+    import cupy
+    from .bf16 import to_bits
+    rng = np.random.default_rng(seed)
+    h, r, p, page = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size
+    lens = np.asarray(lens, np.int32)
+    per = -(-(lens + nq) // page)
+    max_pages = int(per.max())
+    num_pages = int(per.sum())
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.zeros((b, max_pages), np.int32)
+    k = 0
+    for i in range(b):
+        table[i, :per[i]] = perm[k:k + per[i]]
+        k += per[i]
+    # random trees: parent of node j uniformly among 0..j-1 (root 0)
+    mask = np.zeros((b, nq, spec.mask_words), np.uint32)
+    for i in range(b):
+        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, nq)]
+        for j in range(nq):
+            a = j
+            while a >= 0:
+                mask[i, j, a // 32] |= np.uint32(1 << (a % 32))
+                a = parent[a]
+    g = cupy.random.default_rng(seed)
+
+    def bf(shape):
+        return cupy.asarray(to_bits(cupy.asnumpy(g.standard_normal(shape, dtype=cupy.float32))))
+
+    return dict(q_nope=bf((b, nq, h, r)), q_pe=bf((b, nq, h, p)), kv_cache=bf((num_pages, page, r + p)),
+                block_table=cupy.asarray(table), prefix_lens=cupy.asarray(lens),
+                q_lens=cupy.full(b, nq, dtype=cupy.int32), tree_mask=cupy.asarray(mask),
+                softmax_scale=192 ** -0.5)
+
+
+def torch_peers(x):
+    """torch eager (bf16 einsum + fp32 masked softmax) and SDPA with a boolean mask, on the same data,
+    with each request's keys gathered contiguously beforehand (not timed: favours the peers)."""
+    import torch
+    dl = torch.utils.dlpack.from_dlpack
+    kv = dl(x["kv_cache"]).view(torch.bfloat16)
+    table = dl(x["block_table"]).long()
+    lens = dl(x["prefix_lens"]).long()
+    q = torch.cat([dl(x["q_nope"]).view(torch.bfloat16), dl(x["q_pe"]).view(torch.bfloat16)], -1)
+    b, nq, h, _ = q.shape
+    r = x["q_nope"].shape[-1]
+    page = kv.shape[1]
+    t = int(lens.max()) + nq
+    pos = torch.arange(t, device=q.device)
+    keys = kv[table[:, pos // page], pos % page]                     # [B, T, R+P]
+    words = dl(x["tree_mask"]).view(torch.int32).long() & 0xFFFFFFFF  # [B, Nq, W]
+    j = pos[None, :] - lens[:, None]                                  # tail index per key
+    jj = j.clamp(min=0, max=words.shape[-1] * 32 - 1)
+    word = torch.gather(words, 2, (jj // 32)[:, None, :].expand(b, nq, t))
+    tail_vis = ((word >> (jj % 32)[:, None, :]) & 1).bool() & (j >= 0)[:, None, :] & (j < nq)[:, None, :]
+    vis = (j < 0)[:, None, :] | tail_vis                              # [B, Nq, T]
+    vis &= (pos[None, :] < (lens + nq)[:, None])[:, None, :]
+    scale = x["softmax_scale"]
+
+    def eager():
+        s = torch.einsum("bqhd,btd->bqht", q, keys).float() * scale
+        s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        return torch.einsum("bqht,btd->bqhd", p.to(torch.bfloat16), keys[..., :r])
+
+    qs = q.transpose(1, 2)                                            # [B, H, Nq, R+P]
+    ks_ = keys[:, None].expand(b, h, t, keys.shape[-1])
+    vs = keys[:, None, :, :r].expand(b, h, t, r)
+    am = vis[:, None]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks_, vs, attn_mask=am, scale=scale)
+
+    return {"torch eager": eager, "torch SDPA": sdpa}
+
+
+def bench_tree_verify(args) -> None:
+    import ddtree_gen
+    import ddtree_gen.artifacts
+    peak = measured_peak_tflops()
+    nq = 65
+    rows, plot = [], []
+    for b, h, l in VERIFY_CONFIGS:
+        if args.spec and SPEC_BY_HEADS[h] not in args.spec:
+            continue
+        spec = ddtree_gen.artifacts.find_spec(SPEC_BY_HEADS[h])
+        ks = ddtree_gen.load(spec)
+        rng = np.random.default_rng(1)
+        lens = rng.integers(64, 16384, size=b) if l == "mixed" else np.full(b, l)
+        x = verify_inputs(spec, b, lens, nq)
+        flops = float(sum(2 * h * nq * (int(li) + nq) * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
+                          for li in lens))
+        impls = {}
+        for name in ("tree_verify_mma", "tree_verify"):
+            if hasattr(ks, name):
+                fn = getattr(ks, name)
+                out = fn(**x)
+                impls["ours (" + ("mma" if name.endswith("mma") else "simple") + ")"] = (
+                    lambda fn=fn, out=out: fn(**x, out=out.out, lse=out.lse))
+        times = {}
+        for name, fn in impls.items():
+            times[name] = graph_time_ms(fn, per_graph=5, reps=10)
+        for name, fn in torch_peers(x).items():
+            try:
+                times[name] = gpu_time_ms(fn, warmup=2, reps=5)
+            except Exception as e:  # out of memory or unsupported: show, don't hide
+                print(f"{name} failed at B={b} H={h} L={l}: {type(e).__name__}: {str(e)[:100]}")
+        ours = min((t, n) for n, t in times.items() if n.startswith("ours"))
+        for name, ms in times.items():
+            tf = flops / (ms * 1e-3) / 1e12
+            rows.append([f"B={b} H={h} L={l}", name, f"{ms:.3f}", f"{tf:.1f}", f"{100 * tf / peak:.1f}%",
+                         f"{ms / ours[0]:.2f}x" if not name.startswith("ours") else
+                         ("best" if name == ours[1] else f"{ms / ours[0]:.2f}x")])
+            plot.append((f"B={b}\nH={h}\nL={l}", name, tf))
+    print_table(f"tree_verify, Nq={nq}; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; "
+                f"measured bf16 matmul peak in this run: {peak:.0f} TFLOP/s; ours: CUDA-graph replay medians; "
+                f"peers: eager medians; last column: peer time / our best time",
+                ["config", "impl", "ms", "TFLOP/s", "% peak", "vs ours"], rows, args.out, "bench_tree_verify")
+    if args.out:
+        _plot(plot, peak, Path(args.out) / "bench_tree_verify.png")
+
+
+def _plot(points, peak, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    configs = list(dict.fromkeys(c for c, _, _ in points))
+    impls = list(dict.fromkeys(i for _, i, _ in points))
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        xs = [configs.index(c) + k * width for c, i, _ in points if i == impl]
+        ys = [t for _, i, t in points if i == impl]
+        ax.bar(xs, ys, width, label=impl)
+    ax.axhline(peak, color="k", linestyle="--", label=f"measured bf16 peak {peak:.0f}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))], configs, fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_yscale("log")
+    ax.set_title("tree_verify on H200, Nq = 65")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+BENCHES = {"tree_build": bench_tree_build, "tree_verify": bench_tree_verify}
 
 
 def main(args) -> int:

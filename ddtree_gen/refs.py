@@ -213,9 +213,10 @@ def main(args) -> int:
                     bad += bool(problems)
                     print(f"{spec.name:<18} {kernel:<18} {case:<12} {'ok' if not problems else 'DIFFERS'}")
                     for p in problems:
-                        print(f"    {path}: {p}")
+                        print(f"    {p if str(path) in p else f'{path}: {p}'}")
                 else:
                     made = make(spec, kernel, case)
+                    path.parent.mkdir(parents=True, exist_ok=True)
                     kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"],
                                arrays=made["arrays"])
                     print(f"wrote {path.relative_to(paths.project_root())} ({path.stat().st_size} bytes)")

@@ -1,0 +1,483 @@
+"""Numpy references of the kernels (the oracles of DESIGN.md), one function per kernel.
+
+tree_build and tree_accept are the bit-exact oracles of the discrete kernels; the
+attention references compute in float64. Float inputs may be any float dtype, an
+ml_dtypes.bfloat16 array, or uint16 arrays of bf16 bits. Bad arguments raise
+ArgumentError naming the argument.
+"""
+import heapq
+import math
+
+import numpy as np
+
+from . import bf16
+from .errors import ArgumentError
+from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
+
+__all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
+           "merge_states", "tree_accept"]
+
+_I32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _int_scalar(value, name, lo, hi):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(f"{name}: expected an integer, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ArgumentError(f"{name}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _int_array(x, name, ndim, lo=-2**31, hi=_I32_MAX):
+    """An integer array of rank `ndim` with values in [lo, hi], returned as int64."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ArgumentError(f"{name}: expected an integer dtype, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ArgumentError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    if a.size and (a.min() < lo or a.max() > hi):
+        raise ArgumentError(f"{name}: values must lie in [{lo}, {hi}]")
+    return a.astype(np.int64)
+
+
+def _float_array(x, name, ndim):
+    """A float (or bf16 bits) array of rank `ndim`, returned as float64."""
+    a = np.asarray(x)
+    if a.ndim != ndim:
+        raise ArgumentError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    return _to_f64(a, name)
+
+
+def _to_f64(a, name):
+    if a.dtype == np.uint16 or a.dtype.name == "bfloat16":
+        return bf16.from_bits(a).astype(np.float64)
+    if a.dtype.kind != "f":
+        raise ArgumentError(f"{name}: expected a float dtype or uint16 bf16 bits, got {a.dtype}")
+    return a.astype(np.float64)
+
+
+def _check_shape(a, name, shape):
+    if tuple(a.shape) != tuple(shape):
+        raise ArgumentError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def _out_array(x, name, shape):
+    if not isinstance(x, np.ndarray):
+        raise ArgumentError(f"{name}: expected a numpy array, got {type(x).__name__}")
+    _check_shape(x, name, shape)
+    if not (x.dtype.kind == "f" or x.dtype == np.uint16):
+        raise ArgumentError(f"{name}: expected a float dtype or uint16 bf16 bits, got {x.dtype}")
+    if not x.flags.writeable:
+        raise ArgumentError(f"{name}: array is read-only")
+    return x
+
+
+def _store(dst, index, values):
+    """dst[index] = values; a uint16 destination receives bf16 bits (RNE)."""
+    dst[index] = bf16.to_bits(values) if dst.dtype == np.uint16 else values
+
+
+# -------------------------------------------------------------------------- tree_build
+
+def _tree_build_args(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size):
+    n = _int_scalar(max_tree_size, "max_tree_size", 2, _I32_MAX)
+    ids = _int_array(topk_ids, "topk_ids", 3)
+    b, d, k = ids.shape
+    if d < 1:
+        raise ArgumentError("topk_ids: depth dimension D' must be >= 1")
+    if not 1 <= k <= n - 1:
+        raise ArgumentError(f"topk_ids: K'={k} must lie in [1, max_tree_size-1={n - 1}]")
+    lp = np.asarray(topk_logprobs)
+    if lp.dtype.kind != "f":
+        raise ArgumentError(f"topk_logprobs: expected a float dtype, got {lp.dtype}")
+    _check_shape(lp, "topk_logprobs", ids.shape)
+    roots = _int_array(root_tokens, "root_tokens", 1)
+    _check_shape(roots, "root_tokens", (b,))
+    prefix = _int_array(prefix_lens, "prefix_lens", 1, 0, _I32_MAX - d)
+    _check_shape(prefix, "prefix_lens", (b,))
+    budget = _int_scalar(budget, "budget", 0, n - 1)
+    with np.errstate(all="ignore"):
+        lp32 = lp.astype(np.float32)
+    return ids, lp32, roots, prefix, budget, n
+
+
+def _score(parent_score, lp):
+    """float32 parent score + log-prob; a NaN log-prob or a NaN sum counts as -inf."""
+    with np.errstate(all="ignore"):
+        s = np.float32(parent_score) + np.float32(lp)
+    return np.float32(-np.inf) if np.isnan(s) else s
+
+
+def tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size):
+    """Best-first draft tree expansion (DESIGN.md tree_build), bit-exact oracle.
+
+    Candidates are kept in creation order and the next node is found by a linear scan:
+    highest score, equal scores -> the candidate created first. Popping a candidate makes
+    it node i, then creates its next sibling (rank+1 < K'), then its first child
+    (depth < D'). Scores are float32 sums. Decisions: a NaN log-prob counts as -inf, and
+    so does a NaN sum (e.g. +inf + -inf); -inf candidates are still taken (last, in
+    creation order) while budget remains. Integer ids of any integer dtype and log-probs
+    of any float dtype are accepted and cast to int32 / float32.
+    """
+    ids, lp, roots, prefix, budget, n = _tree_build_args(
+        topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size)
+    bsz, d_max, k_max = ids.shape
+    out = _empty_tree(bsz, n)
+    for b in range(bsz):
+        # node = (token, parent, depth, score); candidate = (score, parent, depth, rank)
+        nodes = [(int(roots[b]), -1, 0, np.float32(0.0))]
+        cands = [(_score(0.0, lp[b, 0, 0]), 0, 1, 0)] if budget >= 1 else []
+        while len(nodes) <= budget and cands:
+            best = 0
+            for j in range(1, len(cands)):
+                if cands[j][0] > cands[best][0]:
+                    best = j
+            score, parent, depth, rank = cands.pop(best)
+            i = len(nodes)
+            nodes.append((int(ids[b, depth - 1, rank]), parent, depth, score))
+            if rank + 1 < k_max:
+                cands.append((_score(nodes[parent][3], lp[b, depth - 1, rank + 1]),
+                              parent, depth, rank + 1))
+            if depth < d_max:
+                cands.append((_score(score, lp[b, depth, 0]), i, depth + 1, 0))
+        _fill_tree(out, b, nodes, int(prefix[b]))
+    return out
+
+
+def _empty_tree(bsz, n):
+    w = (n + 31) // 32
+    full = lambda: np.full((bsz, n), -1, np.int32)  # noqa: E731
+    return TreeBuildOutput(
+        num_nodes=np.zeros(bsz, np.int32), tokens=full(), parents=full(), depths=full(),
+        positions=full(), scores=np.full((bsz, n), -np.inf, np.float32),
+        tree_mask=np.zeros((bsz, n, w), np.uint32), first_child=full(), next_sibling=full())
+
+
+def _fill_tree(out, b, nodes, prefix_len):
+    """Write one request's node list (pop order) into the padded output arrays."""
+    out.num_nodes[b] = len(nodes)
+    last_child = {}
+    for i, (token, parent, depth, score) in enumerate(nodes):
+        out.tokens[b, i] = token
+        out.parents[b, i] = parent
+        out.depths[b, i] = depth
+        out.positions[b, i] = prefix_len + depth
+        out.scores[b, i] = score
+        if parent >= 0:
+            out.tree_mask[b, i] = out.tree_mask[b, parent]
+            if parent in last_child:
+                out.next_sibling[b, last_child[parent]] = i
+            else:
+                out.first_child[b, parent] = i
+            last_child[parent] = i
+        out.tree_mask[b, i, i // 32] |= np.uint32(1 << (i % 32))
+
+
+def tree_build_heap(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size):
+    """The same contract as tree_build, as the per-request CPU heapq builder.
+
+    Written independently of tree_build (heap keyed on (-score, creation index), links and
+    masks derived from the parent array afterwards); it is the "CPU heap" peer of the
+    benchmark and a cross-check of tree_build in the tests.
+    """
+    ids, lp, roots, prefix, budget, n = _tree_build_args(
+        topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size)
+    bsz, d_max, k_max = ids.shape
+    w = (n + 31) // 32
+    num_nodes = np.zeros(bsz, np.int32)
+    tokens, parents, depths, positions, first_child, next_sibling = (
+        np.full((bsz, n), -1, np.int32) for _ in range(6))
+    scores = np.full((bsz, n), -np.inf, np.float32)
+    tree_mask = np.zeros((bsz, n, w), np.uint32)
+    for b in range(bsz):
+        node_score = [np.float32(0.0)]
+        par, dep, tok = [-1], [0], [int(roots[b])]
+        heap, created = [], 0
+
+        def push(score, parent, depth, rank):
+            nonlocal created
+            score = np.float32(-np.inf) if np.isnan(score) else score
+            heapq.heappush(heap, (-float(score), created, score, parent, depth, rank))
+            created += 1
+
+        with np.errstate(all="ignore"):
+            if budget >= 1:
+                push(np.float32(0.0) + lp[b, 0, 0], 0, 1, 0)
+            while heap and len(tok) < budget + 1:
+                _, _, score, parent, depth, rank = heapq.heappop(heap)
+                me = len(tok)
+                tok.append(int(ids[b, depth - 1, rank]))
+                par.append(parent)
+                dep.append(depth)
+                node_score.append(score)
+                if rank + 1 < k_max:
+                    push(node_score[parent] + lp[b, depth - 1, rank + 1], parent, depth, rank + 1)
+                if depth < d_max:
+                    push(score + lp[b, depth, 0], me, depth + 1, 0)
+        m = len(tok)
+        num_nodes[b] = m
+        tokens[b, :m], parents[b, :m], depths[b, :m] = tok, par, dep
+        positions[b, :m] = prefix[b] + np.asarray(dep)
+        scores[b, :m] = node_score
+        for i in range(m):
+            j = i
+            while j >= 0:
+                tree_mask[b, i, j // 32] |= np.uint32(1 << (j % 32))
+                j = par[j]
+            kids = [c for c in range(m) if par[c] == i]
+            if kids:
+                first_child[b, i] = kids[0]
+            for c, c_next in zip(kids, kids[1:]):
+                next_sibling[b, c] = c_next
+    return TreeBuildOutput(num_nodes, tokens, parents, depths, positions, scores, tree_mask,
+                           first_child, next_sibling)
+
+
+# ------------------------------------------------------------------------- tree_verify
+
+def _attention(tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+               softmax_scale, out, lse):
+    qn = _float_array(q_nope, "q_nope", 4)
+    bsz, nq, h, r = qn.shape
+    qp = _float_array(q_pe, "q_pe", 4)
+    if qp.shape[:3] != (bsz, nq, h):
+        raise ArgumentError(f"q_pe: expected shape ({bsz}, {nq}, {h}, P), got {qp.shape}")
+    p = qp.shape[3]
+    kv = np.asarray(kv_cache)
+    if kv.ndim != 3 or kv.shape[2] != r + p:
+        raise ArgumentError(f"kv_cache: expected shape (num_pages, page_size, {r + p}), "
+                            f"got {kv.shape}")
+    _to_f64(kv[:0], "kv_cache")  # dtype check only
+    num_pages, page_size = kv.shape[:2]
+    if page_size < 1:
+        raise ArgumentError("kv_cache: page_size must be >= 1")
+    table = _int_array(block_table, "block_table", 2, -2**63, 2**63 - 1)
+    if table.shape[0] != bsz:
+        raise ArgumentError(f"block_table: expected {bsz} rows, got shape {table.shape}")
+    prefix = _int_array(prefix_lens, "prefix_lens", 1, 0)
+    _check_shape(prefix, "prefix_lens", (bsz,))
+    qlen = _int_array(q_lens, "q_lens", 1, 1, nq)
+    _check_shape(qlen, "q_lens", (bsz,))
+    mask = np.asarray(tree_mask)
+    if mask.dtype == np.int32:
+        mask = mask.view(np.uint32)
+    mask = _int_array(mask, "tree_mask", 3, 0, 2**32 - 1)
+    if mask.shape[:2] != (bsz, nq):
+        raise ArgumentError(f"tree_mask: expected shape ({bsz}, {nq}, W), got {mask.shape}")
+    if bsz and mask.shape[2] < (int(qlen.max()) + 31) // 32:
+        raise ArgumentError(f"tree_mask: last dimension {mask.shape[2]} < ceil(q_len / 32)")
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
+            softmax_scale, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(softmax_scale):
+        raise ArgumentError("softmax_scale: expected a finite real number")
+    if out is None:
+        out = np.full((bsz, nq, h, r), np.nan)
+    if lse is None:
+        lse = np.full((bsz, nq, h), np.nan)
+    out = _out_array(out, "out", (bsz, nq, h, r))
+    lse = _out_array(lse, "lse", (bsz, nq, h))
+
+    keys_of = []  # per request: (key positions, their pages), all validated before any write
+    for b in range(bsz):
+        L, q = int(prefix[b]), int(qlen[b])
+        if L + q > table.shape[1] * page_size:
+            raise ArgumentError(f"prefix_lens/q_lens: request {b} needs {L + q} tokens, "
+                                f"block_table holds {table.shape[1] * page_size}")
+        t = np.arange(L if tail else 0, L + q)
+        pages = table[b, t // page_size]
+        if pages.min() < 0 or pages.max() >= num_pages:
+            raise ArgumentError(f"block_table: request {b} uses a page outside [0, {num_pages})")
+        keys_of.append((t, pages))
+
+    for b, (t, pages) in enumerate(keys_of):
+        L, q = int(prefix[b]), int(qlen[b])
+        keys = _to_f64(kv[pages, t % page_size], "kv_cache")
+        ckv, kpe = keys[:, :r], keys[:, r:]
+        s = softmax_scale * (np.einsum("ihr,tr->iht", qn[b, :q], ckv)
+                             + np.einsum("ihp,tp->iht", qp[b, :q], kpe))
+        j = t - L  # tree node index of each key (negative: prefix)
+        jj = np.maximum(j, 0)
+        bits = (mask[b, :q][:, jj // 32] >> (jj % 32)) & 1  # [q, T]
+        visible = np.where(j < 0, True, bits.astype(bool))  # [q, T]
+        s = np.where(visible[:, None, :], s, -np.inf)
+        m = s.max(axis=2, initial=-np.inf)
+        empty = np.isneginf(m)
+        wts = np.exp(s - np.where(empty, 0.0, m)[..., None])
+        total = wts.sum(axis=2)
+        o = np.einsum("iht,tr->ihr", wts, ckv) / np.where(empty, 1.0, total)[..., None]
+        with np.errstate(divide="ignore"):
+            row_lse = np.where(empty, -np.inf, m + np.log(total))
+        _store(out, (b, slice(0, q)), np.where(empty[..., None], 0.0, o))
+        _store(lse, (b, slice(0, q)), row_lse)
+    return AttentionOutput(out, lse)
+
+
+_VERIFY_DOC = """
+
+    Shapes: q_nope [B,Nq,H,R], q_pe [B,Nq,H,P], kv_cache [num_pages,page_size,R+P] (latent
+    first), block_table [B,max_pages], prefix_lens [B], q_lens [B] (1 <= q_len <= Nq),
+    tree_mask [B,Nq,W] (uint32; int32 is taken as its bits; W >= ceil(q_len/32)).
+    s = scale * (q_nope.ckv + q_pe.kpe) in float64; lse natural log; out = softmax-weighted
+    ckv. A row without a visible key gets out 0, lse -inf. Rows i >= q_len are not written:
+    given out/lse keep them, otherwise the returned float64 arrays hold NaN there. A uint16
+    out/lse receives bf16 bits. Every page the call reads must be in [0, num_pages).
+    """
+
+
+def tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                softmax_scale, out=None, lse=None):
+    return _attention(False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                      tree_mask, softmax_scale, out, lse)
+
+
+def tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                     softmax_scale, out=None, lse=None):
+    return _attention(True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                      tree_mask, softmax_scale, out, lse)
+
+
+tree_verify.__doc__ = ("Tree attention over prefix + tree: row i sees every key t < prefix_len "
+                       "and tree key prefix_len + j iff bit j of tree_mask[b, i] is set."
+                       + _VERIFY_DOC)
+tree_verify_tail.__doc__ = ("tree_verify over the tree tail alone (keys t >= prefix_len), to be "
+                            "merged with an external prefix kernel through merge_states."
+                            + _VERIFY_DOC)
+
+
+# ------------------------------------------------------------------------ merge_states
+
+def merge_states(o_a, lse_a, o_b, lse_b, out=None, lse=None):
+    """Merge two partial attention states (natural-log LSE), in float64.
+
+    o_* [..., R], lse_* [...] (the same leading shape). m = max(lse_a, lse_b),
+    w = exp(lse - m), o = (w_a o_a + w_b o_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+    Decision: a side whose lse is not finite (-inf, +inf as FlashMLA writes for empty
+    rows, or NaN) is empty and drops out, its o ignored even if NaN; two empty sides give
+    o = 0, lse = -inf. out/lse, if given, are written whole (uint16: bf16 bits).
+    """
+    lse_a = _to_f64(np.asarray(lse_a), "lse_a")
+    lse_b = _to_f64(np.asarray(lse_b), "lse_b")
+    o_a = _to_f64(np.asarray(o_a), "o_a")
+    o_b = _to_f64(np.asarray(o_b), "o_b")
+    if o_a.ndim < 1 or o_a.shape[:-1] != lse_a.shape:
+        raise ArgumentError(f"o_a: expected shape {lse_a.shape} + (R,), got {o_a.shape}")
+    _check_shape(lse_b, "lse_b", lse_a.shape)
+    _check_shape(o_b, "o_b", o_a.shape)
+    out = np.zeros(o_a.shape) if out is None else _out_array(out, "out", o_a.shape)
+    lse = np.zeros(lse_a.shape) if lse is None else _out_array(lse, "lse", lse_a.shape)
+
+    full_a, full_b = np.isfinite(lse_a), np.isfinite(lse_b)
+    m = np.maximum(np.where(full_a, lse_a, -np.inf), np.where(full_b, lse_b, -np.inf))
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w_a = np.where(full_a, np.exp(np.where(full_a, lse_a, 0.0) - m_safe), 0.0)
+    w_b = np.where(full_b, np.exp(np.where(full_b, lse_b, 0.0) - m_safe), 0.0)
+    total = w_a + w_b
+    num = (w_a[..., None] * np.where(full_a[..., None], o_a, 0.0)
+           + w_b[..., None] * np.where(full_b[..., None], o_b, 0.0))
+    any_full = full_a | full_b
+    merged = np.where(any_full[..., None], num / np.where(any_full, total, 1.0)[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        merged_lse = np.where(any_full, m + np.log(np.where(any_full, total, 1.0)), -np.inf)
+    _store(out, ..., merged)
+    _store(lse, ..., merged_lse)
+    return AttentionOutput(out, lse)
+
+
+# ------------------------------------------------------------------------- tree_accept
+
+def _slot(table_row, pos, page_size, num_pages):
+    """(page, slot) of a cache position, or None when it maps outside the cache."""
+    page_idx = pos // page_size
+    if page_idx >= table_row.shape[0]:
+        return None
+    page = int(table_row[page_idx])
+    if not 0 <= page < num_pages:
+        return None
+    return page, pos % page_size
+
+
+def tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, max_depth):
+    """Walk the tree with the target's tokens, emit path + bonus token, commit the KV.
+
+    `tree`: any object with num_nodes [B], tokens, first_child, next_sibling [B, N]
+    (e.g. TreeBuildOutput); target_tokens [B, N]; accepted_nodes / out_tokens have
+    max_depth + 1 columns. Walk: cur = 0; t = target_tokens[b, cur]; scan the children
+    of cur (first_child, then next_sibling) and accept the first c with tokens[c] == t.
+    Robustness rules (the kernel copies them exactly):
+    * num_nodes[b] < 1 or > N: the walk ends at once (accept_len 0, path [0], bonus
+      target_tokens[b, 0]);
+    * a child link c is followed only if cur < c < num_nodes, a sibling link only if
+      previous < c < num_nodes; any other value (-1 included) ends that scan;
+    * the walk stops after max_depth accepted nodes.
+    KV commit, in place on kv_cache (any dtype): for k = 1..accept_len the entry (all R+P
+    values) at position prefix_len + path[k] is copied to prefix_len + k; all sources of a
+    request are read before any of its destinations is written (requests in batch order).
+    A position whose page index is >= max_pages or whose block_table entry is outside
+    [0, num_pages) is neither read nor written: a move with such a source or destination
+    is skipped.
+    """
+    d = _int_scalar(max_depth, "max_depth", 0, 2**16)
+    num_nodes = _int_array(getattr(tree, "num_nodes", None), "tree.num_nodes", 1)
+    bsz = num_nodes.shape[0]
+    tokens = _int_array(getattr(tree, "tokens", None), "tree.tokens", 2)
+    if tokens.shape[0] != bsz or tokens.shape[1] < 1:
+        raise ArgumentError(f"tree.tokens: expected shape ({bsz}, N >= 1), got {tokens.shape}")
+    n = tokens.shape[1]
+    first_child = _int_array(getattr(tree, "first_child", None), "tree.first_child", 2)
+    _check_shape(first_child, "tree.first_child", (bsz, n))
+    next_sibling = _int_array(getattr(tree, "next_sibling", None), "tree.next_sibling", 2)
+    _check_shape(next_sibling, "tree.next_sibling", (bsz, n))
+    target = _int_array(target_tokens, "target_tokens", 2)
+    _check_shape(target, "target_tokens", (bsz, n))
+    prefix = _int_array(prefix_lens, "prefix_lens", 1, 0, _I32_MAX - d - 1)
+    _check_shape(prefix, "prefix_lens", (bsz,))
+    if not isinstance(kv_cache, np.ndarray) or kv_cache.ndim != 3:
+        raise ArgumentError("kv_cache: expected a numpy array [num_pages, page_size, R+P]")
+    if not kv_cache.flags.writeable:
+        raise ArgumentError("kv_cache: array is read-only (the commit is in place)")
+    num_pages, page_size = kv_cache.shape[:2]
+    if page_size < 1:
+        raise ArgumentError("kv_cache: page_size must be >= 1")
+    table = _int_array(block_table, "block_table", 2, -2**63, 2**63 - 1)
+    if table.shape[0] != bsz:
+        raise ArgumentError(f"block_table: expected {bsz} rows, got shape {table.shape}")
+
+    accept_lens = np.zeros(bsz, np.int32)
+    accepted = np.full((bsz, d + 1), -1, np.int32)
+    out_tokens = np.full((bsz, d + 1), -1, np.int32)
+    for b in range(bsz):
+        nn = int(num_nodes[b])
+        path = [0]
+        if 1 <= nn <= n:
+            cur = 0
+            while len(path) <= d:
+                want, prev, c, hit = target[b, cur], cur, int(first_child[b, cur]), -1
+                while prev < c < nn:
+                    if tokens[b, c] == want:
+                        hit = c
+                        break
+                    prev, c = c, int(next_sibling[b, c])
+                if hit < 0:
+                    break
+                path.append(hit)
+                cur = hit
+        k = len(path) - 1
+        accept_lens[b] = k
+        accepted[b, :k + 1] = path
+        out_tokens[b, :k] = tokens[b, path[1:]]
+        out_tokens[b, k] = target[b, path[-1]]
+
+        L = int(prefix[b])
+        moves = []
+        for i in range(1, k + 1):
+            src = _slot(table[b], L + path[i], page_size, num_pages)
+            dst = _slot(table[b], L + i, page_size, num_pages)
+            if src is not None and dst is not None:
+                moves.append((dst, kv_cache[src].copy()))
+        for dst, entry in moves:
+            kv_cache[dst] = entry
+    new_prefix = (prefix + 1 + accept_lens).astype(np.int32)
+    return TreeAcceptOutput(accept_lens, accepted, out_tokens, new_prefix)
