@@ -23,3 +23,12 @@ for spec in all_specs():
                if not np.array_equal(cupy.asnumpy(g).view(np.uint32) if r.dtype == np.float32 else cupy.asnumpy(g),
                                      r.view(np.uint32) if r.dtype == np.float32 else r)]
         print(spec.name, b, budget, k, mode, "OK" if not bad else f"MISMATCH {bad}")
+
+# -0.0 log-probs: scores are sums (root 0 + -0.0 = +0.0), bit-exact with the reference
+for spec in all_specs():
+    ks = ddtree_gen.load(spec, kernels=["tree_build"])
+    h = list(tree_build_inputs(spec, 4, np.random.default_rng(3), k=4))
+    h[1][:] = -0.0
+    out = ks.tree_build(*[cupy.asarray(x) for x in h], 64)
+    ref = reference.tree_build(*h, 64, max_tree_size=spec.max_tree_size)
+    print(spec.name, "-0.0", "OK" if np.array_equal(cupy.asnumpy(out.scores).view(np.uint32), ref.scores.view(np.uint32)) else "MISMATCH")
