@@ -10,12 +10,9 @@ builds end with valid artifacts and a failed build leaves the previous ones in p
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 from . import paths
 from .compile import OPTIONS, compile_source, nvrtc_version
 from .errors import BuildError, SpecError
+from .fileio import atomic_write, file_lock
 from .kernels import KernelDef, all_kernels
 from .render import render, templates_digest
 from .resources import PtxasReport, compare
@@ -33,34 +31,6 @@ MANIFEST = "manifest.json"
 
 def sha256(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write a file so that readers see the old or the new content, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def find_spec(name) -> Spec:
@@ -156,7 +126,7 @@ def manifest_for(spec: Spec, built: list[Built]) -> dict:
             "source": f"{b.kernel}.cu", "source_sha256": sha256(b.source), "template": kdefs[b.kernel].template,
             "entry": kdefs[b.kernel].entry, "cache_key": b.key, "ptxas": b.report.as_dict(),
             "model": {name: {"formula": f, "value": v} for name, (f, v) in plan.formulas().items()}
-                     | {"register_budget": {"formula": "65536 / (threads * min_blocks)",
+                     | {"register_budget": {"formula": "min(255, floor8(65536 / (threads * min_blocks)))",
                                             "value": plan.register_budget}},
             "model_vs_ptxas": compare(plan, b.report) or "agree",
         }
@@ -195,6 +165,10 @@ def check_generated(specs: list[Spec]) -> list[str]:
         if set(manifest.get("kernels", {})) != kernel_names:
             problems.append(f"{out / MANIFEST}: kernels {sorted(manifest.get('kernels', {}))} "
                             f"!= {sorted(kernel_names)}")
+        expected = {f"{k.name}.cu" for k in all_kernels()}
+        for stray in sorted(out.glob("*.cu")):
+            if stray.name not in expected:
+                problems.append(f"{stray}: no registered kernel renders it")
         for kdef in all_kernels():
             path = out / f"{kdef.name}.cu"
             try:

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--spec", action="append", help="spec(s) to bench (default: per benchmark)")
     be.add_argument("--out", help="write the table (and plot) to this folder")
     be.set_defaults(func=cmd_bench)
+    from . import sanitize
+    sanitize.register(sub)
     return p
 
 

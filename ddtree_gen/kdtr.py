@@ -25,12 +25,12 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import struct
 
 import numpy as np
 
 from .errors import KdtrError
+from .fileio import atomic_write
 
 __all__ = ["Bundle", "write", "read", "dumps", "loads", "MAGIC", "VERSION", "DTYPES"]
 
@@ -136,22 +136,7 @@ def write(path, *, spec, kernel, case, seed, arrays):
     """Write a bundle atomically (hidden temporary file in the same directory, fsync,
     os.replace); the temporary file is removed on failure."""
     data = dumps(spec=spec, kernel=kernel, case=case, seed=seed, arrays=arrays)
-    path = os.fspath(path)
-    directory, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, data)
 
 
 # ------------------------------------------------------------------------------- read

@@ -69,7 +69,7 @@ class Plan:
         """Formulas for the build report: name -> (expression, value)."""
         rows = {"threads": self.threads, "static_smem": self.static_smem, "dynamic_smem": self.dynamic_smem}
         rows.update(self.consts)
-        return {k: (str(sympy.simplify(v)), self.value(v)) for k, v in rows.items()}
+        return {k: (str(v), self.value(v)) for k, v in rows.items()}
 
     def check_fits(self) -> None:
         """Refuse a spec this plan cannot serve on sm_90, naming the limit."""

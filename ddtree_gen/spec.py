@@ -20,7 +20,7 @@ MAX_TREE_SIZE = MAX_MASK_WORDS * 32
 MAX_HEADS = 1024
 MAX_RANK = 1024
 MAX_PAGE_SIZE = 4096
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # used with fullmatch
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def _positive(v, f):
 
 def _fields():
     return {
-        "name": (str, lambda v, f: None if NAME_RE.match(v) else
+        "name": (str, lambda v, f: None if NAME_RE.fullmatch(v) else
                  "must be 1-64 characters of a-z, 0-9, '.', '_', '-' starting with a letter or digit"),
         "num_heads": (int, lambda v, f: None if 1 <= v <= MAX_HEADS else f"must be in [1, {MAX_HEADS}]"),
         "kv_lora_rank": (int, lambda v, f: None if 16 <= v <= MAX_RANK and v % 16 == 0 else
@@ -75,7 +75,7 @@ def parse_spec(data: dict, source: str) -> Spec:
     fields = _fields()
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a spec must be a TOML table of fields")
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=repr)
     if unknown:
         raise SpecError(f"{source}: unknown field {unknown[0]!r} (known fields: {', '.join(fields)})")
     missing = [k for k in fields if k not in data]
@@ -106,6 +106,8 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise SpecError(f"{path}: not a spec (TOML nested too deeply)") from None
     spec = parse_spec(data, str(path))
     if spec.name != path.stem:
         raise SpecError(f"{path}: field 'name' = {spec.name!r} must match the file name {path.stem!r}")

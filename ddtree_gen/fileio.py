@@ -1,0 +1,44 @@
+"""Safe file writes: atomic replacement and inter-process locks (artifacts, refs, KDTR)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+from pathlib import Path
+
+
+def atomic_write(path, data: bytes | str) -> None:
+    """Write a file so that readers see the old or the new content, never a torn one.
+
+    A hidden temporary file in the same folder (mode 0666 minus the umask, like any new file),
+    fsync, then rename over the target; the temporary file is removed on failure.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = data.encode() if isinstance(data, str) else data
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path):
+    """An exclusive advisory lock held while the block runs (the lock file stays, empty)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

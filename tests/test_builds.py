@@ -1,0 +1,641 @@
+"""Builds stay safe (CPU only: NVRTC needs no GPU).
+
+(a) concurrent builds on one cache and one generated/ tree; (b) template and CUDA errors leave
+the previous generated/ in place; (c) a corrupted cache entry is rebuilt, never loaded;
+(d) an unchanged rebuild compiles nothing; (e) `build --check` catches drift; (f) the resource
+model agrees with ptxas for every spec and kernel; plus the sanitizer driver's CPU parts.
+
+Every test works on a copy of specs/ and templates/ under a temporary DDTREE_GEN_ROOT and a
+temporary DDTREE_GEN_CACHE shared by the session, so the repository is never written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddtree_gen import artifacts, cli, paths, resources, sanitize
+from ddtree_gen.kernels import all_kernels, by_name
+from ddtree_gen.spec import load_spec, spec_paths
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC_NAMES = [p.stem for p in spec_paths(REPO / "specs")]
+KERNELS = all_kernels()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _env(root: Path | None, cache: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               DDTREE_GEN_CACHE=str(cache))
+    env.pop("DDTREE_GEN_ROOT", None)
+    if root is not None:
+        env["DDTREE_GEN_ROOT"] = str(root)
+    return env
+
+
+def _cli(root: Path | None, cache: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddtree_gen", *args], capture_output=True, text=True,
+                          env=_env(root, cache), cwd=REPO, timeout=timeout)
+
+
+def _fresh_root(dest: Path) -> Path:
+    """specs/ and templates/ of the repository, copied (a snapshot: other work may edit them)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for sub in ("specs", "templates"):
+        shutil.copytree(REPO / sub, dest / sub)
+    return dest
+
+
+def _clone(root: Path, dest: Path) -> Path:
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns(".lock"))
+    return dest
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _temp_leftovers(*folders: Path) -> list[str]:
+    return [str(p) for f in folders for p in f.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _check_cache(cache: Path) -> int:
+    """Every cache entry's cubin matches the SHA-256 in its json; returns the number of entries."""
+    metas = sorted(cache.glob("*.json"))
+    for meta_path in metas:
+        meta = json.loads(meta_path.read_text())
+        cubin = (cache / (meta_path.stem + ".cubin")).read_bytes()
+        assert hashlib.sha256(cubin).hexdigest() == meta["cubin_sha256"], meta_path
+        assert len(cubin) == meta["cubin_bytes"], meta_path
+        assert cubin[:4] == b"\x7fELF", meta_path
+    assert len(list(cache.glob("*.cubin"))) == len(metas)
+    return len(metas)
+
+
+def _cli_inproc(monkeypatch, capsys, root: Path, cache: Path, *args: str) -> tuple[int, str]:
+    """`python -m ddtree_gen ARGS` in this process (faster than a subprocess); (exit code, output)."""
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(root))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+    capsys.readouterr()
+    rc = cli.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ddtree-cache")
+
+
+@pytest.fixture(scope="session")
+def session_root(tmp_path_factory) -> Path:
+    return _fresh_root(tmp_path_factory.mktemp("ddtree-root") / "project")
+
+
+def _overlapping_pairs(names: list[str]) -> list[list[str]]:
+    """Process i builds specs i and i+1: every spec is built by two processes at once (the same cache
+    keys, the same generated/<spec>/), and the four start on four different specs (both cores busy)."""
+    return [[names[i % len(names)], names[(i + 1) % len(names)]] for i in range(4)]
+
+
+@pytest.fixture(scope="session")
+def concurrent_build(session_root, session_cache):
+    """Four `build` processes started at once on one (empty) cache and one generated/ tree."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "ddtree_gen", "build", *names], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env(session_root, session_cache), cwd=REPO)
+             for names in _overlapping_pairs(SPEC_NAMES)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        results.append((p.returncode, out, err))
+    return session_root, results, time.perf_counter() - t0
+
+
+@pytest.fixture
+def in_session(monkeypatch, session_root, session_cache):
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(session_root))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(session_cache))
+
+
+# ------------------------------------------------------------------ (a) concurrency
+
+def test_concurrent_builds(concurrent_build, session_cache):
+    root, results, seconds = concurrent_build
+    for rc, out, err in results:
+        assert rc == 0, f"exit {rc}\n{out}\n{err}"
+        assert "Traceback" not in err
+    total = len(SPEC_NAMES) * len(KERNELS)
+    # every variant was compiled exactly once across the four processes (the others waited and read it)
+    compiled = sum(line.split()[3] == "compiled" for _, out, _ in results for line in out.splitlines()
+                   if line.startswith("[") and len(line.split()) >= 4)
+    assert compiled == total, "\n".join(out for _, out, _ in results)
+    for name in SPEC_NAMES:
+        manifest = json.loads((root / "generated" / name / "manifest.json").read_text())
+        assert manifest["spec"] == name
+        assert set(manifest["kernels"]) == {k.name for k in KERNELS}
+        for kname, entry in manifest["kernels"].items():
+            assert (root / "generated" / name / entry["source"]).is_file()
+            assert (session_cache / f"{entry['cache_key']}.cubin").is_file(), (name, kname)
+    assert _check_cache(session_cache) == total
+    assert _temp_leftovers(root, session_cache) == []
+    for lock in session_cache.glob("*.lock"):  # lock files stay, empty
+        assert lock.stat().st_size == 0
+    r = _cli(root, session_cache, "build", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"4 concurrent builds of {total} variants: {seconds:.1f} s")
+
+
+def test_written_files_respect_umask(concurrent_build, session_cache):
+    umask = os.umask(0)
+    os.umask(umask)
+    want = 0o666 & ~umask
+    root = concurrent_build[0]
+    files = [root / "generated" / SPEC_NAMES[0] / "manifest.json", next(session_cache.glob("*.cubin"))]
+    assert {f"{f.name}: {f.stat().st_mode & 0o777:o}" for f in files} == {f"{f.name}: {want:o}" for f in files}
+
+
+# ------------------------------------------------------ (b) template and CUDA errors
+
+BREAKS = {
+    "jinja-undefined": ("{{ undefined_variable_for_test }}\n", ["undefined_variable_for_test", "is undefined",
+                                                                "tree_build.cu.j2"]),
+    "jinja-syntax": ("{% if %}\n", ["tree_build.cu.j2"]),
+    "cuda-syntax": ("\nstatic int syntax_error_marker = ;\n",
+                    ["NVRTC failed to compile", "error", "static int syntax_error_marker = ;", "> "]),
+}
+
+
+@pytest.mark.parametrize("kind", list(BREAKS))
+def test_template_error_keeps_previous_generated(kind, concurrent_build, session_cache, tmp_path, monkeypatch,
+                                                 capsys):
+    root = _clone(concurrent_build[0], tmp_path / "project")
+    template = root / "templates" / by_name("tree_build").template
+    good = template.read_bytes()
+    before = _snapshot(root / "generated")
+    suffix, needles = BREAKS[kind]
+    template.write_bytes(good + suffix.encode())
+
+    built = SPEC_NAMES[:2]  # two specs are enough to see that each failure is named; all four are checked after
+    r = _cli(root, session_cache, "build", *built)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Traceback" not in out
+    for name in built:
+        assert f"build of {name}/tree_build failed" in r.stderr, out
+        assert f"{name:<18} tree_build" in r.stdout and "FAILED" in r.stdout
+    for needle in needles:
+        assert needle in r.stderr, f"{needle!r} missing from:\n{r.stderr}"
+    if kind == "cuda-syntax":
+        # NVRTC's log names the rendered file, and the excerpt marks the offending line
+        assert all(f"{name}-tree_build.cu(" in r.stderr for name in built), r.stderr
+        marked = [ln for ln in r.stderr.splitlines() if ln.startswith(">") and "syntax_error_marker" in ln]
+        assert marked, r.stderr
+    assert _snapshot(root / "generated") == before, "a failed build changed generated/"
+    assert _temp_leftovers(root, session_cache) == []
+
+    template.write_bytes(good)
+    rc, out = _cli_inproc(monkeypatch, capsys, root, session_cache, "build", "--check")
+    assert rc == 0, out
+
+
+# -------------------------------------------------------------- (c) corrupted cache
+
+def _truncate(b: bytes) -> bytes:
+    return b[: len(b) // 2]
+
+
+def _flip(b: bytes) -> bytes:
+    i = len(b) // 2
+    return b[:i] + bytes([b[i] ^ 0x01]) + b[i + 1:]
+
+
+CORRUPTIONS = {
+    "truncated": ("cubin", _truncate),
+    "bit-flip": ("cubin", _flip),
+    "flip-last-byte": ("cubin", lambda b: b[:-1] + bytes([b[-1] ^ 0x80])),
+    "empty": ("cubin", lambda b: b""),
+    "appended": ("cubin", lambda b: b + b"\0"),
+    "missing-cubin": ("cubin", None),
+    "json-garbage": ("json", lambda b: b"{not json"),
+    "json-list": ("json", lambda b: b"[]"),
+    "json-wrong-hash": ("json", lambda b: b.replace(b'"cubin_sha256": "', b'"cubin_sha256": "0')),
+    "json-no-report": ("json", lambda b: json.dumps(dict(json.loads(b), reports={})).encode()),
+    "missing-json": ("json", None),
+}
+
+
+@pytest.fixture(scope="module")
+def tree_build_variant(session_root):
+    return load_spec(session_root / "specs" / "kimi-k2.6-tp8.toml"), by_name("tree_build")
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupted_cache_entry_is_rebuilt(case, tree_build_variant, session_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(session_root))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(tmp_path / "cache"))
+    spec, kdef = tree_build_variant
+    calls = []
+    real = artifacts.compile_source
+    monkeypatch.setattr(artifacts, "compile_source", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+
+    first = artifacts.compile_variant(spec, kdef)
+    assert first.status == "compiled" and len(calls) == 1
+    assert artifacts.compile_variant(spec, kdef).status == "cached" and len(calls) == 1
+
+    which, corrupt = CORRUPTIONS[case]
+    path = tmp_path / "cache" / f"{first.key}.{which}"
+    good = path.read_bytes()
+    if corrupt is None:
+        path.unlink()
+        bad = None
+    else:
+        bad = corrupt(good)
+        assert bad != good
+        path.write_bytes(bad)
+
+    again = artifacts.compile_variant(spec, kdef)
+    assert again.status == "compiled", f"{case}: a corrupted entry was loaded from the cache"
+    assert len(calls) == 2
+    assert again.cubin != bad and again.cubin[:4] == b"\x7fELF"
+    assert again.report == first.report
+    assert _check_cache(tmp_path / "cache") == 1   # repaired on disk
+    assert artifacts.compile_variant(spec, kdef).status == "cached"
+    assert _temp_leftovers(tmp_path / "cache") == []
+
+
+def test_corrupted_cache_entry_cli_says_compiled(tree_build_variant, session_root, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(session_root))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+    assert artifacts.compile_variant(*tree_build_variant).status == "compiled"
+    (cubin,) = cache.glob("*.cubin")
+    cubin.write_bytes(_flip(cubin.read_bytes()))
+    r = _cli(session_root, cache, "build", "kimi-k2.6-tp8", "--kernel", "tree_build")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "tree_build" in ln and ln.startswith("["))
+    assert "compiled" in line and "cached" not in line, r.stdout
+    assert _check_cache(cache) == 1
+
+
+# ------------------------------------------------------------ (d) nothing changed
+
+def test_second_build_compiles_nothing(concurrent_build, session_cache, tmp_path):
+    root = _clone(concurrent_build[0], tmp_path / "project")
+    before = _snapshot(root / "generated")
+    r = _cli(root, session_cache, "build", SPEC_NAMES[0])  # one spec: a warm build costs ~4 s per spec
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing to compile" in r.stdout, r.stdout
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == len(KERNELS) and all(ln.rstrip().endswith("cached") for ln in lines)
+    after = _snapshot(root / "generated")
+    after.pop(".lock", None)
+    assert after == before, "an unchanged rebuild changed generated/"
+
+
+# ------------------------------------------------------------------ (e) build --check
+
+def test_check_passes_on_committed_tree(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DDTREE_GEN_ROOT", raising=False)
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(tmp_path / "cache"))
+    assert paths.project_root() == REPO
+    capsys.readouterr()
+    rc = cli.main(["build", "--check"])
+    out = capsys.readouterr()
+    assert rc == 0, ("the committed generated/ is out of date with specs/ and templates/; "
+                     "run `python -m ddtree_gen build`\n" + out.out + out.err)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("*.cubin"))
+
+
+def _edit_spec(root):
+    path = root / "specs" / "kimi-k2.6-tp8.toml"
+    text = path.read_text()
+    assert "num_heads = 8\n" in text
+    path.write_text(text.replace("num_heads = 8\n", "num_heads = 16\n"))
+    return ["generated/kimi-k2.6-tp8/manifest.json", "spec hash", "specs/kimi-k2.6-tp8.toml"]
+
+
+def _edit_template(root):
+    path = root / "templates" / by_name("tree_build").template
+    path.write_text(path.read_text() + "// an edit\n")
+    return ([f"generated/{n}/tree_build.cu" for n in SPEC_NAMES]
+            + [f"generated/{n}/manifest.json" for n in SPEC_NAMES] + ["template hash"])
+
+
+def _edit_included_template(root):
+    path = root / "templates" / "common.cuh.j2"
+    path.write_text(path.read_text() + "// an edit\n")
+    return [f"generated/{n}/tree_build.cu" for n in SPEC_NAMES] + ["template hash"]
+
+
+def _comment_only_template(root):
+    # a Jinja comment does not change the rendered source, but the template hash still moves
+    path = root / "templates" / by_name("tree_build").template
+    path.write_text(path.read_text() + "{# a comment #}")
+    return [f"generated/{n}/manifest.json" for n in SPEC_NAMES] + ["template hash"]
+
+
+def _edit_generated(root):
+    path = root / "generated" / "deepseek-v3" / "tree_build.cu"
+    path.write_text(path.read_text().replace("{", "{ ", 1))
+    return ["generated/deepseek-v3/tree_build.cu", "differs from what the template renders"]
+
+
+def _delete_manifest(root):
+    (root / "generated" / "kimi-k2.6" / "manifest.json").unlink()
+    return ["generated/kimi-k2.6/manifest.json", "missing"]
+
+
+def _delete_source(root):
+    (root / "generated" / "kimi-k2.6" / "tree_build.cu").unlink()
+    return ["generated/kimi-k2.6/tree_build.cu", "missing"]
+
+
+def _stray_folder(root):
+    (root / "generated" / "old-model").mkdir()
+    return ["generated/old-model", "no spec"]
+
+
+def _manifest_options(root):
+    path = root / "generated" / "deepseek-v3-tp8" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["options"] = m["options"][:-1]
+    path.write_text(json.dumps(m))
+    return ["generated/deepseek-v3-tp8/manifest.json", "options"]
+
+
+DRIFTS = {"spec-value": _edit_spec, "template": _edit_template, "included-template": _edit_included_template,
+          "template-comment": _comment_only_template, "generated-by-hand": _edit_generated,
+          "manifest-deleted": _delete_manifest, "source-deleted": _delete_source, "stray-folder": _stray_folder,
+          "manifest-options": _manifest_options}
+
+
+@pytest.mark.parametrize("drift", list(DRIFTS))
+def test_check_detects_drift(drift, concurrent_build, session_cache, tmp_path, monkeypatch, capsys):
+    root = _clone(concurrent_build[0], tmp_path / "project")  # passes --check (test_concurrent_builds)
+    needles = DRIFTS[drift](root)
+    rc, out = _cli_inproc(monkeypatch, capsys, root, session_cache, "build", "--check")
+    assert rc == 1, out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    assert "out of date" in out
+    assert not any(session_cache.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------ (f) resource model
+
+VARIANTS = [(s, k) for s in SPEC_NAMES for k in KERNELS]
+
+
+@pytest.mark.parametrize("spec_name,kdef", VARIANTS, ids=[f"{s}-{k.name}" for s, k in VARIANTS])
+def test_resource_model_matches_ptxas(spec_name, kdef, in_session, session_root):
+    spec = load_spec(session_root / "specs" / f"{spec_name}.toml")
+    plan = kdef.plan(spec)
+    plan.check_fits()
+    built = artifacts.compile_variant(spec, kdef)
+    assert resources.compare(plan, built.report) == [], (
+        f"{spec_name}/{kdef.name}: ptxas {built.report.as_dict()}, model smem "
+        f"{plan.value(plan.static_smem)} budget {plan.register_budget}")
+    r = built.report
+    assert r.registers <= plan.register_budget and r.smem == plan.value(plan.static_smem)
+    assert r.spill_stores == r.spill_loads == r.stack == 0
+
+
+def test_paths_follow_environment(in_session, session_root, session_cache):
+    assert paths.project_root() == session_root
+    assert paths.specs_dir() == session_root / "specs"
+    assert paths.cache_dir() == session_cache
+
+
+# ------------------------------------------------------------- the sanitizer driver (CPU)
+
+def test_sanitize_parser_defaults():
+    args = sanitize.build_parser().parse_args([])
+    assert args.specs == [] and args.tools == ["memcheck", "racecheck", "synccheck"] and args.out is None
+    assert not args.worker
+
+
+def test_sanitize_parser_worker_and_options():
+    args = sanitize.build_parser().parse_args(["--worker", "kimi-k2.6-tp8", "deepseek-v3"])
+    assert args.worker and args.specs == ["kimi-k2.6-tp8", "deepseek-v3"]
+    args = sanitize.build_parser().parse_args(["kimi-k2.6", "--tool", "memcheck", "--tool", "initcheck",
+                                               "--out", "/tmp/x"])
+    assert args.tools == ["memcheck", "initcheck"] and args.out == "/tmp/x" and args.specs == ["kimi-k2.6"]
+    with pytest.raises(SystemExit):
+        sanitize.build_parser().parse_args(["--tool", "nosuchtool"])
+
+
+def test_sanitize_register_adds_subcommand():
+    import argparse
+    p = argparse.ArgumentParser(prog="ddtree-gen")
+    sub = p.add_subparsers(dest="command", required=True)
+    sanitize.register(sub)
+    args = p.parse_args(["sanitize", "kimi-k2.6-tp8", "--tool", "racecheck"])
+    assert args.specs == ["kimi-k2.6-tp8"] and args.tools == ["racecheck"] and args.out is None
+    assert args.func is sanitize.main
+    args = p.parse_args(["sanitize"])
+    assert args.tools == ["memcheck", "racecheck", "synccheck"] and args.specs == []
+
+
+SUMMARIES = [
+    ("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n", 0),
+    ("========= Invalid __global__ read of size 4 bytes\n========= ERROR SUMMARY: 3 errors\n", 3),
+    ("========= ERROR SUMMARY: 1 error\n", 1),
+    ("========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n"
+     "========= ERROR SUMMARY: 2 errors\n", 2),
+    ("worker output\n========= ERROR SUMMARY: 1,234 errors\n", 1234),
+    ("========= ERROR SUMMARY: 5 errors\n========= ERROR SUMMARY: 2 errors\n", 7),  # child processes add up
+    ("no summary at all\n", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text,errors", SUMMARIES)
+def test_sanitize_summary_parsing(text, errors):
+    assert sanitize.parse_summary(text) == errors
+
+
+def test_sanitize_worker_command(monkeypatch):
+    cmd = sanitize.tool_command("/opt/cs/compute-sanitizer", "racecheck", ["kimi-k2.6-tp8"])
+    assert cmd[:5] == ["/opt/cs/compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1"]
+    assert cmd[5:] == [sys.executable, "-m", "ddtree_gen.sanitize", "--worker", "kimi-k2.6-tp8"]
+
+
+def test_sanitize_finds_compute_sanitizer(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(sanitize, "_candidate_dirs", lambda: list(sanitize.FALLBACK_DIRS))
+    monkeypatch.setattr(sanitize, "FALLBACK_DIRS", [str(tmp_path / "cuda" / "bin")])
+    assert sanitize.find_sanitizer() is None
+    tool = tmp_path / "cuda" / "bin" / "compute-sanitizer"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    assert sanitize.find_sanitizer() == str(tool)
+
+
+def test_sanitize_main_with_fake_sanitizer(monkeypatch, tmp_path, capsys):
+    """The driver end to end, with a stand-in compute-sanitizer that reports per tool."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"fake $*\"\n"
+                    "case \"$2\" in\n"
+                    "  racecheck) echo '========= ERROR SUMMARY: 2 errors'; exit 1;;\n"
+                    "  synccheck) echo 'crashed'; exit 3;;\n"
+                    "  *) echo '========= ERROR SUMMARY: 0 errors'; exit 0;;\n"
+                    "esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: str(fake))
+    args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--out", str(tmp_path / "out")])
+    rc = sanitize.main(args)
+    out = capsys.readouterr().out
+    assert rc != 0
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()
+            if ln.split() and ln.split()[0] in ("memcheck", "racecheck", "synccheck")}
+    assert rows["memcheck"][:2] == ["0", "0"], out
+    assert rows["racecheck"][:2] == ["2", "1"], out
+    assert rows["synccheck"][:2] == ["?", "3"], out
+    logs = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert logs == ["memcheck.log", "racecheck.log", "synccheck.log"]
+    assert "--worker kimi-k2.6-tp8" in (tmp_path / "out" / "memcheck.log").read_text()
+
+    fake.write_text("#!/bin/sh\necho '========= ERROR SUMMARY: 0 errors'\n")
+    args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--tool", "memcheck"])
+    assert sanitize.main(args) == 0
+
+
+def test_sanitize_main_without_sanitizer(monkeypatch, capsys):
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: None)
+    args = sanitize.build_parser().parse_args([])
+    assert sanitize.main(args) == 2
+    assert "compute-sanitizer" in capsys.readouterr().err
+
+
+def test_sanitize_main_unknown_spec(monkeypatch, capsys, in_session):
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: "/bin/true")
+    args = sanitize.build_parser().parse_args(["no-such-model"])
+    assert sanitize.main(args) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "kimi-k2.6-tp8" in err
+
+
+class _FakeDev:
+    """A numpy array posing as a CUDA array (only __cuda_array_interface__), at a fake address."""
+
+    def __init__(self, arr, ptr):
+        self.arr, self.ptr = arr, ptr
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.arr.shape, "typestr": self.arr.dtype.str, "strides": None,
+                "data": (self.ptr, False), "version": 3}
+
+    def __getitem__(self, sl):  # 1-d slices (the worker's misaligned kv_cache view)
+        return _FakeDev(self.arr[sl], self.ptr + (sl.start or 0) * self.arr.itemsize)
+
+    def reshape(self, shape):
+        return _FakeDev(self.arr.reshape(shape), self.ptr)
+
+
+def _fake_gpu(monkeypatch, spec_launch=None):
+    """A fake cupy (arrays are numpy arrays at fake addresses) and fake allocations, for CPU runs of the
+    worker. Returns (fake cupy module, kernel-set class whose launch calls spec_launch or raises LaunchReached)."""
+    import types
+
+    import numpy as np
+
+    from conftest import FakeKernelSet
+    from ddtree_gen import runtime
+
+    next_ptr = [1 << 20]
+
+    def fake_array(a):
+        a = np.ascontiguousarray(a)
+        ptr = next_ptr[0]
+        next_ptr[0] += -(-max(a.nbytes, 1) // 256) * 256
+        return _FakeDev(a, ptr)
+
+    cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(deviceSynchronize=lambda: None, getDeviceCount=lambda: 1),
+        set_allocator=lambda *a: None, set_pinned_memory_allocator=lambda *a: None)
+    fake_cupy = types.SimpleNamespace(asarray=fake_array, cuda=cuda)
+    monkeypatch.setattr(runtime, "allocate",
+                        lambda like, shape, dtype: fake_array(np.empty(shape, {"bf16": np.uint16}.get(dtype, dtype))))
+    monkeypatch.setattr(runtime, "_pointer_device", lambda ptr: 0)
+
+    class Kset(FakeKernelSet):
+        launched: list = []
+
+        def __getattr__(self, name):
+            kdef = by_name(name)
+            return lambda **kw: kdef.launch(self, **kw)
+
+        def launch(self, name, **kwargs):
+            if spec_launch is None:
+                return super().launch(name, **kwargs)
+            Kset.launched.append(name)
+            return spec_launch(name)
+
+    return fake_cupy, Kset
+
+
+@pytest.mark.parametrize("kernel", sorted(sanitize.CASES))
+def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
+    """Every worker case gets through its launcher's host-side checks to the launch (CPU, fake arrays)."""
+    import numpy as np
+
+    from conftest import LaunchReached
+
+    if kernel not in {k.name for k in KERNELS}:
+        pytest.skip(f"kernel {kernel} not registered (its module is not present)")
+    fake_cupy, Kset = _fake_gpu(monkeypatch)
+    cases = list(sanitize.CASES[kernel](spec, np.random.default_rng(0)))
+    assert len(cases) >= 3
+    for case, inputs in cases:
+        with pytest.raises(LaunchReached):
+            sanitize._run_case(Kset(spec), kernel, inputs, fake_cupy)
+
+
+def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
+    """The worker's loop on CPU: every case of every registered kernel runs (fake launches), kernels without
+    cases get a note, an unregistered kernel is skipped with the module named, a failing case makes exit 1."""
+    from ddtree_gen import runtime
+
+    fake_cupy, Kset = _fake_gpu(monkeypatch, spec_launch=lambda name: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(runtime, "load", lambda spec, kernels=None: Kset(spec))
+    registered = [k for k in KERNELS if k.name != "tree_accept"]  # as if kernels/tree_accept.py were absent
+    monkeypatch.setattr(artifacts, "select_kernels", lambda kernels=None: registered)
+    assert sanitize.worker(["kimi-k2.6-tp8"]) == 0
+    out = capsys.readouterr().out
+    assert "kimi-k2.6-tp8 tree_accept: skipped: not registered (module ddtree_gen.kernels.tree_accept not present)" \
+        in out
+    for k in registered:
+        if k.name in sanitize.CASES:
+            assert f"kimi-k2.6-tp8 {k.name} [" in out and "FAILED" not in out
+        else:
+            assert f"kimi-k2.6-tp8 {k.name}: " in out  # a note: launched by another kernel, or no cases
+    assert "0 failed" in out
+    assert set(Kset.launched) >= {k.name for k in registered if k.name in sanitize.CASES}
+
+    def boom(name):
+        if name == "merge_states":
+            raise RuntimeError("cudaErrorIllegalAddress")
+    fake_cupy, Kset = _fake_gpu(monkeypatch, spec_launch=boom)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(runtime, "load", lambda spec, kernels=None: Kset(spec))
+    assert sanitize.worker(["kimi-k2.6-tp8"], kernels=["merge_states", "tree_build"]) == 1
+    out = capsys.readouterr().out
+    assert "merge_states [empty sides]: FAILED RuntimeError: cudaErrorIllegalAddress" in out
+    assert "tree_build [budget 0]: ok" in out
