@@ -35,11 +35,11 @@ def cmd_build(args) -> int:
                 b = artifacts.compile_variant(spec, kdef)
             except DdtreeError as e:
                 failed.append((spec.name, kdef.name, str(e)))
-                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<18} FAILED", flush=True)
+                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} FAILED", flush=True)
                 continue
             compiled += b.status == "compiled"
             took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
-            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<18} {b.status}{took}", flush=True)
+            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {b.status}{took}", flush=True)
             built.append(b)
             plan = kdef.plan(spec)
             rows.append((spec.name, kdef.name, plan, b.report))
@@ -58,11 +58,11 @@ def cmd_build(args) -> int:
 
 def _resource_table(rows) -> None:
     from .resources import compare
-    print(f"\n{'spec':<18} {'kernel':<18} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
+    print(f"\n{'spec':<18} {'kernel':<24} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
           f"{'model':>7} {'stack':>5} {'spill':>5}  model vs ptxas")
     for spec, kernel, plan, r in rows:
         problems = compare(plan, r)
-        print(f"{spec:<18} {kernel:<18} {plan.value(plan.threads):>7} {r.registers:>5} {plan.register_budget:>6} "
+        print(f"{spec:<18} {kernel:<24} {plan.value(plan.threads):>7} {r.registers:>5} {plan.register_budget:>6} "
               f"{r.smem:>7} {plan.value(plan.static_smem):>7} {r.stack:>5} {r.spill_stores + r.spill_loads:>5}  "
               f"{'agree' if not problems else '; '.join(problems)}")
 

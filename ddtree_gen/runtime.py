@@ -192,14 +192,15 @@ def _stream(like: DevArray):
 class KernelSet:
     """The compiled kernels of one spec. Launchers are attributes: kset.tree_build(...)."""
 
-    def __init__(self, spec, built: dict):
+    def __init__(self, spec, built: dict, kdefs=None):
+        """`built`: kernel name -> artifacts.Built; `kdefs`: the KernelDefs (default: every registered one)."""
         import cupy
+        from .kernels import all_kernels
         self.spec = spec
-        self._built = built  # kernel name -> artifacts.Built
+        self._built = built
         self._functions = {}
         self._plans = {}
-        from .kernels import all_kernels
-        for kdef in all_kernels():
+        for kdef in kdefs if kdefs is not None else all_kernels():
             if kdef.name not in built:
                 continue
             module = cupy.cuda.function.Module()
@@ -207,8 +208,9 @@ class KernelSet:
             fn = module.get_function(kdef.entry)
             plan = kdef.plan(spec)
             dyn = plan.value(plan.dynamic_smem)
-            if dyn > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = dyn
+            if dyn > 48 * 1024:  # above 48 KB a block gets dynamic shared memory only by opting in
+                drv = cupy.cuda.driver
+                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn)
             # launch geometry is evaluated once here: sympy has no place on the launch path
             self._functions[kdef.name] = (module, fn, (plan.value(plan.threads),), dyn)
             self._plans[kdef.name] = plan

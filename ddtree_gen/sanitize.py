@@ -6,7 +6,7 @@ Driver (`ddtree-gen sanitize [SPEC...] [--tool T]... [--out DIR]`, or `main(args
     compute-sanitizer --tool T --error-exitcode 1 python -m ddtree_gen.sanitize --worker SPEC...
 
 streams the output (and writes it to DIR/T.log with --out), reads the sanitizer's
-"ERROR SUMMARY: N errors" line, and prints a table (tool, errors, exit code). It returns 0 only
+"ERROR SUMMARY: N errors" line (racecheck: "RACECHECK SUMMARY: ... (N errors, ...)"), and prints a table (tool, errors, exit code). It returns 0 only
 when every tool reported 0 errors and exited 0; 1 otherwise; 2 when compute-sanitizer is not
 found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, the nvidia-cuda-sanitizer-api wheel) or a spec
 is unknown.
@@ -42,6 +42,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 DEFAULT_TOOLS = ["memcheck", "racecheck", "synccheck"]
 FALLBACK_DIRS = ["/usr/local/cuda/bin", "/opt/cuda/bin"]
 _SUMMARY_RE = re.compile(r"ERROR SUMMARY:\s*([\d,]+)\s+errors?\b")
+# racecheck (CUDA 13) ends with this line alone: "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+_RACECHECK_RE = re.compile(r"RACECHECK SUMMARY:.*?\(([\d,]+)\s+errors?\b")
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -129,6 +131,8 @@ def parse_summary(text: str) -> int | None:
     """Errors reported by compute-sanitizer ("ERROR SUMMARY: N errors", summed over processes);
     None when the output holds no summary (the tool did not run to its end)."""
     counts = [int(m.group(1).replace(",", "")) for m in _SUMMARY_RE.finditer(text)]
+    if not counts:  # no ERROR SUMMARY: racecheck's own summary line is the count
+        counts = [int(m.group(1).replace(",", "")) for m in _RACECHECK_RE.finditer(text)]
     return sum(counts) if counts else None
 
 

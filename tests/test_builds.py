@@ -455,6 +455,8 @@ SUMMARIES = [
      "========= ERROR SUMMARY: 2 errors\n", 2),
     ("worker output\n========= ERROR SUMMARY: 1,234 errors\n", 1234),
     ("========= ERROR SUMMARY: 5 errors\n========= ERROR SUMMARY: 2 errors\n", 7),  # child processes add up
+    ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0),  # racecheck, CUDA 13
+    ("========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n", 1),
     ("no summary at all\n", None),
     ("", None),
 ]

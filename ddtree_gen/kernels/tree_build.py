@@ -17,7 +17,9 @@ def plan(spec) -> Plan:
     return Plan(kernel="tree_build", spec=spec, threads=sympy.Integer(32), min_blocks=16,
                 static_smem=static_smem,
                 consts={"CANDIDATES": CANDIDATES, "CANDIDATES_PER_LANE": sympy.ceiling(CANDIDATES / 32),
-                        "NODE_ROUNDS": sympy.ceiling(N / 32)})
+                        "NODE_ROUNDS": sympy.ceiling(N / 32),
+                        # loads in flight per lane while staging the table (2 batches for D=15, N=65)
+                        "STAGE_BATCH": sympy.Min(16, sympy.ceiling(table / 32))})
 
 
 def launch(kset, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, out=None) -> TreeBuildOutput:

@@ -1,0 +1,318 @@
+"""tree_verify, tree_verify_tail and merge_states: MLA tree attention for DDTree verification.
+
+See DESIGN.md ("tree_verify", "merge_states"). CUDA-core version: one block per (request,
+query row, group of heads), keys streamed through shared memory in double-buffered tiles
+with an online softmax, so any prefix length runs in fixed shared memory.
+
+Decision: values that live on the device are not read on the host by default. An engine
+captures these launches in CUDA graphs, where a host copy of prefix_lens / q_lens /
+block_table would be a sync (and illegal in capture). The kernels are instead safe for any
+values:
+  * a request whose q_len is outside [1, Nq] or whose prefix_len is negative writes nothing
+    (neither out nor lse, for any row);
+  * a key whose page index is >= max_pages, or whose block_table entry is outside
+    [0, num_pages), is treated as not visible (never read); a row left with no visible key
+    gets out = 0, lse = -inf, like any empty row.
+Pass validate=True to have the launcher copy prefix_lens, q_lens and block_table to the host
+(a synchronizing copy) and raise ArgumentError before launch for q_len outside [1, Nq],
+prefix_len < 0, prefix_len + q_len > max_pages * page_size, or a block_table entry that the
+call would use outside [0, num_pages); the message names the argument, request and value.
+
+Shapes, dtypes, contiguity, devices, the spec's H / R / P / page_size / W, alignment and
+overlap of outputs with inputs are always checked on the host (no device access).
+merge_states allows out to be o_a or o_b, and lse to be lse_a or lse_b (in-place merge);
+any other overlap between an output and an input is refused.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import sympy
+
+from .. import runtime as rt
+from ..errors import ArgumentError, SpecError
+from ..resources import SM90_STATIC_SMEM, H, P, PAGE, R, Plan
+from ..types import AttentionOutput
+from . import KernelDef
+
+_ITEMSIZE = {"bf16": 2, "float32": 4, "int32": 4, "uint32": 4}
+_INT32_MAX = 2**31 - 1
+_LOG2E = 1.4426950408889634
+_MAX_LIVE = 180   # registers per thread the verify kernel may spend on q and accumulators
+
+
+# ------------------------------------------------------------------------------- plans
+
+def _verify_tiles(spec):
+    """(heads per warp, keys per tile) with HPW * TK = 32: the smallest HPW whose two tiles fit."""
+    row = spec.kv_lora_rank + spec.qk_rope_head_dim
+    for hpw in (2, 4, 8):
+        tk = 32 // hpw
+        if 2 * tk * row * 2 + 2 * tk * 4 <= SM90_STATIC_SMEM:
+            return hpw, tk
+    return 8, 4  # does not fit: Plan.check_fits refuses the spec with the formula
+
+
+def verify_plan(spec, kernel="tree_verify") -> Plan:
+    hpw, tk = _verify_tiles(spec)
+    warps = sympy.Min(8, sympy.ceiling(H / hpw))      # up to 8 warps of hpw heads
+    heads_per_block = warps * hpw
+    threads = 32 * warps
+    # two key tiles of tk rows (R + P bf16) + two tiles of per-key visibility flags (int)
+    static_smem = 2 * tk * (R + P) * 2 + 2 * tk * 4
+    nwarps = int(warps.subs({H: spec.num_heads}))
+    # q (2 (RW + PW)) and output accumulators (2 RW) per head live in registers in every lane
+    live = hpw * (4 * -(-spec.kv_lora_rank // 64) + 2 * -(-spec.qk_rope_head_dim // 64))
+    if live > _MAX_LIVE:
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: kv_lora_rank = {spec.kv_lora_rank} with "
+                        f"qk_rope_head_dim = {spec.qk_rope_head_dim} needs {live} query/accumulator registers per "
+                        f"thread ({hpw} heads per warp); this kernel holds at most {_MAX_LIVE}")
+    # up to 72 of them (R = 512, P = 64: 68) fit 128 registers: 16 warps per SM; beyond, one block
+    min_blocks = max(1, 16 // nwarps) if live <= 72 else 1
+    return Plan(kernel=kernel, spec=spec, threads=threads, min_blocks=min_blocks,
+                static_smem=static_smem,
+                consts={"WARPS": warps, "HEADS_PER_WARP": sympy.Integer(hpw), "TILE_KEYS": sympy.Integer(tk),
+                        "HEADS_PER_BLOCK": heads_per_block, "HEAD_GROUPS": sympy.ceiling(H / heads_per_block),
+                        "RANK_WORDS_PER_LANE": sympy.ceiling(R / 64), "ROPE_WORDS_PER_LANE": sympy.ceiling(P / 64)})
+
+
+def tail_plan(spec) -> Plan:
+    return verify_plan(spec, "tree_verify_tail")
+
+
+MERGE_WARPS = 8
+
+
+def merge_plan(spec) -> Plan:
+    return Plan(kernel="merge_states", spec=spec, threads=sympy.Integer(32 * MERGE_WARPS), min_blocks=4,
+                static_smem=sympy.Integer(0),
+                consts={"ROWS_PER_BLOCK": sympy.Integer(MERGE_WARPS), "RANK_WORDS_PER_LANE": sympy.ceiling(R / 64)})
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _span(a: rt.DevArray) -> tuple[int, int]:
+    return a.ptr, a.ptr + math.prod(a.shape) * _ITEMSIZE.get(a.dtype, 1)
+
+
+def _overlap(a: rt.DevArray, b: rt.DevArray) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+
+
+def _no_overlap(outputs: dict, inputs: dict, allowed: dict | None = None) -> None:
+    """Outputs must not share memory with inputs or each other; `allowed` maps an output name to
+    the input names it may alias exactly (same pointer, same shape: an in-place operation)."""
+    allowed = allowed or {}
+    for oname, o in outputs.items():
+        for iname, a in inputs.items():
+            if not _overlap(o, a):
+                continue
+            if iname in allowed.get(oname, ()) and o.ptr == a.ptr and o.shape == a.shape:
+                continue
+            raise ArgumentError(f"{oname}: overlaps {iname} in memory"
+                                + (f" (only {' or '.join(allowed[oname])} may be passed as {oname} exactly)"
+                                   if oname in allowed else " (outputs must not share memory with inputs)"))
+    names = list(outputs)
+    for x in range(len(names)):
+        for y in range(x + 1, len(names)):
+            if _overlap(outputs[names[x]], outputs[names[y]]):
+                raise ArgumentError(f"{names[y]}: overlaps {names[x]} in memory")
+
+
+def _same_device(arrays: dict) -> None:
+    """Every array on the first one's device; the message names the odd one."""
+    names = list(arrays)
+    dev = arrays[names[0]].device
+    for name in names[1:]:
+        if arrays[name].device != dev:
+            raise ArgumentError(f"{name}: on device {arrays[name].device}, but {names[0]} is on device {dev}")
+
+
+def _aligned(a: rt.DevArray, name: str, alignment: int) -> None:
+    if a.ptr % alignment:
+        raise ArgumentError(f"{name}: data pointer {a.ptr:#x} is not {alignment}-byte aligned "
+                            f"(the kernel reads it in {alignment}-byte units)")
+
+
+def _host(a: rt.DevArray) -> np.ndarray:
+    """A synchronizing host copy (validate=True only)."""
+    if a.kind == "torch":
+        return a.obj.detach().cpu().numpy()
+    import cupy
+    with cupy.cuda.Device(a.device):
+        return cupy.asnumpy(cupy.asarray(a.obj))
+
+
+def _validate(tail, pl, ql, bt, nq, num_pages, page_size) -> None:
+    prefix, qlens, table = _host(pl).astype(np.int64), _host(ql).astype(np.int64), _host(bt).astype(np.int64)
+    max_pages = table.shape[1]
+    for b in range(len(qlens)):
+        q, L = int(qlens[b]), int(prefix[b])
+        if not 1 <= q <= nq:
+            raise ArgumentError(f"q_lens: request {b} has q_len {q}, must be in [1, Nq = {nq}]")
+        if L < 0:
+            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L}, must be >= 0")
+        if L + q > max_pages * page_size:
+            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L} + q_len {q} = {L + q} tokens, "
+                                f"more than block_table holds (max_pages {max_pages} x page_size {page_size} "
+                                f"= {max_pages * page_size})")
+        first, last = (L if tail else 0) // page_size, (L + q - 1) // page_size
+        used = table[b, first:last + 1]
+        bad = np.flatnonzero((used < 0) | (used >= num_pages))
+        if bad.size:
+            k = first + int(bad[0])
+            raise ArgumentError(f"block_table: request {b} entry [{b}, {k}] = {int(table[b, k])} is not a page "
+                                f"in [0, num_pages = {num_pages})")
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+               softmax_scale, out, lse, validate) -> AttentionOutput:
+    spec = kset.spec
+    nh, rank, rope, page, n, w = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size,
+                                  spec.max_tree_size, spec.mask_words)
+    of = f"of spec {spec.name!r}"
+    qn = rt.device_array(q_nope, "q_nope", dtype="bf16", ndim=4)
+    b, nq, h, r = qn.shape
+    if h != nh:
+        raise ArgumentError(f"q_nope: H = {h} (dimension 2) must equal num_heads = {nh} {of}")
+    if r != rank:
+        raise ArgumentError(f"q_nope: R = {r} (dimension 3) must equal kv_lora_rank = {rank} {of}")
+    if not 1 <= nq <= n:
+        raise ArgumentError(f"q_nope: Nq = {nq} (dimension 1) must be in [1, max_tree_size = {n}] {of}")
+    qp = rt.device_array(q_pe, "q_pe", dtype="bf16", ndim=4)
+    if qp.shape[3] != rope:
+        raise ArgumentError(f"q_pe: P = {qp.shape[3]} (dimension 3) must equal qk_rope_head_dim = {rope} {of}")
+    if qp.shape != (b, nq, h, rope):
+        raise ArgumentError(f"q_pe: shape {qp.shape}, expected {(b, nq, h, rope)} (B, Nq, H of q_nope)")
+    kv = rt.device_array(kv_cache, "kv_cache", dtype="bf16", ndim=3)
+    num_pages, ps, row = kv.shape
+    if ps != page:
+        raise ArgumentError(f"kv_cache: page_size = {ps} (dimension 1) must equal page_size = {page} {of}")
+    if row != rank + rope:
+        raise ArgumentError(f"kv_cache: row width {row} (dimension 2) must equal kv_lora_rank + qk_rope_head_dim "
+                            f"= {rank + rope} {of}")
+    bt = rt.device_array(block_table, "block_table", dtype="int32", ndim=2)
+    if bt.shape[0] != b:
+        raise ArgumentError(f"block_table: {bt.shape[0]} rows (dimension 0), expected batch size {b} of q_nope")
+    max_pages = bt.shape[1]
+    pl = rt.device_array(prefix_lens, "prefix_lens", dtype="int32", shape=(b,))
+    ql = rt.device_array(q_lens, "q_lens", dtype="int32", shape=(b,))
+    tm = rt.device_array(tree_mask, "tree_mask", dtype="uint32", ndim=3)
+    if tm.shape[2] != w:
+        raise ArgumentError(f"tree_mask: W = {tm.shape[2]} (dimension 2) must equal mask_words = "
+                            f"ceil(max_tree_size / 32) = {w} {of}")
+    if tm.shape != (b, nq, w):
+        raise ArgumentError(f"tree_mask: shape {tm.shape}, expected {(b, nq, w)} (B, Nq of q_nope)")
+    scale = rt.float_arg(softmax_scale, "softmax_scale")
+    scale_log2 = scale * _LOG2E
+    if not abs(scale_log2) < float(np.finfo(np.float32).max):
+        raise ArgumentError(f"softmax_scale: {scale} is out of float32 range")
+    inputs = {"q_nope": qn, "q_pe": qp, "kv_cache": kv, "block_table": bt, "prefix_lens": pl, "q_lens": ql,
+              "tree_mask": tm}
+    _same_device(inputs)
+    _aligned(kv, "kv_cache", 16)
+    _aligned(qn, "q_nope", 4)
+    _aligned(qp, "q_pe", 4)
+    if num_pages > _INT32_MAX or max_pages > _INT32_MAX:
+        raise ArgumentError(f"kv_cache/block_table: num_pages {num_pages} and max_pages {max_pages} "
+                            f"must be < 2**31")
+    plan = kset.plan(name)
+    groups = plan.value(plan.consts["HEAD_GROUPS"])
+    if groups * nq * b > _INT32_MAX:
+        raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
+    # the caller's buffers are checked before anything is allocated or copied
+    oa = rt.device_array(out, "out", dtype="bf16", shape=(b, nq, h, r)) if out is not None else None
+    la = rt.device_array(lse, "lse", dtype="float32", shape=(b, nq, h)) if lse is not None else None
+    given = {k: v for k, v in (("out", oa), ("lse", la)) if v is not None}
+    if given:
+        _same_device({"q_nope": qn, **given})
+        if oa is not None:
+            _aligned(oa, "out", 4)
+        _no_overlap(given, inputs)
+    if validate and b:
+        _validate(tail, pl, ql, bt, nq, num_pages, page)
+    if oa is None:
+        oa = rt.device_array(rt.allocate(qn, (b, nq, h, r), "bf16"), "out", dtype="bf16", shape=(b, nq, h, r))
+    if la is None:
+        la = rt.device_array(rt.allocate(qn, (b, nq, h), "float32"), "lse", dtype="float32", shape=(b, nq, h))
+    if b:
+        kset.launch(name, grid=(groups * nq * b,),
+                    args=[qn, qp, kv, bt, pl, ql, tm, rt.f32(scale_log2), rt.i32(nq), rt.i32(max_pages),
+                          rt.i32(num_pages), oa, la], like=qn)
+    return AttentionOutput(oa.obj, la.obj)
+
+
+def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                out=None, lse=None, *, validate=False) -> AttentionOutput:
+    """Tree attention over the prefix and the tree (DESIGN.md tree_verify), on the current stream.
+
+    q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16,
+    block_table [B,max_pages] int32, prefix_lens [B] int32, q_lens [B] int32,
+    tree_mask [B,Nq,W] uint32, softmax_scale finite. Returns AttentionOutput(out [B,Nq,H,R] bf16,
+    lse [B,Nq,H] float32); rows i >= q_len are not written. validate=True checks the device-side
+    lengths and block table on the host first (a sync); see the module docstring.
+    """
+    return _attention(kset, "tree_verify", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                      tree_mask, softmax_scale, out, lse, validate)
+
+
+def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                     out=None, lse=None, *, validate=False) -> AttentionOutput:
+    """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
+    merging with an external prefix kernel through merge_states. Same arguments as tree_verify."""
+    return _attention(kset, "tree_verify_tail", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                      tree_mask, softmax_scale, out, lse, validate)
+
+
+def merge_states(kset, o_a, lse_a, o_b, lse_b, out=None, lse=None) -> AttentionOutput:
+    """Merge two attention states (DESIGN.md merge_states), natural-log LSE, on the current stream.
+
+    o_a, o_b [..., R] bf16; lse_a, lse_b [...] float32 (o's shape without R). A side whose lse is
+    not finite (-inf, +inf, NaN) is empty; two empty sides give o = 0, lse = -inf. out may be o_a
+    or o_b and lse may be lse_a or lse_b (in place). Returns AttentionOutput(out, lse).
+    """
+    rank = kset.spec.kv_lora_rank
+    oa = rt.device_array(o_a, "o_a", dtype="bf16")
+    if len(oa.shape) < 1 or oa.shape[-1] != rank:
+        raise ArgumentError(f"o_a: shape {oa.shape} must end in kv_lora_rank = {rank} of spec {kset.spec.name!r}")
+    lead = oa.shape[:-1]
+    la = rt.device_array(lse_a, "lse_a", dtype="float32", shape=lead)
+    ob = rt.device_array(o_b, "o_b", dtype="bf16", shape=oa.shape)
+    lb = rt.device_array(lse_b, "lse_b", dtype="float32", shape=lead)
+    inputs = {"o_a": oa, "lse_a": la, "o_b": ob, "lse_b": lb}
+    _same_device(inputs)
+    for k, v in inputs.items():
+        _aligned(v, k, 4)
+    oo = rt.device_array(out, "out", dtype="bf16", shape=oa.shape) if out is not None else None
+    lo = rt.device_array(lse, "lse", dtype="float32", shape=lead) if lse is not None else None
+    given = {k: v for k, v in (("out", oo), ("lse", lo)) if v is not None}
+    if given:
+        _same_device({"o_a": oa, **given})
+        if oo is not None:
+            _aligned(oo, "out", 4)
+        _no_overlap(given, inputs, allowed={"out": ("o_a", "o_b"), "lse": ("lse_a", "lse_b")})
+    rows = math.prod(lead)
+    blocks = -(-rows // MERGE_WARPS)
+    if blocks > _INT32_MAX:
+        raise ArgumentError(f"o_a: {rows} rows are too many for one launch")
+    if oo is None:
+        oo = rt.device_array(rt.allocate(oa, oa.shape, "bf16"), "out", dtype="bf16", shape=oa.shape)
+    if lo is None:
+        lo = rt.device_array(rt.allocate(oa, lead, "float32"), "lse", dtype="float32", shape=lead)
+    if rows:
+        kset.launch("merge_states", grid=(blocks,), args=[oa, la, ob, lb, oo, lo, np.int64(rows)], like=oa)
+    return AttentionOutput(oo.obj, lo.obj)
+
+
+KERNELS = [
+    KernelDef(name="tree_verify", template="tree_verify.cu.j2", entry="ddtree_tree_verify",
+              plan=verify_plan, launch=tree_verify, context={"tail": False}),
+    KernelDef(name="tree_verify_tail", template="tree_verify.cu.j2", entry="ddtree_tree_verify_tail",
+              plan=tail_plan, launch=tree_verify_tail, context={"tail": True}),
+    KernelDef(name="merge_states", template="merge_states.cu.j2", entry="ddtree_merge_states",
+              plan=merge_plan, launch=merge_states),
+]

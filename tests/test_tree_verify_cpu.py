@@ -1,0 +1,360 @@
+"""tree_verify / tree_verify_tail / merge_states launchers: argument checks before launch (no GPU).
+
+Every bad argument raises ArgumentError naming the argument, before anything is allocated or
+launched; a valid call reaches the launch (so the checks are not over-strict).
+validate=True needs host copies of device arrays: it is tested in test_gpu_tree_verify.py.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
+from ddtree_gen.errors import ArgumentError
+from ddtree_gen.kernels import tree_verify as tv
+from ddtree_gen.types import AttentionOutput
+
+B, PAGES, MAX_PAGES = 2, 10, 4
+DEVICE1 = 1 << 40   # fake_device: a pointer at or above this lives on device 1
+
+
+class RecordingKernelSet(FakeKernelSet):
+    """FakeKernelSet that keeps what the launcher asked for before refusing to run it."""
+
+    def launch(self, name, **kwargs):
+        self.launched = (name, kwargs)
+        raise LaunchReached(name)
+
+
+class Arrays:
+    """Fake CUDA arrays at distinct, 256-byte aligned, non-overlapping addresses on device 0."""
+
+    def __init__(self):
+        self.next = 1 << 32
+
+    def __call__(self, shape, dtype, strides=None, ptr=None):
+        if ptr is None:
+            ptr, self.next = self.next, self.next + (1 << 32)
+        return FakeCudaArray(shape, dtype, strides=strides, ptr=ptr)
+
+
+def ptr_of(a) -> int:
+    return a.__cuda_array_interface__["data"][0]
+
+
+def reversed_strides(shape, itemsize):
+    """Strides of a Fortran-ordered (non C-contiguous) array of this shape."""
+    out, acc = [], itemsize
+    for d in shape:
+        out.append(acc)
+        acc *= d
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- tree_verify
+
+def verify_args(spec, new):
+    h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
+                           spec.mask_words, spec.page_size)
+    return dict(
+        q_nope=new((B, n, h, r), np.uint16), q_pe=new((B, n, h, p), np.uint16),
+        kv_cache=new((PAGES, page, r + p), np.uint16), block_table=new((B, MAX_PAGES), np.int32),
+        prefix_lens=new((B,), np.int32), q_lens=new((B,), np.int32), tree_mask=new((B, n, w), np.uint32),
+        softmax_scale=192 ** -0.5, out=new((B, n, h, r), np.uint16), lse=new((B, n, h), np.float32))
+
+
+def verify_cases(spec):
+    """(id, mutate(args, new, spec), word the message must contain)."""
+    h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
+                           spec.mask_words, spec.page_size)
+
+    def set_(**kw):
+        return lambda a, new: a.update({k: v(new) if callable(v) else v for k, v in kw.items()})
+
+    def resize_nq(nq):
+        def f(a, new):
+            a.update(q_nope=new((B, nq, h, r), np.uint16), q_pe=new((B, nq, h, p), np.uint16),
+                     tree_mask=new((B, nq, w), np.uint32), out=new((B, nq, h, r), np.uint16),
+                     lse=new((B, nq, h), np.float32))
+        return f
+
+    def same_ptr(field, as_field, offset=0):
+        def f(a, new):
+            src = a[as_field].__cuda_array_interface__
+            shape, typestr = a[field].__cuda_array_interface__["shape"], a[field].__cuda_array_interface__["typestr"]
+            a[field] = new(shape, np.dtype(typestr), ptr=src["data"][0] + offset)
+        return f
+
+    def on_device1(field):
+        def f(a, new):
+            cai = a[field].__cuda_array_interface__
+            a[field] = new(cai["shape"], np.dtype(cai["typestr"]), ptr=DEVICE1 + (ptr_of(a[field]) & 0xffffffff))
+        return f
+
+    def misaligned(field, by):
+        def f(a, new):
+            cai = a[field].__cuda_array_interface__
+            a[field] = new(cai["shape"], np.dtype(cai["typestr"]), ptr=ptr_of(a[field]) + by)
+        return f
+
+    return [
+        # q_nope
+        ("q_nope-dtype", set_(q_nope=lambda new: new((B, n, h, r), np.float32)), "q_nope"),
+        ("q_nope-float16", set_(q_nope=lambda new: new((B, n, h, r), np.float16)), "q_nope"),
+        ("q_nope-rank", set_(q_nope=lambda new: new((B, n, h * r), np.uint16)), "q_nope"),
+        ("q_nope-H", set_(q_nope=lambda new: new((B, n, h + 1, r), np.uint16)), "num_heads"),
+        ("q_nope-R", set_(q_nope=lambda new: new((B, n, h, r + 16), np.uint16)), "kv_lora_rank"),
+        ("q_nope-strides", set_(q_nope=lambda new: new((B, n, h, r), np.uint16,
+                                                        strides=reversed_strides((B, n, h, r), 2))), "q_nope"),
+        ("q_nope-host", set_(q_nope=np.zeros((B, n, h, r), np.uint16)), "q_nope"),
+        ("q_nope-none", set_(q_nope=None), "q_nope"),
+        ("q_nope-list", set_(q_nope=[[1]]), "q_nope"),
+        ("Nq>N", resize_nq(n + 1), "max_tree_size"),
+        ("Nq=0", resize_nq(0), "q_nope"),
+        ("q_nope-misaligned", misaligned("q_nope", 2), "q_nope"),
+        # q_pe
+        ("q_pe-dtype", set_(q_pe=lambda new: new((B, n, h, p), np.float32)), "q_pe"),
+        ("q_pe-P", set_(q_pe=lambda new: new((B, n, h, p + 16), np.uint16)), "qk_rope_head_dim"),
+        ("q_pe-H", set_(q_pe=lambda new: new((B, n, h + 1, p), np.uint16)), "q_pe"),
+        ("q_pe-batch", set_(q_pe=lambda new: new((B + 1, n, h, p), np.uint16)), "q_pe"),
+        ("q_pe-rank", set_(q_pe=lambda new: new((B, n, h), np.uint16)), "q_pe"),
+        ("q_pe-strides", set_(q_pe=lambda new: new((B, n, h, p), np.uint16,
+                                                    strides=reversed_strides((B, n, h, p), 2))), "q_pe"),
+        ("q_pe-host", set_(q_pe=np.zeros((B, n, h, p), np.uint16)), "q_pe"),
+        # kv_cache
+        ("kv-dtype", set_(kv_cache=lambda new: new((PAGES, page, r + p), np.float32)), "kv_cache"),
+        ("kv-rank", set_(kv_cache=lambda new: new((PAGES * page, r + p), np.uint16)), "kv_cache"),
+        ("kv-page_size", set_(kv_cache=lambda new: new((PAGES, page + 1, r + p), np.uint16)), "page_size"),
+        ("kv-row", set_(kv_cache=lambda new: new((PAGES, page, r), np.uint16)), "kv_cache"),
+        ("kv-strides", set_(kv_cache=lambda new: new((PAGES, page, r + p), np.uint16,
+                                                     strides=reversed_strides((PAGES, page, r + p), 2))),
+         "kv_cache"),
+        ("kv-host", set_(kv_cache=np.zeros((PAGES, page, r + p), np.uint16)), "kv_cache"),
+        ("kv-misaligned", misaligned("kv_cache", 8), "kv_cache"),
+        # block_table
+        ("table-dtype", set_(block_table=lambda new: new((B, MAX_PAGES), np.int64)), "block_table"),
+        ("table-rank", set_(block_table=lambda new: new((B * MAX_PAGES,), np.int32)), "block_table"),
+        ("table-batch", set_(block_table=lambda new: new((B + 1, MAX_PAGES), np.int32)), "block_table"),
+        ("table-strides", set_(block_table=lambda new: new((B, MAX_PAGES), np.int32,
+                                                           strides=reversed_strides((B, MAX_PAGES), 4))),
+         "block_table"),
+        ("table-host", set_(block_table=np.zeros((B, MAX_PAGES), np.int32)), "block_table"),
+        # prefix_lens, q_lens
+        ("prefix-dtype", set_(prefix_lens=lambda new: new((B,), np.int64)), "prefix_lens"),
+        ("prefix-batch", set_(prefix_lens=lambda new: new((B + 1,), np.int32)), "prefix_lens"),
+        ("prefix-host", set_(prefix_lens=np.zeros(B, np.int32)), "prefix_lens"),
+        ("qlens-dtype", set_(q_lens=lambda new: new((B,), np.float32)), "q_lens"),
+        ("qlens-rank", set_(q_lens=lambda new: new((B, 1), np.int32)), "q_lens"),
+        ("qlens-host", set_(q_lens=np.ones(B, np.int32)), "q_lens"),
+        # tree_mask
+        ("mask-dtype", set_(tree_mask=lambda new: new((B, n, w), np.int32)), "tree_mask"),
+        ("mask-W", set_(tree_mask=lambda new: new((B, n, w + 1), np.uint32)), "mask_words"),
+        ("mask-Nq", set_(tree_mask=lambda new: new((B, n - 1, w), np.uint32)), "tree_mask"),
+        ("mask-batch", set_(tree_mask=lambda new: new((B + 1, n, w), np.uint32)), "tree_mask"),
+        ("mask-strides", set_(tree_mask=lambda new: new((B, n, w), np.uint32,
+                                                        strides=reversed_strides((B, n, w), 4))), "tree_mask"),
+        # softmax_scale
+        ("scale-nan", set_(softmax_scale=math.nan), "softmax_scale"),
+        ("scale-inf", set_(softmax_scale=math.inf), "softmax_scale"),
+        ("scale-neginf", set_(softmax_scale=-math.inf), "softmax_scale"),
+        ("scale-f32-overflow", set_(softmax_scale=1e300), "softmax_scale"),
+        ("scale-str", set_(softmax_scale="0.1"), "softmax_scale"),
+        ("scale-none", set_(softmax_scale=None), "softmax_scale"),
+        # devices
+        ("device-q_pe", on_device1("q_pe"), "q_pe"),
+        ("device-kv", on_device1("kv_cache"), "kv_cache"),
+        ("device-table", on_device1("block_table"), "block_table"),
+        ("device-mask", on_device1("tree_mask"), "tree_mask"),
+        ("device-out", on_device1("out"), "out"),
+        ("device-lse", on_device1("lse"), "lse"),
+        # outputs
+        ("out-shape", set_(out=lambda new: new((B, n, h, r + 16), np.uint16)), "out"),
+        ("out-Nq", set_(out=lambda new: new((B, n - 1, h, r), np.uint16)), "out"),
+        ("out-dtype", set_(out=lambda new: new((B, n, h, r), np.float32)), "out"),
+        ("out-strides", set_(out=lambda new: new((B, n, h, r), np.uint16,
+                                                 strides=reversed_strides((B, n, h, r), 2))), "out"),
+        ("out-host", set_(out=np.zeros((B, n, h, r), np.uint16)), "out"),
+        ("out-misaligned", misaligned("out", 2), "out"),
+        ("lse-shape", set_(lse=lambda new: new((B, n, h, 1), np.float32)), "lse"),
+        ("lse-dtype", set_(lse=lambda new: new((B, n, h), np.float64)), "lse"),
+        ("out-is-q_nope", same_ptr("out", "q_nope"), "out"),
+        ("out-overlaps-kv", same_ptr("out", "kv_cache", 1024), "out"),
+        ("lse-is-prefix", same_ptr("lse", "prefix_lens"), "lse"),
+        ("lse-overlaps-out", same_ptr("lse", "out", 256), "lse"),
+    ]
+
+
+LAUNCHERS = [("tree_verify", tv.tree_verify), ("tree_verify_tail", tv.tree_verify_tail)]
+CASE_IDS = [c[0] for c in verify_cases(type("S", (), dict(num_heads=8, kv_lora_rank=512, qk_rope_head_dim=64,
+                                                             max_tree_size=65, mask_words=3, page_size=64))())]
+
+
+@pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_verify_argument_errors(spec, launcher, case, fake_device):
+    new = Arrays()
+    args = verify_args(spec, new)
+    (cid, mutate, word), = [c for c in verify_cases(spec) if c[0] == case]
+    mutate(args, new)
+    kset = RecordingKernelSet(spec)
+    with pytest.raises(ArgumentError) as e:
+        launcher(kset, **args)
+    assert word in str(e.value), str(e.value)
+    assert not hasattr(kset, "launched")
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("nq", ["N", 1])
+def test_verify_valid_call_reaches_launch(spec, name, launcher, nq, fake_device):
+    new = Arrays()
+    args = verify_args(spec, new)
+    n = spec.max_tree_size if nq == "N" else nq
+    h, r, p, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.mask_words
+    args.update(q_nope=new((B, n, h, r), np.uint16), q_pe=new((B, n, h, p), np.uint16),
+                tree_mask=new((B, n, w), np.uint32), out=new((B, n, h, r), np.uint16), lse=new((B, n, h), np.float32))
+    kset = RecordingKernelSet(spec)
+    with pytest.raises(LaunchReached, match=name):
+        launcher(kset, **args, validate=False)
+    got, kw = kset.launched
+    plan = kset.plan(name)
+    groups = plan.value(plan.consts["HEAD_GROUPS"])
+    assert got == name and kw["grid"] == (groups * n * B,)
+    a = kw["args"]
+    assert len(a) == 13
+    assert [x.ptr for x in a[:7]] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
+                                                               "prefix_lens", "q_lens", "tree_mask")]
+    assert a[7] == np.float32(args["softmax_scale"] * math.log2(math.e)) and a[7].dtype == np.float32
+    assert (int(a[8]), int(a[9]), int(a[10])) == (n, MAX_PAGES, PAGES)
+    assert all(x.dtype == np.int32 for x in a[8:11])
+    assert (a[11].ptr, a[12].ptr) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+
+
+def test_verify_int32_scale_and_zero_batch(spec, fake_device):
+    """An int softmax_scale is fine; an empty batch returns the given buffers without launching."""
+    new = Arrays()
+    args = verify_args(spec, new)
+    h, r, p, n, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size, spec.mask_words
+    with pytest.raises(LaunchReached):
+        tv.tree_verify(RecordingKernelSet(spec), **{**args, "softmax_scale": 1})
+    empty = dict(q_nope=new((0, n, h, r), np.uint16), q_pe=new((0, n, h, p), np.uint16),
+                 block_table=new((0, MAX_PAGES), np.int32), prefix_lens=new((0,), np.int32),
+                 q_lens=new((0,), np.int32), tree_mask=new((0, n, w), np.uint32),
+                 out=new((0, n, h, r), np.uint16), lse=new((0, n, h), np.float32))
+    kset = RecordingKernelSet(spec)
+    res = tv.tree_verify(kset, **{**args, **empty})
+    assert isinstance(res, AttentionOutput) and res.out is empty["out"] and res.lse is empty["lse"]
+    assert not hasattr(kset, "launched")
+
+
+def test_verify_kernel_defs():
+    names = {k.name: k for k in tv.KERNELS}
+    assert set(names) == {"tree_verify", "tree_verify_tail", "merge_states"}
+    assert names["tree_verify"].context == {"tail": False} and names["tree_verify_tail"].context == {"tail": True}
+    assert names["tree_verify"].template == names["tree_verify_tail"].template == "tree_verify.cu.j2"
+    assert names["merge_states"].entry == "ddtree_merge_states"
+
+
+def test_verify_plan_fits(spec):
+    for k in tv.KERNELS:
+        plan = k.plan(spec)
+        plan.check_fits()
+        consts = plan.template_constants()
+        if k.name != "merge_states":
+            assert consts["HEADS_PER_WARP"] * consts["TILE_KEYS"] == 32
+            assert consts["HEAD_GROUPS"] * consts["HEADS_PER_BLOCK"] >= spec.num_heads
+            assert consts["THREADS"] == 32 * consts["WARPS"]
+
+
+# ---------------------------------------------------------------------------- merge_states
+
+def merge_args(spec, new, lead=(B, 3, 4)):
+    r = spec.kv_lora_rank
+    return dict(o_a=new((*lead, r), np.uint16), lse_a=new(lead, np.float32), o_b=new((*lead, r), np.uint16),
+                lse_b=new(lead, np.float32), out=new((*lead, r), np.uint16), lse=new(lead, np.float32))
+
+
+def merge_cases(r):
+    lead = (B, 3, 4)
+
+    def set_(**kw):
+        return lambda a, new: a.update({k: v(new) if callable(v) else v for k, v in kw.items()})
+
+    def at(field, of, offset=0, dev1=False):
+        def f(a, new):
+            cai = a[field].__cuda_array_interface__
+            base = ptr_of(a[of]) if of else ptr_of(a[field])
+            a[field] = new(cai["shape"], np.dtype(cai["typestr"]), ptr=base + offset + (DEVICE1 if dev1 else 0))
+        return f
+
+    return [
+        ("o_a-dtype", set_(o_a=lambda new: new((*lead, r), np.float32)), "o_a"),
+        ("o_a-R", set_(o_a=lambda new: new((*lead, r + 16), np.uint16)), "kv_lora_rank"),
+        ("o_a-scalar", set_(o_a=lambda new: new((), np.uint16)), "o_a"),
+        ("o_a-strides", set_(o_a=lambda new: new((*lead, r), np.uint16,
+                                                 strides=reversed_strides((*lead, r), 2))), "o_a"),
+        ("o_a-host", set_(o_a=np.zeros((*lead, r), np.uint16)), "o_a"),
+        ("lse_a-shape", set_(lse_a=lambda new: new((B, 3), np.float32)), "lse_a"),
+        ("lse_a-dtype", set_(lse_a=lambda new: new(lead, np.float64)), "lse_a"),
+        ("lse_a-host", set_(lse_a=np.zeros(lead, np.float32)), "lse_a"),
+        ("o_b-shape", set_(o_b=lambda new: new((B + 1, 3, 4, r), np.uint16)), "o_b"),
+        ("o_b-dtype", set_(o_b=lambda new: new((*lead, r), np.int16)), "o_b"),
+        ("o_b-strides", set_(o_b=lambda new: new((*lead, r), np.uint16,
+                                                 strides=reversed_strides((*lead, r), 2))), "o_b"),
+        ("lse_b-dtype", set_(lse_b=lambda new: new(lead, np.float16)), "lse_b"),
+        ("lse_b-shape", set_(lse_b=lambda new: new((*lead, 1), np.float32)), "lse_b"),
+        ("lse_b-device", at("lse_b", None, dev1=True), "lse_b"),
+        ("o_b-device", at("o_b", None, dev1=True), "o_b"),
+        ("out-device", at("out", None, dev1=True), "out"),
+        ("out-shape", set_(out=lambda new: new((B, 3, 4, r - 16), np.uint16)), "out"),
+        ("out-dtype", set_(out=lambda new: new((*lead, r), np.float32)), "out"),
+        ("out-host", set_(out=np.zeros((*lead, r), np.uint16)), "out"),
+        ("lse-shape", set_(lse=lambda new: new((B, 3, 5), np.float32)), "lse"),
+        ("lse-dtype", set_(lse=lambda new: new(lead, np.int32)), "lse"),
+        ("out-shifted-o_a", at("out", "o_a", 64), "out"),
+        ("out-is-lse_a", at("out", "lse_a"), "out"),
+        ("lse-is-o_b", at("lse", "o_b"), "lse"),
+        ("lse-in-out", at("lse", "out", 128), "lse"),
+        ("o_a-misaligned", at("o_a", None, 2), "o_a"),
+    ]
+
+
+MERGE_CASE_IDS = [c[0] for c in merge_cases(512)]
+
+
+@pytest.mark.parametrize("case", MERGE_CASE_IDS)
+def test_merge_argument_errors(spec, case, fake_device):
+    new = Arrays()
+    args = merge_args(spec, new)
+    (cid, mutate, word), = [c for c in merge_cases(spec.kv_lora_rank) if c[0] == case]
+    mutate(args, new)
+    kset = RecordingKernelSet(spec)
+    with pytest.raises(ArgumentError) as e:
+        tv.merge_states(kset, **args)
+    assert word in str(e.value), str(e.value)
+    assert not hasattr(kset, "launched")
+
+
+@pytest.mark.parametrize("lead", [(B, 3, 4), (5,), (), (2, 0, 3)], ids=["BNqH", "1d", "scalar", "empty"])
+@pytest.mark.parametrize("inplace", [None, "a", "b"])
+def test_merge_valid_call_reaches_launch(spec, lead, inplace, fake_device):
+    new = Arrays()
+    args = merge_args(spec, new, lead)
+    if inplace == "a":
+        args.update(out=args["o_a"], lse=args["lse_a"])
+    elif inplace == "b":
+        args.update(out=args["o_b"], lse=args["lse_b"])
+    kset = RecordingKernelSet(spec)
+    rows = math.prod(lead)
+    if rows == 0:
+        res = tv.merge_states(kset, **args)
+        assert res.out is args["out"] and not hasattr(kset, "launched")
+        return
+    with pytest.raises(LaunchReached, match="merge_states"):
+        tv.merge_states(kset, **args)
+    name, kw = kset.launched
+    assert kw["grid"] == (-(-rows // tv.MERGE_WARPS),)
+    a = kw["args"]
+    assert len(a) == 7 and int(a[6]) == rows and a[6].dtype == np.int64
+    assert [x.ptr for x in a[:6]] == [ptr_of(args[k]) for k in ("o_a", "lse_a", "o_b", "lse_b", "out", "lse")]
