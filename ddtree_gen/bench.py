@@ -258,12 +258,10 @@ def bench_tree_verify(args) -> None:
         flops = float(sum(2 * h * nq * (int(li) + nq) * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
                           for li in lens))
         impls = {}
-        for name in ("tree_verify_mma", "tree_verify"):
-            if hasattr(ks, name):
-                fn = getattr(ks, name)
-                out = fn(**x)
-                impls["ours (" + ("mma" if name.endswith("mma") else "simple") + ")"] = (
-                    lambda fn=fn, out=out: fn(**x, out=out.out, lse=out.lse))
+        for impl in ("mma", "simple"):
+            out = ks.tree_verify(**x, impl=impl)
+            impls[f"ours ({impl})"] = lambda impl=impl, out=out: ks.tree_verify(**x, out=out.out, lse=out.lse,
+                                                                                impl=impl)
         times = {}
         for name, fn in impls.items():
             times[name] = graph_time_ms(fn, per_graph=5, reps=10)

@@ -1,5 +1,9 @@
 """tree_verify, tree_verify_tail and merge_states on the GPU against the float64 numpy references.
 
+These test the CUDA-core kernels: every tree_verify / tree_verify_tail call passes impl="simple"
+(test_gpu_tree_verify_mma.py tests the tensor-core kernels; test_impl_auto here checks that the
+default impl="auto" gives the tensor-core kernel's results when it is loaded).
+
 The numerical bar of DESIGN.md, checked per (request, row, head): ||out - ref|| <= 5e-3 ||ref||,
 |lse - ref| <= 1e-3, no NaN, every row < q_len written, every row >= q_len byte-identical to the
 poison written before launch. Fresh random data every run: the seed is in every assertion
@@ -12,6 +16,7 @@ usable for timing).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -30,6 +35,7 @@ POISON_OUT = 0xFFFF                 # a bf16 NaN pattern the kernels never write
 POISON_LSE = np.uint32(0x7FC00000)  # float32 NaN
 SCALES = {"mla": 192 ** -0.5, "one": 1.0}
 KERNELS = ("tree_verify", "tree_verify_tail", "merge_states")
+MMA_KERNELS = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
 
 
 @pytest.fixture
@@ -167,10 +173,11 @@ def poisoned(shape):
     return to_device(out), to_device(lse)
 
 
-def run(vset, name, inp: VerifyInputs, scale, **replace):
-    """Launch `name` into poisoned buffers; (out bits, lse) on the host."""
+def run(vset, name, inp: VerifyInputs, scale, impl="simple", **replace):
+    """Launch `name` (tree_verify / tree_verify_tail, the CUDA-core kernel unless `impl` says
+    otherwise) into poisoned buffers; (out bits, lse) on the host."""
     out, lse = poisoned(inp.shape)
-    res = getattr(vset, name)(**inp.device(**replace), softmax_scale=scale, out=out, lse=lse)
+    res = getattr(vset, name)(**inp.device(**replace), softmax_scale=scale, out=out, lse=lse, impl=impl)
     assert res.out is out and res.lse is lse
     return to_host(out), to_host(lse)
 
@@ -341,13 +348,51 @@ def test_out_none_allocates_cupy(vset, spec):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [70, 0], [65, 5], ["random", "star"], seed=seed)
-    res = vset.tree_verify(**inp.device(), softmax_scale=SCALES["mla"])
+    res = vset.tree_verify(**inp.device(), softmax_scale=SCALES["mla"], impl="simple")
     assert isinstance(res.out, cupy.ndarray) and res.out.dtype == np.uint16 and res.out.shape == inp.shape
     assert isinstance(res.lse, cupy.ndarray) and res.lse.dtype == np.float32 and res.lse.shape == inp.shape[:3]
     out_bits, lse = run(vset, "tree_verify", inp, SCALES["mla"])
     for b, q in enumerate(inp.q_lens):  # deterministic: the same bits as into given buffers
         assert (to_host(res.out)[b, :q] == out_bits[b, :q]).all(), f"seed={seed}"
         assert (to_host(res.lse)[b, :q].view(np.uint32) == lse[b, :q].view(np.uint32)).all(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("name", ["tree_verify", "tree_verify_tail"])
+def test_impl_auto(vset, spec, name):
+    """impl="auto" (the default) is the tensor-core kernel when the kernel set has it: the same bits
+    as <name>_mma called directly, within the bar of the reference; on a set without it (vset),
+    auto is the CUDA-core kernel and impl="mma" is refused."""
+    import ddtree_gen
+    ks = ddtree_gen.load(spec, kernels=KERNELS + MMA_KERNELS)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(spec, rng, [70, 0, 1000], [65, 5, 33], ["random", "star", "binary"], seed=seed)
+    scale = SCALES["mla"]
+    tag = f"{name} {spec.name} auto seed={seed}"
+    heads = heads_to_check(spec.num_heads, rng, 4)
+    host = inp.host()
+    fn = reference.tree_verify if name == "tree_verify" else reference.tree_verify_tail
+    ref = fn(**{**host, "q_nope": host["q_nope"][:, :, heads], "q_pe": host["q_pe"][:, :, heads]},
+             softmax_scale=scale)
+    for kw in ({}, {"impl": "auto"}):
+        out, lse = poisoned(inp.shape)
+        res = getattr(ks, name)(**inp.device(), softmax_scale=scale, out=out, lse=lse, **kw)
+        assert res.out is out and res.lse is lse
+        auto_o, auto_l = to_host(out), to_host(lse)
+        out2, lse2 = poisoned(inp.shape)
+        getattr(ks, f"{name}_mma")(**inp.device(), softmax_scale=scale, out=out2, lse=lse2)
+        mma_o, mma_l = to_host(out2), to_host(lse2)
+        assert (auto_o == mma_o).all() and (auto_l.view(np.uint32) == mma_l.view(np.uint32)).all(), \
+            f"{tag} {kw}: not the tensor-core kernel's bits"
+        check_rows_written(auto_o, auto_l, inp.q_lens, tag)
+        check_against(auto_o, auto_l, ref, inp.q_lens, heads, tag)
+    # without the tensor-core kernels loaded: auto is the CUDA-core kernel, "mma" an ArgumentError
+    assert not set(MMA_KERNELS) & set(vset.kernels)
+    simple = run(vset, name, inp, scale)
+    auto = run(vset, name, inp, scale, impl="auto")
+    assert (simple[0] == auto[0]).all() and (simple[1].view(np.uint32) == auto[1].view(np.uint32)).all(), tag
+    with pytest.raises(ArgumentError, match="impl"):
+        run(vset, name, inp, scale, impl="mma")
 
 
 # ------------------------------------------------------------------- device-side values
@@ -423,7 +468,7 @@ def test_validate(vset, spec, name):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [page + 3, 0], [5, 2], ["chain", "chain"], seed=seed)
-    launch = getattr(vset, name)
+    launch = functools.partial(getattr(vset, name), impl="simple")
     scale = SCALES["mla"]
     out, lse = poisoned(inp.shape)
     launch(**inp.device(), softmax_scale=scale, out=out, lse=lse, validate=True)   # valid: runs
@@ -536,7 +581,7 @@ def test_torch_tensors(vset, spec):
             return torch.from_numpy(x.view(np.int32)).view(torch.uint32).cuda()
         return torch.from_numpy(x).cuda()
 
-    res = vset.tree_verify(**{k: t(v) for k, v in inp.host().items()}, softmax_scale=scale)
+    res = vset.tree_verify(**{k: t(v) for k, v in inp.host().items()}, softmax_scale=scale, impl="simple")
     assert isinstance(res.out, torch.Tensor) and res.out.dtype == torch.bfloat16
     assert isinstance(res.lse, torch.Tensor) and res.lse.dtype == torch.float32
     got_o = res.out.view(torch.int16).cpu().numpy().view(np.uint16)

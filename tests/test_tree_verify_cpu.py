@@ -1,7 +1,10 @@
 """tree_verify / tree_verify_tail / merge_states launchers: argument checks before launch (no GPU).
 
 Every bad argument raises ArgumentError naming the argument, before anything is allocated or
-launched; a valid call reaches the launch (so the checks are not over-strict).
+launched; a valid call reaches the launch (so the checks are not over-strict). The argument
+checks are shared by both implementations: every case runs with impl="simple" (the CUDA-core
+kernel) and impl="mma" (the tensor-core kernel, on a stand-in kernel set that has it), and the
+impl dispatch itself (auto / mma / simple, workspace and num_splits) is tested at the end.
 validate=True needs host copies of device arrays: it is tested in test_gpu_tree_verify.py.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import tree_verify as tv
+from ddtree_gen.kernels import tree_verify_mma as mma
 from ddtree_gen.types import AttentionOutput
 
 B, PAGES, MAX_PAGES = 2, 10, 4
@@ -26,6 +30,22 @@ class RecordingKernelSet(FakeKernelSet):
     def launch(self, name, **kwargs):
         self.launched = (name, kwargs)
         raise LaunchReached(name)
+
+
+MMA_NAMES = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
+
+
+class MmaKernelSet(RecordingKernelSet):
+    """A stand-in with `kernels` (as KernelSet has): the loaded kernel names, by default all of them."""
+
+    def __init__(self, spec, kernels=("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES)):
+        super().__init__(spec)
+        self.kernels = list(kernels)
+
+
+def kset_for(impl, spec):
+    """A recording kernel set on which `impl` is available."""
+    return MmaKernelSet(spec) if impl == "mma" else RecordingKernelSet(spec)
 
 
 class Arrays:
@@ -191,16 +211,17 @@ CASE_IDS = [c[0] for c in verify_cases(type("S", (), dict(num_heads=8, kv_lora_r
                                                              max_tree_size=65, mask_words=3, page_size=64))())]
 
 
+@pytest.mark.parametrize("impl", ["simple", "mma"])
 @pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
 @pytest.mark.parametrize("case", CASE_IDS)
-def test_verify_argument_errors(spec, launcher, case, fake_device):
+def test_verify_argument_errors(spec, launcher, case, impl, fake_device):
     new = Arrays()
     args = verify_args(spec, new)
     (cid, mutate, word), = [c for c in verify_cases(spec) if c[0] == case]
     mutate(args, new)
-    kset = RecordingKernelSet(spec)
+    kset = kset_for(impl, spec)
     with pytest.raises(ArgumentError) as e:
-        launcher(kset, **args)
+        launcher(kset, **args, impl=impl)
     assert word in str(e.value), str(e.value)
     assert not hasattr(kset, "launched")
 
@@ -358,3 +379,162 @@ def test_merge_valid_call_reaches_launch(spec, lead, inplace, fake_device):
     a = kw["args"]
     assert len(a) == 7 and int(a[6]) == rows and a[6].dtype == np.int64
     assert [x.ptr for x in a[:6]] == [ptr_of(args[k]) for k in ("o_a", "lse_a", "o_b", "lse_b", "out", "lse")]
+
+
+# ------------------------------------------------------------------ impl: auto / mma / simple
+
+def launched(launcher, kset, **args):
+    """The (kernel name, launch kwargs) a call reaches."""
+    with pytest.raises(LaunchReached):
+        launcher(kset, **args)
+    return kset.launched
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+def test_impl_auto_picks_mma_when_loaded(spec, name, launcher, fake_device):
+    args = verify_args(spec, Arrays())
+    for kw in ({}, {"impl": "auto"}):
+        got, k = launched(launcher, MmaKernelSet(spec), **args, num_splits=1, **kw)
+        assert got == f"{name}_mma"
+        a = k["args"]
+        assert len(a) == 17   # the tensor-core kernel's arguments (see test_impl_mma_launch_args)
+    got, _ = launched(launcher, MmaKernelSet(spec), **args, impl="mma", num_splits=1)
+    assert got == f"{name}_mma"
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("loaded", ["none", "simple-only", "no-combine", "no-this-one"])
+def test_impl_auto_picks_simple_when_mma_missing(spec, name, launcher, loaded, fake_device):
+    """auto: the CUDA-core kernel unless both the tensor-core kernel and its combine kernel are loaded;
+    impl="mma" on such a set is an ArgumentError naming impl and what is missing."""
+    other = "tree_verify_tail_mma" if name == "tree_verify" else "tree_verify_mma"
+    kernels = {"simple-only": ("tree_verify", "tree_verify_tail", "merge_states"),
+               "no-combine": ("tree_verify", "tree_verify_tail", "tree_verify_mma", "tree_verify_tail_mma"),
+               "no-this-one": ("tree_verify", "tree_verify_tail", other, "tree_verify_mma_combine")}.get(loaded)
+    make = (lambda: RecordingKernelSet(spec)) if kernels is None else (lambda: MmaKernelSet(spec, kernels))
+    args = verify_args(spec, Arrays())
+    got, k = launched(launcher, make(), **args)
+    assert got == name and len(k["args"]) == 13
+    kset = make()
+    with pytest.raises(ArgumentError, match="impl") as e:
+        launcher(kset, **args, impl="mma")
+    assert "mma" in str(e.value) and not hasattr(kset, "launched")
+    missing = f"{name}_mma" if loaded != "no-combine" else "tree_verify_mma_combine"
+    assert missing in str(e.value), str(e.value)
+
+
+def test_impl_auto_without_kernels_list_is_simple(spec, fake_device):
+    """A kernel set without a `kernels` list (a stand-in) counts as having the CUDA-core kernels only,
+    even when it answers every attribute (test_builds.py's stand-in resolves any kernel name)."""
+    class AnyAttribute(RecordingKernelSet):
+        def __getattr__(self, name):
+            if name.startswith("tree_verify"):
+                return lambda *a, **k: None
+            raise KeyError(name)   # not an AttributeError: getattr(kset, "kernels", None) would raise
+
+    for launcher, name in ((tv.tree_verify, "tree_verify"), (tv.tree_verify_tail, "tree_verify_tail")):
+        got, _ = launched(launcher, AnyAttribute(spec), **verify_args(spec, Arrays()))
+        assert got == name
+        with pytest.raises(ArgumentError, match="impl"):
+            launcher(AnyAttribute(spec), **verify_args(spec, Arrays()), impl="mma")
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+def test_impl_simple_forces_cuda_core(spec, name, launcher, fake_device):
+    got, k = launched(launcher, MmaKernelSet(spec), **verify_args(spec, Arrays()), impl="simple")
+    assert got == name and len(k["args"]) == 13
+
+
+@pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("impl", ["fast", "MMA", "", None, 1, ("mma",), ["simple"]], ids=repr)
+def test_impl_bad_value(spec, launcher, impl, fake_device):
+    for kset in (RecordingKernelSet(spec), MmaKernelSet(spec)):
+        with pytest.raises(ArgumentError) as e:
+            launcher(kset, **verify_args(spec, Arrays()), impl=impl)
+        msg = str(e.value)
+        assert msg.startswith("impl:") and all(repr(c) in msg for c in ("auto", "mma", "simple")), msg
+        assert not hasattr(kset, "launched")
+
+
+@pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("arg", ["workspace", "num_splits"])
+def test_impl_simple_refuses_mma_arguments(spec, launcher, arg, fake_device):
+    new = Arrays()
+    args = verify_args(spec, new)
+    value = new((1 << 20,), np.float32) if arg == "workspace" else 1
+    for kset in (RecordingKernelSet(spec), MmaKernelSet(spec)):
+        with pytest.raises(ArgumentError) as e:
+            launcher(kset, **args, impl="simple", **{arg: value})
+        assert str(e.value).startswith(f"{arg}:") and "simple" in str(e.value), str(e.value)
+        assert not hasattr(kset, "launched")
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+def test_impl_auto_fallback_ignores_mma_arguments(spec, name, launcher, fake_device):
+    """auto on a kernel set without the tensor-core kernel: workspace / num_splits are not used."""
+    new = Arrays()
+    got, k = launched(launcher, RecordingKernelSet(spec), **verify_args(spec, new),
+                      workspace=new((1 << 20,), np.float32), num_splits=3)
+    assert got == name and len(k["args"]) == 13
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+@pytest.mark.parametrize("impl", ["auto", "mma"])
+def test_impl_mma_launch_args(spec, name, launcher, impl, fake_device):
+    """workspace and num_splits reach the tensor-core launcher; the launch is the one
+    tree_verify_mma.tree_verify makes itself."""
+    new = Arrays()
+    args = verify_args(spec, new)
+    b, n, h, r = B, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank
+    need = mma.workspace_elems(spec, b, n, 3)
+    ws = new((need,), np.float32)
+    got, k = launched(launcher, MmaKernelSet(spec), **args, impl=impl, workspace=ws, num_splits=3)
+    direct = mma.tree_verify_tail if name == "tree_verify_tail" else mma.tree_verify
+    got2, k2 = launched(direct, MmaKernelSet(spec), **args, workspace=ws, num_splits=3)
+    assert got == got2 == f"{name}_mma"
+    norm = [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k["args"]]
+    assert norm == [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k2["args"]] and k["grid"] == k2["grid"]
+    a = k["args"]
+    assert [x.ptr for x in a[:7]] == [ptr_of(args[f]) for f in ("q_nope", "q_pe", "kv_cache", "block_table",
+                                                               "prefix_lens", "q_lens", "tree_mask")]
+    assert (int(a[8]), int(a[9]), int(a[10]), int(a[11]), int(a[12])) == (n, MAX_PAGES, PAGES, 3, b * n * h)
+    assert (a[13].ptr, a[14].ptr) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+    assert int(a[15]) == ptr_of(ws) and int(a[16]) == ptr_of(ws) + 3 * b * n * h * r * 4
+    with pytest.raises(ArgumentError, match="workspace"):   # the mma launcher's own workspace check
+        launcher(MmaKernelSet(spec), **args, impl=impl, workspace=new((need - 1,), np.float32), num_splits=3)
+    with pytest.raises(ArgumentError, match="num_splits"):
+        launcher(MmaKernelSet(spec), **args, impl=impl, num_splits=0)
+
+
+@pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
+def test_impl_per_kernel_limits(spec, launcher, fake_device):
+    """The shared checks differ per kernel in two places: q alignment (4 bytes for the CUDA-core
+    kernel, 16 for the tensor cores) and num_pages x page_size < 2**31 (tensor cores only)."""
+    new = Arrays()
+    args = verify_args(spec, new)
+    cai = args["q_pe"].__cuda_array_interface__
+    args["q_pe"] = new(cai["shape"], np.uint16, ptr=ptr_of(args["q_pe"]) + 8)   # 8-byte aligned
+    with pytest.raises(ArgumentError, match=r"q_pe: .* not 16-byte aligned \(the tensor-core kernel"):
+        launcher(MmaKernelSet(spec), **args, num_splits=1)
+    launched(launcher, MmaKernelSet(spec), **args, impl="simple")
+    args = verify_args(spec, new)
+    pages = 2**31 // spec.page_size + 1
+    args["kv_cache"] = new((pages, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim), np.uint16)
+    with pytest.raises(ArgumentError, match="32-bit row indices"):
+        launcher(MmaKernelSet(spec), **args, num_splits=1)
+    launched(launcher, MmaKernelSet(spec), **args, impl="simple")
+
+
+def test_impl_device_errors_name_the_argument(spec, fake_device):
+    """Both implementations name the argument on the odd device (out, lse, workspace included)."""
+    new = Arrays()
+    args = verify_args(spec, new)
+    need = mma.workspace_elems(spec, B, spec.max_tree_size, 3)
+    ws = new((need,), np.float32, ptr=DEVICE1 + (1 << 30))
+    with pytest.raises(ArgumentError, match="^workspace: on device 1, but q_nope is on device 0"):
+        tv.tree_verify(MmaKernelSet(spec), **args, workspace=ws, num_splits=3)
+    cai = args["tree_mask"].__cuda_array_interface__
+    args["tree_mask"] = new(cai["shape"], np.uint32, ptr=DEVICE1 + 4096)
+    for impl in ("simple", "mma"):
+        with pytest.raises(ArgumentError, match="^tree_mask: on device 1, but q_nope is on device 0"):
+            tv.tree_verify(kset_for(impl, spec), **args, impl=impl, num_splits=None)

@@ -1,8 +1,14 @@
 """tree_verify, tree_verify_tail and merge_states: MLA tree attention for DDTree verification.
 
-See DESIGN.md ("tree_verify", "merge_states"). CUDA-core version: one block per (request,
-query row, group of heads), keys streamed through shared memory in double-buffered tiles
-with an online softmax, so any prefix length runs in fixed shared memory.
+See DESIGN.md ("tree_verify", "merge_states"). Two implementations share the launchers
+tree_verify / tree_verify_tail (kset.tree_verify(..., impl="auto"|"mma"|"simple")):
+  * "mma": the tensor-core kernels of tree_verify_mma.py (tree_verify_mma / tree_verify_tail_mma,
+    split-KV with tree_verify_mma_combine); they take workspace= and num_splits=;
+  * "simple": the CUDA-core kernels of this module: one block per (request, query row, group of
+    heads), keys streamed through shared memory in double-buffered tiles with an online softmax,
+    so any prefix length runs in fixed shared memory;
+  * "auto" (the default): the tensor-core kernel when the kernel set has it loaded (with its
+    combine kernel), else the CUDA-core one.
 
 Decision: values that live on the device are not read on the host by default. An engine
 captures these launches in CUDA graphs, where a host copy of prefix_lens / q_lens /
@@ -19,12 +25,16 @@ prefix_len < 0, prefix_len + q_len > max_pages * page_size, or a block_table ent
 call would use outside [0, num_pages); the message names the argument, request and value.
 
 Shapes, dtypes, contiguity, devices, the spec's H / R / P / page_size / W, alignment and
-overlap of outputs with inputs are always checked on the host (no device access).
+overlap of outputs with inputs are always checked on the host (no device access). These checks
+live here and serve both implementations (tree_verify_mma.py imports them); what differs per
+kernel is a parameter: the alignment of q_nope / q_pe (4 bytes here, 16 for the tensor cores)
+and the 32-bit limits (the tensor-core kernel also needs num_pages * page_size < 2**31).
 merge_states allows out to be o_a or o_b, and lse to be lse_a or lse_b (in-place merge);
 any other overlap between an output and an input is refused.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -32,7 +42,7 @@ import sympy
 
 from .. import runtime as rt
 from ..errors import ArgumentError, SpecError
-from ..resources import SM90_STATIC_SMEM, H, P, PAGE, R, Plan
+from ..resources import SM90_STATIC_SMEM, H, P, R, Plan
 from ..types import AttentionOutput
 from . import KernelDef
 
@@ -90,7 +100,7 @@ def merge_plan(spec) -> Plan:
                 consts={"ROWS_PER_BLOCK": sympy.Integer(MERGE_WARPS), "RANK_WORDS_PER_LANE": sympy.ceiling(R / 64)})
 
 
-# --------------------------------------------------------------------------- helpers
+# ------------------------------------------------ argument checks (shared with tree_verify_mma)
 
 def _span(a: rt.DevArray) -> tuple[int, int]:
     return a.ptr, a.ptr + math.prod(a.shape) * _ITEMSIZE.get(a.dtype, 1)
@@ -130,10 +140,11 @@ def _same_device(arrays: dict) -> None:
             raise ArgumentError(f"{name}: on device {arrays[name].device}, but {names[0]} is on device {dev}")
 
 
-def _aligned(a: rt.DevArray, name: str, alignment: int) -> None:
+def _aligned(a: rt.DevArray, name: str, alignment: int, reader: str = "kernel") -> None:
+    """`reader`: who reads it, for the message ("kernel", "tensor-core kernel")."""
     if a.ptr % alignment:
         raise ArgumentError(f"{name}: data pointer {a.ptr:#x} is not {alignment}-byte aligned "
-                            f"(the kernel reads it in {alignment}-byte units)")
+                            f"(the {reader} reads it in {alignment}-byte units)")
 
 
 def _host(a: rt.DevArray) -> np.ndarray:
@@ -145,33 +156,15 @@ def _host(a: rt.DevArray) -> np.ndarray:
         return cupy.asnumpy(cupy.asarray(a.obj))
 
 
-def _validate(tail, pl, ql, bt, nq, num_pages, page_size) -> None:
-    prefix, qlens, table = _host(pl).astype(np.int64), _host(ql).astype(np.int64), _host(bt).astype(np.int64)
-    max_pages = table.shape[1]
-    for b in range(len(qlens)):
-        q, L = int(qlens[b]), int(prefix[b])
-        if not 1 <= q <= nq:
-            raise ArgumentError(f"q_lens: request {b} has q_len {q}, must be in [1, Nq = {nq}]")
-        if L < 0:
-            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L}, must be >= 0")
-        if L + q > max_pages * page_size:
-            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L} + q_len {q} = {L + q} tokens, "
-                                f"more than block_table holds (max_pages {max_pages} x page_size {page_size} "
-                                f"= {max_pages * page_size})")
-        first, last = (L if tail else 0) // page_size, (L + q - 1) // page_size
-        used = table[b, first:last + 1]
-        bad = np.flatnonzero((used < 0) | (used >= num_pages))
-        if bad.size:
-            k = first + int(bad[0])
-            raise ArgumentError(f"block_table: request {b} entry [{b}, {k}] = {int(table[b, k])} is not a page "
-                                f"in [0, num_pages = {num_pages})")
+def _check_inputs(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, *,
+                  q_align: int, reader: str = "kernel", row_indices32: bool = False) -> tuple[dict, float]:
+    """Shapes, dtypes, contiguity, devices, alignment and the spec's H / R / P / page_size / W (host only).
 
-
-# ----------------------------------------------------------------------------- launchers
-
-def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-               softmax_scale, out, lse, validate) -> AttentionOutput:
-    spec = kset.spec
+    q_align: the alignment of q_nope and q_pe in bytes (kv_cache: always 16). row_indices32: the
+    kernel indexes cache rows (page x page_size + offset) in 32 bits, so num_pages x page_size
+    must be < 2**31 (else only num_pages and max_pages, passed as int, must be).
+    Returns (the inputs by name, in the kernels' argument order, as DevArrays; softmax_scale x log2(e)).
+    """
     nh, rank, rope, page, n, w = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size,
                                   spec.max_tree_size, spec.mask_words)
     of = f"of spec {spec.name!r}"
@@ -214,40 +207,142 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
     inputs = {"q_nope": qn, "q_pe": qp, "kv_cache": kv, "block_table": bt, "prefix_lens": pl, "q_lens": ql,
               "tree_mask": tm}
     _same_device(inputs)
-    _aligned(kv, "kv_cache", 16)
-    _aligned(qn, "q_nope", 4)
-    _aligned(qp, "q_pe", 4)
-    if num_pages > _INT32_MAX or max_pages > _INT32_MAX:
+    _aligned(kv, "kv_cache", 16, reader)
+    _aligned(qn, "q_nope", q_align, reader)
+    _aligned(qp, "q_pe", q_align, reader)
+    if row_indices32:
+        if num_pages * page > _INT32_MAX or max_pages > _INT32_MAX:
+            raise ArgumentError(f"kv_cache/block_table: num_pages x page_size = {num_pages * page} cache rows and "
+                                f"max_pages {max_pages} must be < 2**31 (32-bit row indices)")
+    elif num_pages > _INT32_MAX or max_pages > _INT32_MAX:
         raise ArgumentError(f"kv_cache/block_table: num_pages {num_pages} and max_pages {max_pages} "
                             f"must be < 2**31")
+    return inputs, scale_log2
+
+
+def _given_outputs(out, lse, out_shape: tuple, lse_shape: tuple):
+    """The caller's out (bf16) and lse (float32) buffers as DevArrays, None where not given."""
+    oa = rt.device_array(out, "out", dtype="bf16", shape=out_shape) if out is not None else None
+    la = rt.device_array(lse, "lse", dtype="float32", shape=lse_shape) if lse is not None else None
+    return oa, la
+
+
+def _check_outputs(inputs: dict, outputs: dict, *, allowed: dict | None = None, reader: str = "kernel") -> None:
+    """The caller's output buffers (name -> DevArray or None: not given): on the device of the first
+    input, out 4-byte aligned, no memory shared with the inputs or each other (`allowed`: see _no_overlap)."""
+    given = {k: v for k, v in outputs.items() if v is not None}
+    if not given:
+        return
+    first = next(iter(inputs))
+    _same_device({first: inputs[first], **given})
+    if "out" in given:
+        _aligned(given["out"], "out", 4, reader)
+    _no_overlap(given, inputs, allowed)
+
+
+def _new_outputs(like: rt.DevArray, oa, la, out_shape: tuple, lse_shape: tuple):
+    """(out, lse): the given buffers, or new ones of the caller's kind on like's device."""
+    if oa is None:
+        oa = rt.device_array(rt.allocate(like, out_shape, "bf16"), "out", dtype="bf16", shape=out_shape)
+    if la is None:
+        la = rt.device_array(rt.allocate(like, lse_shape, "float32"), "lse", dtype="float32", shape=lse_shape)
+    return oa, la
+
+
+def _validate(tail: bool, inputs: dict, page_size: int) -> None:
+    """validate=True: the device-side lengths and block table on the host (a sync), before launch."""
+    pl, ql, bt = inputs["prefix_lens"], inputs["q_lens"], inputs["block_table"]
+    nq, num_pages = inputs["q_nope"].shape[1], inputs["kv_cache"].shape[0]
+    prefix, qlens, table = _host(pl).astype(np.int64), _host(ql).astype(np.int64), _host(bt).astype(np.int64)
+    max_pages = table.shape[1]
+    for b in range(len(qlens)):
+        q, L = int(qlens[b]), int(prefix[b])
+        if not 1 <= q <= nq:
+            raise ArgumentError(f"q_lens: request {b} has q_len {q}, must be in [1, Nq = {nq}]")
+        if L < 0:
+            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L}, must be >= 0")
+        if L + q > max_pages * page_size:
+            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L} + q_len {q} = {L + q} tokens, "
+                                f"more than block_table holds (max_pages {max_pages} x page_size {page_size} "
+                                f"= {max_pages * page_size})")
+        first, last = (L if tail else 0) // page_size, (L + q - 1) // page_size
+        used = table[b, first:last + 1]
+        bad = np.flatnonzero((used < 0) | (used >= num_pages))
+        if bad.size:
+            k = first + int(bad[0])
+            raise ArgumentError(f"block_table: request {b} entry [{b}, {k}] = {int(table[b, k])} is not a page "
+                                f"in [0, num_pages = {num_pages})")
+
+
+# ----------------------------------------------------------------------------- launchers
+
+IMPLS = ("auto", "mma", "simple")
+MMA_COMBINE = "tree_verify_mma_combine"
+
+
+def _loaded(kset, name: str) -> bool:
+    """Whether kernel `name` is loaded in kset (KernelSet.kernels). A kernel set without a `kernels`
+    list (a test stand-in) has the CUDA-core kernels only; looked up statically, so that a stand-in's
+    __getattr__ is not asked."""
+    if inspect.getattr_static(kset, "kernels", None) is None:
+        return False
+    return name in kset.kernels
+
+
+def _use_mma(kset, name: str, impl, workspace, num_splits) -> bool:
+    """Whether `impl` sends launcher `name` to the tensor-core kernel `name`_mma (see the module docstring)."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
+    if impl == "simple":
+        for arg, value in (("workspace", workspace), ("num_splits", num_splits)):
+            if value is not None:
+                raise ArgumentError(f"{arg}: only the tensor-core kernel takes it, but impl='simple' "
+                                    f"(the CUDA-core kernel) was asked")
+        return False
+    missing = [k for k in (f"{name}_mma", MMA_COMBINE) if not _loaded(kset, k)]
+    if impl == "mma" and missing:
+        raise ArgumentError(f"impl: 'mma' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
+                            f"{kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")
+    return not missing
+
+
+def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+               softmax_scale, out, lse, validate) -> AttentionOutput:
+    """The CUDA-core kernel `name`."""
+    spec = kset.spec
+    inputs, scale_log2 = _check_inputs(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                       softmax_scale, q_align=4)
+    qn = inputs["q_nope"]
+    b, nq, h, r = qn.shape
+    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
     plan = kset.plan(name)
     groups = plan.value(plan.consts["HEAD_GROUPS"])
     if groups * nq * b > _INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
-    oa = rt.device_array(out, "out", dtype="bf16", shape=(b, nq, h, r)) if out is not None else None
-    la = rt.device_array(lse, "lse", dtype="float32", shape=(b, nq, h)) if lse is not None else None
-    given = {k: v for k, v in (("out", oa), ("lse", la)) if v is not None}
-    if given:
-        _same_device({"q_nope": qn, **given})
-        if oa is not None:
-            _aligned(oa, "out", 4)
-        _no_overlap(given, inputs)
+    oa, la = _given_outputs(out, lse, (b, nq, h, r), (b, nq, h))
+    _check_outputs(inputs, {"out": oa, "lse": la})
     if validate and b:
-        _validate(tail, pl, ql, bt, nq, num_pages, page)
-    if oa is None:
-        oa = rt.device_array(rt.allocate(qn, (b, nq, h, r), "bf16"), "out", dtype="bf16", shape=(b, nq, h, r))
-    if la is None:
-        la = rt.device_array(rt.allocate(qn, (b, nq, h), "float32"), "lse", dtype="float32", shape=(b, nq, h))
+        _validate(tail, inputs, spec.page_size)
+    oa, la = _new_outputs(qn, oa, la, (b, nq, h, r), (b, nq, h))
     if b:
         kset.launch(name, grid=(groups * nq * b,),
-                    args=[qn, qp, kv, bt, pl, ql, tm, rt.f32(scale_log2), rt.i32(nq), rt.i32(max_pages),
-                          rt.i32(num_pages), oa, la], like=qn)
+                    args=[*inputs.values(), rt.f32(scale_log2), rt.i32(nq), rt.i32(max_pages), rt.i32(num_pages),
+                          oa, la], like=qn)
     return AttentionOutput(oa.obj, la.obj)
 
 
+def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits) -> AttentionOutput:
+    if _use_mma(kset, name, impl, workspace, num_splits):
+        from . import tree_verify_mma as mma   # not at import time: tree_verify_mma imports this module
+        launch = mma.tree_verify_tail if tail else mma.tree_verify
+        return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits)
+    return _attention(kset, name, tail, *args, out, lse, validate)
+
+
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                out=None, lse=None, *, validate=False) -> AttentionOutput:
+                out=None, lse=None, *, validate=False, impl="auto", workspace=None,
+                num_splits=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (DESIGN.md tree_verify), on the current stream.
 
     q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16,
@@ -255,17 +350,27 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     tree_mask [B,Nq,W] uint32, softmax_scale finite. Returns AttentionOutput(out [B,Nq,H,R] bf16,
     lse [B,Nq,H] float32); rows i >= q_len are not written. validate=True checks the device-side
     lengths and block table on the host first (a sync); see the module docstring.
+
+    impl: "auto" (the tensor-core kernel tree_verify_mma when the kernel set has it, else the
+    CUDA-core one), "mma" (the tensor-core kernel; ArgumentError if the kernel set lacks it) or
+    "simple" (the CUDA-core kernel). The tensor-core kernel needs q_nope and q_pe 16-byte aligned
+    (the CUDA-core one: 4) and takes workspace / num_splits (see tree_verify_mma.tree_verify);
+    they are refused with impl="simple" and unused when "auto" picks the CUDA-core kernel.
     """
-    return _attention(kset, "tree_verify", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                      tree_mask, softmax_scale, out, lse, validate)
+    return _dispatch(kset, "tree_verify", False,
+                     (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
+                     out, lse, validate, impl, workspace, num_splits)
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     out=None, lse=None, *, validate=False) -> AttentionOutput:
+                     out=None, lse=None, *, validate=False, impl="auto", workspace=None,
+                     num_splits=None) -> AttentionOutput:
     """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
-    merging with an external prefix kernel through merge_states. Same arguments as tree_verify."""
-    return _attention(kset, "tree_verify_tail", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                      tree_mask, softmax_scale, out, lse, validate)
+    merging with an external prefix kernel through merge_states. Same arguments as tree_verify
+    (impl "auto" / "mma" picks tree_verify_tail_mma)."""
+    return _dispatch(kset, "tree_verify_tail", True,
+                     (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
+                     out, lse, validate, impl, workspace, num_splits)
 
 
 def merge_states(kset, o_a, lse_a, o_b, lse_b, out=None, lse=None) -> AttentionOutput:
@@ -287,22 +392,13 @@ def merge_states(kset, o_a, lse_a, o_b, lse_b, out=None, lse=None) -> AttentionO
     _same_device(inputs)
     for k, v in inputs.items():
         _aligned(v, k, 4)
-    oo = rt.device_array(out, "out", dtype="bf16", shape=oa.shape) if out is not None else None
-    lo = rt.device_array(lse, "lse", dtype="float32", shape=lead) if lse is not None else None
-    given = {k: v for k, v in (("out", oo), ("lse", lo)) if v is not None}
-    if given:
-        _same_device({"o_a": oa, **given})
-        if oo is not None:
-            _aligned(oo, "out", 4)
-        _no_overlap(given, inputs, allowed={"out": ("o_a", "o_b"), "lse": ("lse_a", "lse_b")})
+    oo, lo = _given_outputs(out, lse, oa.shape, lead)
+    _check_outputs(inputs, {"out": oo, "lse": lo}, allowed={"out": ("o_a", "o_b"), "lse": ("lse_a", "lse_b")})
     rows = math.prod(lead)
     blocks = -(-rows // MERGE_WARPS)
     if blocks > _INT32_MAX:
         raise ArgumentError(f"o_a: {rows} rows are too many for one launch")
-    if oo is None:
-        oo = rt.device_array(rt.allocate(oa, oa.shape, "bf16"), "out", dtype="bf16", shape=oa.shape)
-    if lo is None:
-        lo = rt.device_array(rt.allocate(oa, lead, "float32"), "lse", dtype="float32", shape=lead)
+    oo, lo = _new_outputs(oa, oo, lo, oa.shape, lead)
     if rows:
         kset.launch("merge_states", grid=(blocks,), args=[oa, la, ob, lb, oo, lo, np.int64(rows)], like=oa)
     return AttentionOutput(oo.obj, lo.obj)

@@ -15,6 +15,11 @@ docs/perf.md for the performance model.
 * Device-side values behave as in the CUDA-core kernels: a request with q_len outside [1, Nq]
   or a negative prefix_len writes nothing; keys past the block table or on a page outside
   [0, num_pages) are not visible. validate=True checks them on the host first (a sync).
+* The argument checks are tree_verify.py's (one implementation for both), with the tensor-core
+  kernel's own limits: q_nope / q_pe 16-byte aligned (cp.async 16-byte units) and
+  num_pages x page_size < 2**31 (32-bit cache-row indices).
+* kset.tree_verify / kset.tree_verify_tail (tree_verify.py) launch these kernels by default
+  (impl="auto" when they are loaded, or impl="mma"); kset.tree_verify_mma calls them directly.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from ..errors import ArgumentError, SpecError
 from ..resources import SM90_MAX_REGS_PER_THREAD, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from ..types import AttentionOutput
 from . import KernelDef
+from .tree_verify import (_INT32_MAX, _aligned, _check_inputs, _check_outputs, _given_outputs, _new_outputs,
+                          _validate)
 
 TUNING_FILE = Path(__file__).with_name("tree_verify_mma_tuning.json")
 
@@ -43,10 +50,8 @@ CANDIDATES = ({"BN": 64, "STAGES": 2}, {"BN": 32, "STAGES": 3}, {"BN": 32, "STAG
 MAX_SPLITS = 32
 COMBINE_ROWS_PER_BLOCK = 8
 DEFAULT_SMS = 132       # H100 / H200 SXM, used when the device cannot be asked
-
-_ITEMSIZE = {"bf16": 2, "float32": 4, "int32": 4, "uint32": 4}
-_INT32_MAX = 2**31 - 1
-_LOG2E = 1.4426950408889634
+READER = "tensor-core kernel"   # in alignment messages
+Q_ALIGN = 16            # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
 
 # ------------------------------------------------------------------------ resource model
 
@@ -171,118 +176,6 @@ def predict(spec, b, L, nq=None, *, tflops=760.0, tbps=4.2) -> dict:
             "compute_ms": flops / (tflops * 1e12) * 1e3, "memory_ms": hbm / (tbps * 1e12) * 1e3}
 
 
-# ------------------------------------------------------------------------------ checks
-
-def _span(a: rt.DevArray) -> tuple[int, int]:
-    return a.ptr, a.ptr + math.prod(a.shape) * _ITEMSIZE.get(a.dtype, 1)
-
-
-def _overlap(a: rt.DevArray, b: rt.DevArray) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
-
-
-def _no_overlap(outputs: dict, inputs: dict) -> None:
-    for oname, o in outputs.items():
-        for iname, a in inputs.items():
-            if _overlap(o, a):
-                raise ArgumentError(f"{oname}: overlaps {iname} in memory (outputs must not share memory with inputs)")
-    names = list(outputs)
-    for x in range(len(names)):
-        for y in range(x + 1, len(names)):
-            if _overlap(outputs[names[x]], outputs[names[y]]):
-                raise ArgumentError(f"{names[y]}: overlaps {names[x]} in memory")
-
-
-def _aligned(a: rt.DevArray, name: str, alignment: int) -> None:
-    if a.ptr % alignment:
-        raise ArgumentError(f"{name}: data pointer {a.ptr:#x} is not {alignment}-byte aligned "
-                            f"(the tensor-core kernel reads it in {alignment}-byte units)")
-
-
-def _host(a: rt.DevArray) -> np.ndarray:
-    """A synchronizing host copy (validate=True only)."""
-    if a.kind == "torch":
-        return a.obj.detach().cpu().numpy()
-    import cupy
-    with cupy.cuda.Device(a.device):
-        return cupy.asnumpy(cupy.asarray(a.obj))
-
-
-def _validate(tail, pl, ql, bt, nq, num_pages, page_size) -> None:
-    prefix, qlens, table = _host(pl).astype(np.int64), _host(ql).astype(np.int64), _host(bt).astype(np.int64)
-    max_pages = table.shape[1]
-    for b in range(len(qlens)):
-        q, L = int(qlens[b]), int(prefix[b])
-        if not 1 <= q <= nq:
-            raise ArgumentError(f"q_lens: request {b} has q_len {q}, must be in [1, Nq = {nq}]")
-        if L < 0:
-            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L}, must be >= 0")
-        if L + q > max_pages * page_size:
-            raise ArgumentError(f"prefix_lens: request {b} has prefix_len {L} + q_len {q} = {L + q} tokens, "
-                                f"more than block_table holds (max_pages {max_pages} x page_size {page_size} "
-                                f"= {max_pages * page_size})")
-        first, last = (L if tail else 0) // page_size, (L + q - 1) // page_size
-        used = table[b, first:last + 1]
-        bad = np.flatnonzero((used < 0) | (used >= num_pages))
-        if bad.size:
-            k = first + int(bad[0])
-            raise ArgumentError(f"block_table: request {b} entry [{b}, {k}] = {int(table[b, k])} is not a page "
-                                f"in [0, num_pages = {num_pages})")
-
-
-def _check_inputs(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale):
-    """Shapes, dtypes, contiguity, devices, alignment and the spec's H / R / P / page_size / W (host only)."""
-    nh, rank, rope, page, n, w = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size,
-                                  spec.max_tree_size, spec.mask_words)
-    of = f"of spec {spec.name!r}"
-    qn = rt.device_array(q_nope, "q_nope", dtype="bf16", ndim=4)
-    b, nq, h, r = qn.shape
-    if h != nh:
-        raise ArgumentError(f"q_nope: H = {h} (dimension 2) must equal num_heads = {nh} {of}")
-    if r != rank:
-        raise ArgumentError(f"q_nope: R = {r} (dimension 3) must equal kv_lora_rank = {rank} {of}")
-    if not 1 <= nq <= n:
-        raise ArgumentError(f"q_nope: Nq = {nq} (dimension 1) must be in [1, max_tree_size = {n}] {of}")
-    qp = rt.device_array(q_pe, "q_pe", dtype="bf16", ndim=4)
-    if qp.shape[3] != rope:
-        raise ArgumentError(f"q_pe: P = {qp.shape[3]} (dimension 3) must equal qk_rope_head_dim = {rope} {of}")
-    if qp.shape != (b, nq, h, rope):
-        raise ArgumentError(f"q_pe: shape {qp.shape}, expected {(b, nq, h, rope)} (B, Nq, H of q_nope)")
-    kv = rt.device_array(kv_cache, "kv_cache", dtype="bf16", ndim=3)
-    num_pages, ps, row = kv.shape
-    if ps != page:
-        raise ArgumentError(f"kv_cache: page_size = {ps} (dimension 1) must equal page_size = {page} {of}")
-    if row != rank + rope:
-        raise ArgumentError(f"kv_cache: row width {row} (dimension 2) must equal kv_lora_rank + qk_rope_head_dim "
-                            f"= {rank + rope} {of}")
-    bt = rt.device_array(block_table, "block_table", dtype="int32", ndim=2)
-    if bt.shape[0] != b:
-        raise ArgumentError(f"block_table: {bt.shape[0]} rows (dimension 0), expected batch size {b} of q_nope")
-    pl = rt.device_array(prefix_lens, "prefix_lens", dtype="int32", shape=(b,))
-    ql = rt.device_array(q_lens, "q_lens", dtype="int32", shape=(b,))
-    tm = rt.device_array(tree_mask, "tree_mask", dtype="uint32", ndim=3)
-    if tm.shape[2] != w:
-        raise ArgumentError(f"tree_mask: W = {tm.shape[2]} (dimension 2) must equal mask_words = "
-                            f"ceil(max_tree_size / 32) = {w} {of}")
-    if tm.shape != (b, nq, w):
-        raise ArgumentError(f"tree_mask: shape {tm.shape}, expected {(b, nq, w)} (B, Nq of q_nope)")
-    scale = rt.float_arg(softmax_scale, "softmax_scale")
-    scale_log2 = scale * _LOG2E
-    if not abs(scale_log2) < float(np.finfo(np.float32).max):
-        raise ArgumentError(f"softmax_scale: {scale} is out of float32 range")
-    inputs = {"q_nope": qn, "q_pe": qp, "kv_cache": kv, "block_table": bt, "prefix_lens": pl, "q_lens": ql,
-              "tree_mask": tm}
-    rt.same_device(*inputs.values())
-    _aligned(kv, "kv_cache", 16)
-    _aligned(qn, "q_nope", 16)
-    _aligned(qp, "q_pe", 16)
-    if num_pages * page > _INT32_MAX or bt.shape[1] > _INT32_MAX:
-        raise ArgumentError(f"kv_cache/block_table: num_pages x page_size = {num_pages * page} cache rows and "
-                            f"max_pages {bt.shape[1]} must be < 2**31 (32-bit row indices)")
-    return inputs, scale_log2
-
-
 # ------------------------------------------------------------------------- split-KV
 
 @functools.lru_cache(maxsize=None)
@@ -330,12 +223,12 @@ def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
 def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
                softmax_scale, out, lse, validate, workspace, num_splits) -> AttentionOutput:
     spec = kset.spec
+    # the checks of the CUDA-core launchers (tree_verify.py), with 16-byte q and 32-bit cache-row indices
     inputs, scale_log2 = _check_inputs(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                       softmax_scale)
-    qn, kv, bt, pl, ql = inputs["q_nope"], inputs["kv_cache"], inputs["block_table"], inputs["prefix_lens"], \
-        inputs["q_lens"]
+                                       softmax_scale, q_align=Q_ALIGN, reader=READER, row_indices32=True)
+    qn, pl, ql = inputs["q_nope"], inputs["prefix_lens"], inputs["q_lens"]
     b, nq, h, r = qn.shape
-    num_pages, max_pages = kv.shape[0], bt.shape[1]
+    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
     plan = kset.plan(name)
     bn = plan.value(plan.consts["BN"])
     row_tiles = -(-nq * h // BM)
@@ -348,8 +241,7 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
     if b * splits * row_tiles > _INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
-    oa = rt.device_array(out, "out", dtype="bf16", shape=(b, nq, h, r)) if out is not None else None
-    la = rt.device_array(lse, "lse", dtype="float32", shape=(b, nq, h)) if lse is not None else None
+    oa, la = _given_outputs(out, lse, (b, nq, h, r), (b, nq, h))
     need = workspace_elems(spec, b, nq, splits)
     wa = None
     if workspace is not None and need:
@@ -362,28 +254,20 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
             raise ArgumentError(f"workspace: {math.prod(wa.shape)} float32 elements, {splits} key chunks need "
                                 f"{need} (workspace_elems(spec, B, Nq, splits))")
         wa = rt.DevArray(wa.obj, wa.ptr, (need,), "float32", wa.kind, wa._device)   # the part the kernels use
-        _aligned(wa, "workspace", 16)
-    given = {k: v for k, v in (("out", oa), ("lse", la), ("workspace", wa)) if v is not None}
-    if given:
-        rt.same_device(qn, *given.values())
-        if oa is not None:
-            _aligned(oa, "out", 4)
-        _no_overlap(given, inputs)
+        _aligned(wa, "workspace", 16, READER)
+    _check_outputs(inputs, {"out": oa, "lse": la, "workspace": wa}, reader=READER)
     if validate and b:
-        _validate(tail, pl, ql, bt, nq, num_pages, spec.page_size)
-    if oa is None:
-        oa = rt.device_array(rt.allocate(qn, (b, nq, h, r), "bf16"), "out", dtype="bf16", shape=(b, nq, h, r))
-    if la is None:
-        la = rt.device_array(rt.allocate(qn, (b, nq, h), "float32"), "lse", dtype="float32", shape=(b, nq, h))
+        _validate(tail, inputs, spec.page_size)
+    oa, la = _new_outputs(qn, oa, la, (b, nq, h, r), (b, nq, h))
     if need and wa is None:
         wa = rt.device_array(rt.allocate(qn, (need,), "float32"), "workspace", dtype="float32", shape=(need,))
     if b:
         part_o = wa.ptr if need else 0
         part_lse = wa.ptr + splits * rows_total * r * 4 if need else 0
         kset.launch(name, grid=(b * splits * row_tiles,),
-                    args=[qn, inputs["q_pe"], kv, bt, pl, ql, inputs["tree_mask"], rt.f32(scale_log2), rt.i32(nq),
-                          rt.i32(max_pages), rt.i32(num_pages), rt.i32(splits), np.int64(rows_total), oa, la,
-                          np.uint64(part_o), np.uint64(part_lse)], like=qn)
+                    args=[*inputs.values(), rt.f32(scale_log2), rt.i32(nq), rt.i32(max_pages), rt.i32(num_pages),
+                          rt.i32(splits), np.int64(rows_total), oa, la, np.uint64(part_o), np.uint64(part_lse)],
+                    like=qn)
         if splits > 1:
             _launch_combine(kset, np.uint64(part_o), np.uint64(part_lse), pl, ql, nq, splits, rows_total, oa, la, qn)
     return AttentionOutput(oa.obj, la.obj)
@@ -435,8 +319,8 @@ def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> Attention
     if wa.dtype != "float32" or not contiguous or math.prod(wa.shape) < need:
         raise ArgumentError(f"workspace: need a contiguous float32 array of >= {need} elements")
     rt.same_device(oa, la, pl, ql, wa)
-    _aligned(wa, "workspace", 16)
-    _aligned(oa, "out", 4)
+    _aligned(wa, "workspace", 16, READER)
+    _aligned(oa, "out", 4, READER)
     rows = b * nq * h
     if rows:
         _launch_combine(kset, np.uint64(wa.ptr), np.uint64(wa.ptr + splits * rows * r * 4), pl, ql, nq, splits, rows,
