@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import reference
+from .trees import ancestor_mask, tree_parents
 
 
 def gpu_time_ms(fn, *, warmup=5, reps=30) -> float:
@@ -181,14 +182,7 @@ def verify_inputs(spec, b: int, lens, nq: int, seed: int = 0):
         table[i, :per[i]] = perm[k:k + per[i]]
         k += per[i]
     # random trees: parent of node j uniformly among 0..j-1 (root 0)
-    mask = np.zeros((b, nq, spec.mask_words), np.uint32)
-    for i in range(b):
-        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, nq)]
-        for j in range(nq):
-            a = j
-            while a >= 0:
-                mask[i, j, a // 32] |= np.uint32(1 << (a % 32))
-                a = parent[a]
+    mask = np.stack([ancestor_mask(tree_parents("random", nq, rng), spec.mask_words) for _ in range(b)])
     g = cupy.random.default_rng(seed)
 
     def bf(shape):

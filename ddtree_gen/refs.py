@@ -13,6 +13,7 @@ import numpy as np
 
 from . import bf16, kdtr, paths, reference
 from .spec import Spec
+from .trees import ancestor_mask
 
 INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask", "first_child", "next_sibling",
             "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after"}
@@ -62,24 +63,13 @@ def _paged(spec, rng, lens, extra_pages=2):
     return kv, table
 
 
-def _ancestor_mask(parents, n_words):
-    nq = len(parents)
-    mask = np.zeros((nq, n_words), np.uint32)
-    for i in range(nq):
-        j = i
-        while j >= 0:
-            mask[i, j // 32] |= np.uint32(1 << (j % 32))
-            j = parents[j]
-    return mask
-
-
 def _verify_inputs(spec, rng, case):
     h, r, p = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
     nq = 3
     prefix = np.array([70], np.int32)
     q_lens = np.array([3], np.int32)
     kv, table = _paged(spec, rng, prefix + q_lens)
-    mask = _ancestor_mask([-1, 0, 0], spec.mask_words)[None]
+    mask = ancestor_mask([-1, 0, 0], spec.mask_words)[None]
     return {"q_nope": bf16.to_bits(rng.standard_normal((1, nq, h, r))),
             "q_pe": bf16.to_bits(rng.standard_normal((1, nq, h, p))),
             "kv_cache": kv, "block_table": table, "prefix_lens": prefix, "q_lens": q_lens, "tree_mask": mask,

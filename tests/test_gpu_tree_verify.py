@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +25,8 @@ import pytest
 
 from ddtree_gen import bf16, reference
 from ddtree_gen.errors import ArgumentError
+from verify_cases import (VerifyInputs, bf16_nan, fresh_seed, make_inputs, random_bf16_bounded as random_bf16,
+                          to_device, to_host)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,126 +43,6 @@ def vset(spec):
     """The spec's compiled attention kernels only (no need to build the other families)."""
     import ddtree_gen
     return ddtree_gen.load(spec, kernels=KERNELS)
-
-
-def to_device(x):
-    import cupy
-    return cupy.asarray(x)
-
-
-def to_host(x):
-    import cupy
-    return cupy.asnumpy(x)
-
-
-def fresh_seed() -> int:
-    env = os.environ.get("DDTREE_TEST_SEED")
-    return int(env) if env else secrets.randbits(32)
-
-
-def random_bf16(rng, shape) -> np.ndarray:
-    """Random bf16 bits: random sign and mantissa, exponent 124..127, i.e. values +-[0.125, 2)
-    (RMS about 1). Drawn as raw 64-bit words (fast: B = 64 requests of 128 heads is 272 M values)."""
-    n = math.prod(shape)
-    bits = rng.integers(0, 2**64 - 1, -(-n // 4), dtype=np.uint64, endpoint=True).view(np.uint16)[:n]
-    bits = bits.reshape(shape)
-    bits &= np.uint16(0x81FF)   # sign, the 2 low exponent bits, mantissa
-    bits |= np.uint16(0x3E00)   # exponent 0b011111xx = 124..127
-    return bits
-
-
-def bf16_nan(bits) -> np.ndarray:
-    return (bits & np.uint16(0x7FFF)) > np.uint16(0x7F80)
-
-
-def tree_parents(kind: str, q: int, rng) -> np.ndarray:
-    """parents[j] < j, parents[0] = -1: a chain, a star (all children of the root), a full binary
-    tree, or a random tree."""
-    j = np.arange(q)
-    if kind == "chain":
-        p = j - 1
-    elif kind == "star":
-        p = np.where(j > 0, 0, -1)
-    elif kind == "binary":
-        p = (j - 1) // 2
-    elif kind == "random":
-        p = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, q)])
-    else:
-        raise ValueError(kind)
-    p[0] = -1
-    return p
-
-
-def ancestor_mask(parents: np.ndarray, words: int) -> np.ndarray:
-    """[q, words] uint32: bit j of row i set iff j is i or an ancestor of i."""
-    q = len(parents)
-    m = np.zeros((q, words), np.uint32)
-    for i in range(q):
-        j = i
-        while j >= 0:
-            m[i, j // 32] |= np.uint32(1 << (j % 32))
-            j = int(parents[j])
-    return m
-
-
-@dataclass
-class VerifyInputs:
-    """One batch on the host (bf16 as uint16 bits); .device() gives the launcher's arguments."""
-    q_nope: np.ndarray       # [B, Nq, H, R]
-    q_pe: np.ndarray         # [B, Nq, H, P]
-    kv_cache: np.ndarray     # [num_pages, page, R + P]
-    block_table: np.ndarray  # [B, max_pages] int32
-    prefix_lens: np.ndarray  # [B] int32
-    q_lens: np.ndarray       # [B] int32
-    tree_mask: np.ndarray    # [B, Nq, W] uint32
-    seed: int
-
-    @property
-    def shape(self):
-        return self.q_nope.shape
-
-    def host(self) -> dict:
-        return dict(q_nope=self.q_nope, q_pe=self.q_pe, kv_cache=self.kv_cache, block_table=self.block_table,
-                    prefix_lens=self.prefix_lens, q_lens=self.q_lens, tree_mask=self.tree_mask)
-
-    def device(self, **replace) -> dict:
-        return {k: to_device(v) for k, v in {**self.host(), **replace}.items()}
-
-
-def make_inputs(spec, rng, prefix_lens, q_lens, trees, *, nq=None, extra_pages=5, junk_bits=False,
-                seed=0) -> VerifyInputs:
-    """A batch: random bf16 q / kv, ancestor masks of the given tree kinds, pages from a random
-    permutation of a cache larger than needed, unused block-table entries garbage. junk_bits sets
-    random mask bits at and past q_len (they name keys outside the call: ignored) and fills rows
-    >= q_len with random words."""
-    h, r, p, page, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size, spec.mask_words
-    b = len(prefix_lens)
-    nq = spec.max_tree_size if nq is None else nq
-    prefix_lens = np.asarray(prefix_lens, np.int32)
-    q_lens = np.asarray(q_lens, np.int32)
-    need = [-(-(int(L) + int(q)) // page) for L, q in zip(prefix_lens, q_lens)]
-    num_pages = sum(need) + extra_pages
-    max_pages = max(need) + 1
-    perm = rng.permutation(num_pages).astype(np.int32)
-    garbage = np.array([-1, -7, num_pages, 2**31 - 1, -2**31], np.int32)
-    table = rng.choice(garbage, size=(b, max_pages)).astype(np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    mask = np.zeros((b, nq, w), np.uint32)
-    if junk_bits:
-        mask[:] = rng.integers(0, 2**32, size=mask.shape, dtype=np.uint32)
-    for i, (q, kind) in enumerate(zip(q_lens, trees)):
-        tree = ancestor_mask(tree_parents(kind, int(q), rng), w)
-        if junk_bits:  # keep the random bits at positions >= q
-            keep = np.array([sum(1 << k for k in range(32) if 32 * word + k >= q) for word in range(w)], np.uint32)
-            mask[i, :q] = (mask[i, :q] & keep) | tree
-        else:
-            mask[i, :q] = tree
-    return VerifyInputs(q_nope=random_bf16(rng, (b, nq, h, r)), q_pe=random_bf16(rng, (b, nq, h, p)),
-                        kv_cache=random_bf16(rng, (num_pages, page, r + p)), block_table=table,
-                        prefix_lens=prefix_lens, q_lens=q_lens, tree_mask=mask, seed=seed)
 
 
 def poisoned(shape):

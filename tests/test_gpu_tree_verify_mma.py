@@ -9,8 +9,7 @@ float64 reference is computed once per case, on a few heads for long prefixes.
 """
 from __future__ import annotations
 
-import os
-import secrets
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +17,8 @@ import pytest
 
 from ddtree_gen import bf16, reference
 from ddtree_gen.errors import ArgumentError
+from verify_cases import VerifyInputs as Inputs, fresh_seed, to_device, to_host
+from verify_cases import make_inputs as _make_inputs, random_bf16_normal as random_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -37,110 +38,8 @@ def mset(spec):
     return ddtree_gen.load(spec, kernels=KERNELS)
 
 
-def to_device(x):
-    import cupy
-    return cupy.asarray(x)
-
-
-def to_host(x):
-    import cupy
-    return cupy.asnumpy(x)
-
-
-def fresh_seed() -> int:
-    env = os.environ.get("DDTREE_TEST_SEED")
-    return int(env) if env else secrets.randbits(32)
-
-
-def random_bf16(rng, shape) -> np.ndarray:
-    """bf16 bits of N(0, 1) samples (truncated: the bits are the data, the reference reads the same)."""
-    return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def tree_parents(kind: str, q: int, rng) -> np.ndarray:
-    j = np.arange(q)
-    if kind == "chain":
-        p = j - 1
-    elif kind == "star":
-        p = np.where(j > 0, 0, -1)
-    elif kind == "binary":
-        p = (j - 1) // 2
-    elif kind == "random":
-        p = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, q)])
-    else:
-        raise ValueError(kind)
-    p[0] = -1
-    return p
-
-
-def ancestor_mask(parents: np.ndarray, words: int) -> np.ndarray:
-    q = len(parents)
-    m = np.zeros((q, words), np.uint32)
-    for i in range(q):
-        j = i
-        while j >= 0:
-            m[i, j // 32] |= np.uint32(1 << (j % 32))
-            j = int(parents[j])
-    return m
-
-
-@dataclass
-class Inputs:
-    q_nope: np.ndarray
-    q_pe: np.ndarray
-    kv_cache: np.ndarray
-    block_table: np.ndarray
-    prefix_lens: np.ndarray
-    q_lens: np.ndarray
-    tree_mask: np.ndarray
-
-    @property
-    def shape(self):
-        return self.q_nope.shape
-
-    def host(self, **replace) -> dict:
-        d = dict(q_nope=self.q_nope, q_pe=self.q_pe, kv_cache=self.kv_cache, block_table=self.block_table,
-                 prefix_lens=self.prefix_lens, q_lens=self.q_lens, tree_mask=self.tree_mask)
-        d.update(replace)
-        return d
-
-    def device(self, **replace) -> dict:
-        return {k: to_device(v) for k, v in self.host(**replace).items()}
-
-
-def make_inputs(spec, rng, prefix_lens, q_lens, trees, *, nq=None, extra_pages=5, junk_bits=False) -> Inputs:
-    """Random bf16 q / kv, ancestor masks, pages from a random permutation of a larger cache,
-    unused block-table entries garbage; junk_bits: random mask bits at and past q_len and in rows >= q_len."""
-    h, r, p, page, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size, spec.mask_words
-    b = len(prefix_lens)
-    nq = spec.max_tree_size if nq is None else nq
-    prefix_lens = np.asarray(prefix_lens, np.int32)
-    q_lens = np.asarray(q_lens, np.int32)
-    need = [-(-(int(L) + int(q)) // page) for L, q in zip(prefix_lens, q_lens)]
-    num_pages = sum(need) + extra_pages
-    max_pages = max(need) + 1
-    perm = rng.permutation(num_pages).astype(np.int32)
-    garbage = np.array([-1, -7, num_pages, 2**31 - 1, -2**31], np.int32)
-    table = rng.choice(garbage, size=(b, max_pages)).astype(np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    mask = np.zeros((b, nq, w), np.uint32)
-    if junk_bits:
-        mask[:] = rng.integers(0, 2**32, size=mask.shape, dtype=np.uint32)
-    for i, (q, kind) in enumerate(zip(q_lens, trees)):
-        tree = ancestor_mask(tree_parents(kind, int(q), rng), w)
-        if junk_bits:
-            keep = np.zeros(w * 32, bool)
-            keep[q:] = True
-            keep_words = np.packbits(keep.reshape(w, 32)[:, ::-1], axis=1).view(">u4").ravel().astype(np.uint32)
-            mask[i, :q] = (mask[i, :q] & keep_words) | tree
-        else:
-            mask[i, :q] = tree
-    return Inputs(q_nope=random_bf16(rng, (b, nq, h, r)), q_pe=random_bf16(rng, (b, nq, h, p)),
-                  kv_cache=random_bf16(rng, (num_pages, page, r + p)), block_table=table,
-                  prefix_lens=prefix_lens, q_lens=q_lens, tree_mask=mask)
+# the tensor-core tests draw q / kv as bf16 N(0, 1) samples
+make_inputs = functools.partial(_make_inputs, bf16=random_bf16)
 
 
 def poisoned(shape):
