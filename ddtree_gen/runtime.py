@@ -200,6 +200,7 @@ class KernelSet:
         self._built = built
         self._functions = {}
         self._plans = {}
+        self._constants = {}
         for kdef in kdefs if kdefs is not None else all_kernels():
             if kdef.name not in built:
                 continue
@@ -214,6 +215,7 @@ class KernelSet:
             # launch geometry is evaluated once here: sympy has no place on the launch path
             self._functions[kdef.name] = (module, fn, (plan.value(plan.threads),), dyn)
             self._plans[kdef.name] = plan
+            self._constants[kdef.name] = plan.template_constants()
             setattr(self, kdef.name, _bind(kdef.launch, self))
 
     @property
@@ -222,6 +224,10 @@ class KernelSet:
 
     def plan(self, name):
         return self._plans[name]
+
+    def constants(self, name) -> dict:
+        """The kernel's template constants (THREADS, BN, ...), evaluated once at load."""
+        return self._constants[name]
 
     def launch(self, name: str, *, grid: tuple, args: list, like: DevArray, block=None, smem=None):
         """Launch kernel `name` on the caller's current stream, on the caller's device."""

@@ -74,6 +74,9 @@ class FakeKernelSet:
         from ddtree_gen.kernels import by_name
         return by_name(name).plan(self.spec)
 
+    def constants(self, name):
+        return self.plan(name).template_constants()
+
 
 @pytest.fixture
 def fake_device(monkeypatch):

@@ -24,22 +24,8 @@ class KernelDef:
 
 def all_kernels() -> list[KernelDef]:
     """Every kernel built for every spec, in build order."""
-    from . import tree_build
-    defs = list(tree_build.KERNELS)
-    for mod in _optional_modules():
-        defs.extend(mod.KERNELS)
-    return defs
-
-
-def _optional_modules():
-    # Kernel families land one at a time; a family module exists once its template does.
-    import importlib
-    for name in ("tree_verify", "tree_verify_mma", "tree_accept"):
-        try:
-            yield importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
+    from . import tree_accept, tree_build, tree_verify, tree_verify_mma
+    return [*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_accept.KERNELS]
 
 
 def by_name(name: str) -> KernelDef:

@@ -315,8 +315,7 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    plan = kset.plan(name)
-    groups = plan.value(plan.consts["HEAD_GROUPS"])
+    groups = kset.constants(name)["HEAD_GROUPS"]
     if groups * nq * b > _INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied

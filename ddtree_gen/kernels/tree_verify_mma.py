@@ -129,6 +129,7 @@ def candidates(spec) -> list[dict]:
     return [dict(c) for c in CANDIDATES if fits(spec, c)]
 
 
+@functools.lru_cache(maxsize=None)  # read on every launch (choose_splits): no sympy on the launch path
 def config_for(spec) -> dict:
     """The compiled configuration of a spec: the tuned one if it fits, else the first candidate that fits."""
     tuned = _tuning().get(spec.name, {}).get("config")
@@ -229,8 +230,7 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
     qn, pl, ql = inputs["q_nope"], inputs["prefix_lens"], inputs["q_lens"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    plan = kset.plan(name)
-    bn = plan.value(plan.consts["BN"])
+    bn = kset.constants(name)["BN"]
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     if num_splits is None:
