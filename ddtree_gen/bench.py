@@ -252,7 +252,7 @@ def bench_tree_verify(args) -> None:
         flops = float(sum(2 * h * nq * (int(li) + nq) * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
                           for li in lens))
         impls = {}
-        for impl in ("mma", "simple"):
+        for impl in ("wgmma", "mma", "simple"):
             out = ks.tree_verify(**x, impl=impl)
             impls[f"ours ({impl})"] = lambda impl=impl, out=out: ks.tree_verify(**x, out=out.out, lse=out.lse,
                                                                                 impl=impl)

@@ -1,4 +1,4 @@
-"""Compiling: CUDA source -> sm_90 cubin with NVRTC (through CuPy), plus the ptxas report.
+"""Compiling: CUDA source -> sm_90a cubin with NVRTC (through CuPy), plus the ptxas report.
 
 Needs no GPU and no CUDA toolkit: NVRTC comes from its pip wheel.
 """
@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from .errors import BuildError
 from .resources import PtxasReport
 
-ARCH = "sm_90"
+# sm_90a: Hopper's architecture-specific target, for wgmma (tree_verify_wgmma). Its cubins run on
+# compute capability 9.0 exactly (H100 / H200), the chips the kernels are written for.
+ARCH = "sm_90a"
 OPTIONS = (f"--gpu-architecture={ARCH}", "--std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
 
 

@@ -14,7 +14,7 @@ is unknown.
 Worker (`python -m ddtree_gen.sanitize --worker [SPEC...] [--kernel K]...`): loads each spec's
 kernel set and launches every registered kernel on small edge-case inputs (batch 2-3), with a
 device synchronization after each launch: tree_build with budget 0 and N-1 and NaN / +-inf
-log-probs; tree_verify, tree_verify_tail (and the _mma versions, also with forced split-KV)
+log-probs; tree_verify, tree_verify_tail (and the _mma and _wgmma versions, also with forced split-KV)
 with prefix_len 0, 63, 64, 65, q_len 1 and Nq, an empty row, a permuted block table, and the
 out-of-range lengths and pages the kernels promise to tolerate; merge_states with empty sides (-inf, +inf, NaN), both sides empty, a row
 count that is not a multiple of the block, and in place; tree_accept with full and zero
@@ -403,12 +403,13 @@ def _verify_mma_cases(spec, rng):
 
 CASES = {"tree_build": _tree_build_cases, "tree_verify": _verify_cases, "tree_verify_tail": _verify_cases,
          "merge_states": _merge_cases, "tree_accept": _accept_cases,
-         "tree_verify_mma": _verify_mma_cases, "tree_verify_tail_mma": _verify_mma_cases}
+         "tree_verify_mma": _verify_mma_cases, "tree_verify_tail_mma": _verify_mma_cases,
+         "tree_verify_wgmma": _verify_mma_cases, "tree_verify_tail_wgmma": _verify_mma_cases}
 # registered kernels that are launched by another kernel's cases rather than on their own
-LAUNCHED_BY = {"tree_verify_mma_combine": "tree_verify_mma / tree_verify_tail_mma with num_splits > 1"}
+LAUNCHED_BY = {"tree_verify_mma_combine": "the tensor-core tree_verify kernels with num_splits > 1"}
 # kernel -> the module under ddtree_gen/kernels/ that registers it (for the "not present" note)
 MODULES = {"tree_verify_tail": "tree_verify", "merge_states": "tree_verify", "tree_verify_tail_mma": "tree_verify_mma",
-           "tree_verify_mma_combine": "tree_verify_mma"}
+           "tree_verify_mma_combine": "tree_verify_mma", "tree_verify_tail_wgmma": "tree_verify_wgmma"}
 
 
 def _to_device(value, cupy):

@@ -36,6 +36,7 @@ POISON_LSE = np.uint32(0x7FC00000)  # float32 NaN
 SCALES = {"mla": 192 ** -0.5, "one": 1.0}
 KERNELS = ("tree_verify", "tree_verify_tail", "merge_states")
 MMA_KERNELS = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
+WGMMA_KERNELS = ("tree_verify_wgmma", "tree_verify_tail_wgmma")
 
 
 @pytest.fixture
@@ -239,11 +240,13 @@ def test_out_none_allocates_cupy(vset, spec):
 
 @pytest.mark.parametrize("name", ["tree_verify", "tree_verify_tail"])
 def test_impl_auto(vset, spec, name):
-    """impl="auto" (the default) is the tensor-core kernel when the kernel set has it: the same bits
-    as <name>_mma called directly, within the bar of the reference; on a set without it (vset),
-    auto is the CUDA-core kernel and impl="mma" is refused."""
+    """impl="auto" (the default) is the fastest tensor-core kernel the kernel set has: the same bits
+    as <name>_wgmma called directly when it is loaded, as <name>_mma when only that family is, within
+    the bar of the reference; impl="wgmma" / "mma" pick that kernel; on a set without them (vset),
+    auto is the CUDA-core kernel and impl="wgmma" / "mma" are refused."""
     import ddtree_gen
-    ks = ddtree_gen.load(spec, kernels=KERNELS + MMA_KERNELS)
+    full = ddtree_gen.load(spec, kernels=KERNELS + MMA_KERNELS + WGMMA_KERNELS)
+    mma_only = ddtree_gen.load(spec, kernels=KERNELS + MMA_KERNELS)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [70, 0, 1000], [65, 5, 33], ["random", "star", "binary"], seed=seed)
@@ -254,25 +257,32 @@ def test_impl_auto(vset, spec, name):
     fn = reference.tree_verify if name == "tree_verify" else reference.tree_verify_tail
     ref = fn(**{**host, "q_nope": host["q_nope"][:, :, heads], "q_pe": host["q_pe"][:, :, heads]},
              softmax_scale=scale)
-    for kw in ({}, {"impl": "auto"}):
+
+    def launch(fn, **kw):
         out, lse = poisoned(inp.shape)
-        res = getattr(ks, name)(**inp.device(), softmax_scale=scale, out=out, lse=lse, **kw)
+        res = fn(**inp.device(), softmax_scale=scale, out=out, lse=lse, **kw)
         assert res.out is out and res.lse is lse
-        auto_o, auto_l = to_host(out), to_host(lse)
-        out2, lse2 = poisoned(inp.shape)
-        getattr(ks, f"{name}_mma")(**inp.device(), softmax_scale=scale, out=out2, lse=lse2)
-        mma_o, mma_l = to_host(out2), to_host(lse2)
-        assert (auto_o == mma_o).all() and (auto_l.view(np.uint32) == mma_l.view(np.uint32)).all(), \
-            f"{tag} {kw}: not the tensor-core kernel's bits"
-        check_rows_written(auto_o, auto_l, inp.q_lens, tag)
-        check_against(auto_o, auto_l, ref, inp.q_lens, heads, tag)
-    # without the tensor-core kernels loaded: auto is the CUDA-core kernel, "mma" an ArgumentError
-    assert not set(MMA_KERNELS) & set(vset.kernels)
+        return to_host(out), to_host(lse)
+
+    direct = {kind: launch(getattr(full, f"{name}_{kind}")) for kind in ("wgmma", "mma")}
+    for ks, kw, want in ((full, {}, "wgmma"), (full, {"impl": "auto"}, "wgmma"), (full, {"impl": "wgmma"}, "wgmma"),
+                         (full, {"impl": "mma"}, "mma"), (mma_only, {}, "mma")):
+        got_o, got_l = launch(getattr(ks, name), **kw)
+        want_o, want_l = direct[want]
+        assert (got_o == want_o).all() and (got_l.view(np.uint32) == want_l.view(np.uint32)).all(), \
+            f"{tag} {kw} {ks.kernels}: not the {want} kernel's bits"
+        check_rows_written(got_o, got_l, inp.q_lens, tag)
+        check_against(got_o, got_l, ref, inp.q_lens, heads, tag)
+    with pytest.raises(ArgumentError, match="impl: 'wgmma' needs"):
+        launch(getattr(mma_only, name), impl="wgmma")
+    # without the tensor-core kernels loaded: auto is the CUDA-core kernel, "wgmma" / "mma" an ArgumentError
+    assert not set(MMA_KERNELS + WGMMA_KERNELS) & set(vset.kernels)
     simple = run(vset, name, inp, scale)
     auto = run(vset, name, inp, scale, impl="auto")
     assert (simple[0] == auto[0]).all() and (simple[1].view(np.uint32) == auto[1].view(np.uint32)).all(), tag
-    with pytest.raises(ArgumentError, match="impl"):
-        run(vset, name, inp, scale, impl="mma")
+    for impl in ("wgmma", "mma"):
+        with pytest.raises(ArgumentError, match="impl"):
+            run(vset, name, inp, scale, impl=impl)
 
 
 # ------------------------------------------------------------------- device-side values

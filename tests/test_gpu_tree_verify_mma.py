@@ -1,4 +1,6 @@
-"""tree_verify_mma / tree_verify_tail_mma (tensor cores, split-KV) on the GPU against the float64 references.
+"""The tensor-core kernels on the GPU against the float64 references: tree_verify_mma /
+tree_verify_tail_mma (mma.sync) and tree_verify_wgmma / tree_verify_tail_wgmma (wgmma), with split-KV
+through tree_verify_mma_combine. Every test runs on both families.
 
 The numerical bar of DESIGN.md, per (request, row, head): ||out - ref|| <= 5e-3 ||ref||,
 |lse - ref| <= 1e-3, no NaN, every row < q_len written, every row >= q_len byte-identical to the
@@ -26,8 +28,10 @@ OUT_TOL, LSE_TOL = 5e-3, 1e-3
 POISON_OUT = 0xFFFF                 # a bf16 NaN pattern the kernels never write
 POISON_LSE = np.uint32(0x7FC00000)  # float32 NaN
 SCALES = {"mla": 192 ** -0.5, "one": 1.0}
-KERNELS = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
-NAMES = ("tree_verify_mma", "tree_verify_tail_mma")
+KERNELS = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine", "tree_verify_wgmma",
+           "tree_verify_tail_wgmma")
+FAMILIES = ("mma", "wgmma")
+NAMES = tuple(f"{n}_{fam}" for fam in FAMILIES for n in ("tree_verify", "tree_verify_tail"))
 SPLITS = (1, 5, None)               # off, forced on, the launcher's choice
 
 
@@ -98,9 +102,13 @@ def check_against(out_bits, lse, ref, q_lens, heads, tag):
                                       f"(row, head) {np.argwhere(full)[k]}")
 
 
+def is_tail(name):
+    return name.startswith("tree_verify_tail")
+
+
 def reference_for(name, inp: Inputs, scale, heads, **replace):
     host = inp.host(**replace)
-    fn = reference.tree_verify if name == "tree_verify_mma" else reference.tree_verify_tail
+    fn = reference.tree_verify_tail if is_tail(name) else reference.tree_verify
     return fn(**{**host, "q_nope": host["q_nope"][:, :, heads], "q_pe": host["q_pe"][:, :, heads]},
               softmax_scale=scale)
 
@@ -190,22 +198,23 @@ def test_empty_rows(mset, spec):
             for b, i in [(0, 0), (0, 1), (1, 0)]:
                 assert (out_bits[b, i] == 0).all() and np.isneginf(lse[b, i]).all(), f"{tag} splits={splits}"
             assert (out_bits[0, 2] != 0).any() and np.isfinite(lse[0, 2]).all(), f"{tag} splits={splits}"
-            if name == "tree_verify_mma":
+            if not is_tail(name):
                 assert np.isfinite(lse[2, :2]).all(), tag
             else:
                 assert np.isneginf(lse[2, :2]).all() and (out_bits[2, :2] == 0).all(), tag
 
 
-def test_composition_prefix_plus_tail(mset, spec):
-    """tree_verify_mma == merge_states(tree_verify_mma with an all-zero mask (prefix only), tail_mma)."""
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_composition_prefix_plus_tail(mset, spec, fam):
+    """tree_verify_<fam> == merge_states(tree_verify_<fam> with an all-zero mask (prefix only), tail_<fam>)."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [0, 4096, 100, 64], [65, 33, 2, 64], ["random", "binary", "chain", "star"])
-    tag = f"{spec.name} composition seed={seed}"
+    tag = f"{fam} {spec.name} composition seed={seed}"
     scale = SCALES["mla"]
-    full_o, full_l = run(mset, "tree_verify_mma", inp, scale)
-    pre_o, pre_l = run(mset, "tree_verify_mma", inp, scale, tree_mask=np.zeros_like(inp.tree_mask))
-    tail_o, tail_l = run(mset, "tree_verify_tail_mma", inp, scale)
+    full_o, full_l = run(mset, f"tree_verify_{fam}", inp, scale)
+    pre_o, pre_l = run(mset, f"tree_verify_{fam}", inp, scale, tree_mask=np.zeros_like(inp.tree_mask))
+    tail_o, tail_l = run(mset, f"tree_verify_tail_{fam}", inp, scale)
     assert np.isneginf(pre_l[0, :65]).all() and (pre_o[0, :65] == 0).all(), tag
     for b, q in enumerate(inp.q_lens):
         m = reference.merge_states(pre_o[b, :q], pre_l[b, :q], tail_o[b, :q], tail_l[b, :q])
@@ -215,7 +224,8 @@ def test_composition_prefix_plus_tail(mset, spec):
         assert np.abs(m.lse - full_l[b, :q]).max() <= LSE_TOL, f"{tag}: request {b}: lse"
 
 
-def test_matches_cuda_core_kernel(spec):
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_matches_cuda_core_kernel(spec, fam):
     """Where the CUDA-core tree_verify is built, both agree within the bar (impl="simple": kset.tree_verify
     would otherwise pick the tensor-core kernel, loaded in the same set)."""
     import ddtree_gen
@@ -226,7 +236,7 @@ def test_matches_cuda_core_kernel(spec):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [70, 0, 1000], [65, 5, 33], ["random", "star", "binary"])
-    a_o, a_l = run(ks, "tree_verify_mma", inp, SCALES["mla"])
+    a_o, a_l = run(ks, f"tree_verify_{fam}", inp, SCALES["mla"])
     out, lse = poisoned(inp.shape)
     ks.tree_verify(**inp.device(), softmax_scale=SCALES["mla"], out=out, lse=lse, impl="simple")
     b_o, b_l = to_host(out), to_host(lse)
@@ -234,39 +244,42 @@ def test_matches_cuda_core_kernel(spec):
         x = bf16.from_bits(a_o[b, :q]).astype(np.float64)
         y = bf16.from_bits(b_o[b, :q]).astype(np.float64)
         rel = np.linalg.norm(x - y, axis=-1) / np.linalg.norm(y, axis=-1)
-        assert rel.max() <= 2 * OUT_TOL, f"seed={seed}: request {b}: mma vs cuda-core {rel.max():.3g}"
+        assert rel.max() <= 2 * OUT_TOL, f"seed={seed}: request {b}: {fam} vs cuda-core {rel.max():.3g}"
         assert np.abs(a_l[b, :q] - b_l[b, :q]).max() <= 2 * LSE_TOL, f"seed={seed}: request {b}: lse"
 
 
-def test_out_none_allocates_and_workspace(mset, spec):
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_out_none_allocates_and_workspace(mset, spec, fam):
     import cupy
+    launch = getattr(mset, f"tree_verify_{fam}")
     from ddtree_gen.kernels import tree_verify_mma as mod
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [700, 0], [65, 5], ["random", "star"])
-    res = mset.tree_verify_mma(**inp.device(), softmax_scale=SCALES["mla"], num_splits=3)
+    res = launch(**inp.device(), softmax_scale=SCALES["mla"], num_splits=3)
     assert isinstance(res.out, cupy.ndarray) and res.out.dtype == np.uint16 and res.out.shape == inp.shape
     assert isinstance(res.lse, cupy.ndarray) and res.lse.dtype == np.float32 and res.lse.shape == inp.shape[:3]
     b, nq = inp.shape[:2]
     ws = cupy.full(mod.workspace_elems(spec, b, nq, 3) + 16, np.nan, np.float32)   # reused scratch
     out_bits, lse = poisoned(inp.shape)
-    mset.tree_verify_mma(**inp.device(), softmax_scale=SCALES["mla"], out=out_bits, lse=lse, workspace=ws,
-                         num_splits=3)
+    launch(**inp.device(), softmax_scale=SCALES["mla"], out=out_bits, lse=lse, workspace=ws, num_splits=3)
     for k in range(inp.shape[0]):
         q = inp.q_lens[k]
         assert (to_host(res.out)[k, :q] == to_host(out_bits)[k, :q]).all(), f"seed={seed}"
         assert (to_host(res.lse)[k, :q].view(np.uint32) == to_host(lse)[k, :q].view(np.uint32)).all(), f"seed={seed}"
     with pytest.raises(ArgumentError, match="workspace"):
-        mset.tree_verify_mma(**inp.device(), softmax_scale=SCALES["mla"], workspace=ws[:10], num_splits=3)
+        launch(**inp.device(), softmax_scale=SCALES["mla"], workspace=ws[:10], num_splits=3)
     with pytest.raises(ArgumentError, match="16-byte aligned"):
         q = cupy.zeros(inp.q_nope.size + 4, np.uint16)[4:].reshape(inp.shape)   # 8-byte offset
-        mset.tree_verify_mma(**inp.device(q_nope=q), softmax_scale=SCALES["mla"])
+        launch(**inp.device(q_nope=q), softmax_scale=SCALES["mla"])
 
 
-def test_cuda_graph_capture(mset, spec):
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cuda_graph_capture(mset, spec, fam):
     """With out, lse and workspace given, a launch (auto split count) captures into a CUDA graph
     and replays to the eager result: nothing reads device values on the host."""
     import cupy
+    launch = getattr(mset, f"tree_verify_{fam}")
     from ddtree_gen.kernels import tree_verify_mma as mod
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -275,13 +288,13 @@ def test_cuda_graph_capture(mset, spec):
     b, nq = inp.shape[:2]
     ws = cupy.empty(mod.workspace_elems(spec, b, nq, mod.MAX_SPLITS), np.float32)
     eager_o, eager_l = poisoned(inp.shape)
-    mset.tree_verify_mma(**dev, softmax_scale=SCALES["mla"], out=eager_o, lse=eager_l, workspace=ws)
+    launch(**dev, softmax_scale=SCALES["mla"], out=eager_o, lse=eager_l, workspace=ws)
     cupy.cuda.get_current_stream().synchronize()
     out, lse = poisoned(inp.shape)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        mset.tree_verify_mma(**dev, softmax_scale=SCALES["mla"], out=out, lse=lse, workspace=ws)
+        launch(**dev, softmax_scale=SCALES["mla"], out=out, lse=lse, workspace=ws)
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
@@ -380,13 +393,15 @@ def test_validate(mset, spec, name):
     assert "request 0" in msg, msg
 
 
-def test_argument_errors(mset, spec):
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_argument_errors(mset, spec, fam):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [10], [3], ["chain"])
+    full, tail = getattr(mset, f"tree_verify_{fam}"), getattr(mset, f"tree_verify_tail_{fam}")
     with pytest.raises(ArgumentError, match="num_splits"):
-        mset.tree_verify_mma(**inp.device(), softmax_scale=1.0, num_splits=0)
+        full(**inp.device(), softmax_scale=1.0, num_splits=0)
     with pytest.raises(ArgumentError, match="q_nope"):
-        mset.tree_verify_mma(**inp.device(q_nope=inp.q_nope.astype(np.float32)), softmax_scale=1.0)
+        full(**inp.device(q_nope=inp.q_nope.astype(np.float32)), softmax_scale=1.0)
     with pytest.raises(ArgumentError, match="tree_mask"):
-        mset.tree_verify_tail_mma(**inp.device(tree_mask=inp.tree_mask[:, :, :1].copy()), softmax_scale=1.0)
+        tail(**inp.device(tree_mask=inp.tree_mask[:, :, :1].copy()), softmax_scale=1.0)

@@ -33,6 +33,7 @@ class RecordingKernelSet(FakeKernelSet):
 
 
 MMA_NAMES = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
+WGMMA_NAMES = ("tree_verify_wgmma", "tree_verify_tail_wgmma")
 
 
 class MmaKernelSet(RecordingKernelSet):
@@ -400,6 +401,33 @@ def test_impl_auto_picks_mma_when_loaded(spec, name, launcher, fake_device):
         assert len(a) == 17   # the tensor-core kernel's arguments (see test_impl_mma_launch_args)
     got, _ = launched(launcher, MmaKernelSet(spec), **args, impl="mma", num_splits=1)
     assert got == f"{name}_mma"
+
+
+@pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
+def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
+    """With both tensor-core families loaded, auto (and the default) is wgmma, "mma" still picks
+    mma; the wgmma launch carries the same arguments as the mma one (same signature, same workspace);
+    without the combine kernel neither family is used by auto, and "wgmma" names what is missing."""
+    full = ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES, *WGMMA_NAMES)
+    new = Arrays()
+    args = verify_args(spec, new)
+    ws = new((mma.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
+    launches = {}
+    for kw, want in (({}, "wgmma"), ({"impl": "auto"}, "wgmma"), ({"impl": "wgmma"}, "wgmma"), ({"impl": "mma"}, "mma")):
+        got, k = launched(launcher, MmaKernelSet(spec, full), **args, workspace=ws, num_splits=3, **kw)
+        assert got == f"{name}_{want}", (kw, got)
+        launches[want] = [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k["args"]]
+    assert len(launches["wgmma"]) == 17 and launches["wgmma"] == launches["mma"]
+    no_combine = [k for k in full if k != "tree_verify_mma_combine"]
+    got, _ = launched(launcher, MmaKernelSet(spec, no_combine), **args)
+    assert got == name
+    with pytest.raises(ArgumentError, match="impl: 'wgmma' needs") as e:
+        launcher(MmaKernelSet(spec), **args, impl="wgmma")
+    assert f"{name}_wgmma" in str(e.value)
+    from ddtree_gen.kernels import tree_verify_wgmma as wg
+    direct = wg.tree_verify_tail if name == "tree_verify_tail" else wg.tree_verify
+    with pytest.raises(ArgumentError, match="num_splits: 3 key chunks need tree_verify_mma_combine"):
+        direct(MmaKernelSet(spec, no_combine), **args, num_splits=3)
 
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])

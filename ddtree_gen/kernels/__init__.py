@@ -24,8 +24,9 @@ class KernelDef:
 
 def all_kernels() -> list[KernelDef]:
     """Every kernel built for every spec, in build order."""
-    from . import tree_accept, tree_build, tree_verify, tree_verify_mma
-    return [*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_accept.KERNELS]
+    from . import tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
+    return [*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_verify_wgmma.KERNELS,
+            *tree_accept.KERNELS]
 
 
 def by_name(name: str) -> KernelDef:

@@ -1,14 +1,17 @@
 """tree_verify, tree_verify_tail and merge_states: MLA tree attention for DDTree verification.
 
-See DESIGN.md ("tree_verify", "merge_states"). Two implementations share the launchers
-tree_verify / tree_verify_tail (kset.tree_verify(..., impl="auto"|"mma"|"simple")):
-  * "mma": the tensor-core kernels of tree_verify_mma.py (tree_verify_mma / tree_verify_tail_mma,
-    split-KV with tree_verify_mma_combine); they take workspace= and num_splits=;
+See DESIGN.md ("tree_verify", "merge_states"). Three implementations share the launchers
+tree_verify / tree_verify_tail (kset.tree_verify(..., impl="auto"|"wgmma"|"mma"|"simple")):
+  * "wgmma": the Hopper warpgroup tensor-core kernels of tree_verify_wgmma.py
+    (tree_verify_wgmma / tree_verify_tail_wgmma, split-KV with tree_verify_mma_combine), the
+    fastest; they take workspace= and num_splits=;
+  * "mma": the mma.sync tensor-core kernels of tree_verify_mma.py (tree_verify_mma /
+    tree_verify_tail_mma, same split-KV, workspace and num_splits);
   * "simple": the CUDA-core kernels of this module: one block per (request, query row, group of
     heads), keys streamed through shared memory in double-buffered tiles with an online softmax,
     so any prefix length runs in fixed shared memory;
-  * "auto" (the default): the tensor-core kernel when the kernel set has it loaded (with its
-    combine kernel), else the CUDA-core one.
+  * "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel) the
+    kernel set has loaded, else the CUDA-core one.
 
 Decision: values that live on the device are not read on the host by default. An engine
 captures these launches in CUDA graphs, where a host copy of prefix_lens / q_lens /
@@ -26,7 +29,7 @@ call would use outside [0, num_pages); the message names the argument, request a
 
 Shapes, dtypes, contiguity, devices, the spec's H / R / P / page_size / W, alignment and
 overlap of outputs with inputs are always checked on the host (no device access). These checks
-live here and serve both implementations (tree_verify_mma.py imports them); what differs per
+live here and serve every implementation (tree_verify_mma.py imports them); what differs per
 kernel is a parameter: the alignment of q_nope / q_pe (4 bytes here, 16 for the tensor cores)
 and the 32-bit limits (the tensor-core kernel also needs num_pages * page_size < 2**31).
 merge_states allows out to be o_a or o_b, and lse to be lse_a or lse_b (in-place merge);
@@ -276,7 +279,8 @@ def _validate(tail: bool, inputs: dict, page_size: int) -> None:
 
 # ----------------------------------------------------------------------------- launchers
 
-IMPLS = ("auto", "mma", "simple")
+IMPLS = ("auto", "wgmma", "mma", "simple")
+TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
 MMA_COMBINE = "tree_verify_mma_combine"
 
 
@@ -289,21 +293,24 @@ def _loaded(kset, name: str) -> bool:
     return name in kset.kernels
 
 
-def _use_mma(kset, name: str, impl, workspace, num_splits) -> bool:
-    """Whether `impl` sends launcher `name` to the tensor-core kernel `name`_mma (see the module docstring)."""
+def _pick_impl(kset, name: str, impl, workspace, num_splits) -> str:
+    """Which implementation `impl` sends launcher `name` to: "wgmma", "mma" or "simple" (module docstring)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
     if impl == "simple":
         for arg, value in (("workspace", workspace), ("num_splits", num_splits)):
             if value is not None:
-                raise ArgumentError(f"{arg}: only the tensor-core kernel takes it, but impl='simple' "
+                raise ArgumentError(f"{arg}: only the tensor-core kernels take it, but impl='simple' "
                                     f"(the CUDA-core kernel) was asked")
-        return False
-    missing = [k for k in (f"{name}_mma", MMA_COMBINE) if not _loaded(kset, k)]
-    if impl == "mma" and missing:
-        raise ArgumentError(f"impl: 'mma' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
-                            f"{kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")
-    return not missing
+        return "simple"
+    for kind in TENSOR_CORE_IMPLS if impl == "auto" else (impl,):
+        missing = [k for k in (f"{name}_{kind}", MMA_COMBINE) if not _loaded(kset, k)]
+        if not missing:
+            return kind
+        if impl != "auto":
+            raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
+                                f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")
+    return "simple"
 
 
 def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
@@ -332,11 +339,14 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
 
 
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits) -> AttentionOutput:
-    if _use_mma(kset, name, impl, workspace, num_splits):
-        from . import tree_verify_mma as mma   # not at import time: tree_verify_mma imports this module
-        launch = mma.tree_verify_tail if tail else mma.tree_verify
-        return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits)
-    return _attention(kset, name, tail, *args, out, lse, validate)
+    kind = _pick_impl(kset, name, impl, workspace, num_splits)
+    if kind == "simple":
+        return _attention(kset, name, tail, *args, out, lse, validate)
+    # not at import time: the tensor-core modules import this one
+    from . import tree_verify_mma, tree_verify_wgmma
+    module = tree_verify_wgmma if kind == "wgmma" else tree_verify_mma
+    launch = module.tree_verify_tail if tail else module.tree_verify
+    return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits)
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -350,11 +360,12 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     lse [B,Nq,H] float32); rows i >= q_len are not written. validate=True checks the device-side
     lengths and block table on the host first (a sync); see the module docstring.
 
-    impl: "auto" (the tensor-core kernel tree_verify_mma when the kernel set has it, else the
-    CUDA-core one), "mma" (the tensor-core kernel; ArgumentError if the kernel set lacks it) or
-    "simple" (the CUDA-core kernel). The tensor-core kernel needs q_nope and q_pe 16-byte aligned
-    (the CUDA-core one: 4) and takes workspace / num_splits (see tree_verify_mma.tree_verify);
-    they are refused with impl="simple" and unused when "auto" picks the CUDA-core kernel.
+    impl: "auto" (tree_verify_wgmma, else tree_verify_mma, whichever the kernel set has loaded
+    first, else the CUDA-core kernel), "wgmma" / "mma" (that tensor-core kernel; ArgumentError
+    if the kernel set lacks it) or "simple" (the CUDA-core kernel). The tensor-core kernels need
+    q_nope and q_pe 16-byte aligned (the CUDA-core one: 4) and take workspace / num_splits (see
+    tree_verify_mma.tree_verify); they are refused with impl="simple" and unused when "auto"
+    picks the CUDA-core kernel.
     """
     return _dispatch(kset, "tree_verify", False,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
@@ -366,7 +377,7 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
                      num_splits=None) -> AttentionOutput:
     """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
     merging with an external prefix kernel through merge_states. Same arguments as tree_verify
-    (impl "auto" / "mma" picks tree_verify_tail_mma)."""
+    (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma)."""
     return _dispatch(kset, "tree_verify_tail", True,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
                      out, lse, validate, impl, workspace, num_splits)

@@ -51,6 +51,7 @@ MAX_SPLITS = 32
 COMBINE_ROWS_PER_BLOCK = 8
 DEFAULT_SMS = 132       # H100 / H200 SXM, used when the device cannot be asked
 READER = "tensor-core kernel"   # in alignment messages
+COMBINE = "tree_verify_mma_combine"   # the split-KV combine of both tensor-core families
 Q_ALIGN = 16            # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
 
 # ------------------------------------------------------------------------ resource model
@@ -238,6 +239,9 @@ def _attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_len
         splits = choose_splits(spec, b, nq, max_keys, bn, _sm_count(qn.device) if b else DEFAULT_SMS)
     else:
         splits = rt.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
+    if splits > 1 and COMBINE not in getattr(kset, "kernels", ()):
+        raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
+                            f"spec {spec.name!r} (load it, or pass num_splits=1)")
     if b * splits * row_tiles > _INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
@@ -277,7 +281,7 @@ def _launch_combine(kset, part_o, part_lse, pl, ql, nq, splits, rows_total, oa, 
     blocks = -(-rows_total // COMBINE_ROWS_PER_BLOCK)
     if blocks > _INT32_MAX:
         raise ArgumentError(f"q_nope: {rows_total} rows are too many for one launch")
-    kset.launch("tree_verify_mma_combine", grid=(blocks,),
+    kset.launch(COMBINE, grid=(blocks,),
                 args=[part_o, part_lse, pl, ql, rt.i32(nq), rt.i32(splits), np.int64(rows_total), oa, la], like=like)
 
 

@@ -1,0 +1,46 @@
+"""Development aid (not a test): time tree_verify_wgmma with parts of the tile loop removed
+(results are wrong on purpose), to see where a tile's time goes."""
+from __future__ import annotations
+
+import numpy as np
+
+import ddtree_gen
+from ddtree_gen import artifacts, runtime as rt
+from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
+from ddtree_gen.kernels import by_name
+from ddtree_gen.render import render
+
+REFILL = "if (nn < n_tiles) stage_tile(nn % STAGES, next_src);"
+CUTS = {
+    "base": [],
+    "half-refill": [(REFILL, "if (nn < n_tiles && ck < BN / 2) stage_tile(nn % STAGES, next_src);")],
+    "quarter-refill": [(REFILL, "if (nn < n_tiles && ck < BN / 4) stage_tile(nn % STAGES, next_src);")],
+    "no-refill": [(REFILL, "")],
+    "l2-256": [("cp.async.cg.shared.global [%0]", "cp.async.cg.shared.global.L2::256B [%0]")],
+}
+
+
+def main():
+    for b, h, l in [(8, 128, 4096), (8, 64, 16384)]:
+        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        base = ddtree_gen.load(spec, kernels=["tree_verify_mma_combine"])
+        x = verify_inputs(spec, b, np.full(b, l), 65)
+        kdef = by_name("tree_verify_wgmma")
+        src0 = render(spec, kdef)
+        row = [f"B={b} H={h} L={l}"]
+        for name, cuts in CUTS.items():
+            src = src0
+            for a, c in cuts:
+                assert a in src, (name, a)
+                src = src.replace(a, c)
+            built = artifacts.compile_variant(spec, kdef, source=src)
+            ks = rt.KernelSet(spec, {"tree_verify_wgmma": built, **base._built}, kdefs=None)
+            out = ks.tree_verify_wgmma(**x, num_splits=1)
+            ms = graph_time_ms(lambda: ks.tree_verify_wgmma(**x, out=out.out, lse=out.lse, num_splits=1),
+                               per_graph=5, reps=10)
+            row.append(f"{name} {ms:.3f} (regs {built.report.registers})")
+        print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
