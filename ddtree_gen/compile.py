@@ -4,6 +4,7 @@ Needs no GPU and no CUDA toolkit: NVRTC comes from its pip wheel.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -34,12 +35,20 @@ _PROPS_RE = re.compile(r"Function properties for (\S+)")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
+_PERF_RE = re.compile(r"\((C\d+)\) Potential Performance Loss: (.*)")
+_PERF_FUNC_RE = re.compile(r"in the function '([^']+)'")
 
 
 def parse_ptxas(log: str) -> dict:
-    """Parse `ptxas -v` output into {entry: PtxasReport}."""
-    reports, current, frame = {}, None, {}
+    """Parse `ptxas -v` output into {entry: PtxasReport}. A "Potential Performance Loss" note goes to
+    the function it names, or to every entry of the log when it names none (C7507 does not)."""
+    reports, current, frame, perf = {}, None, {}, []
     for line in log.splitlines():
+        m = _PERF_RE.search(line)
+        if m:
+            f = _PERF_FUNC_RE.search(m.group(2))
+            perf.append((f.group(1) if f else None, f"{m.group(1)} {' '.join(m.group(2).split())}"))
+            continue
         m = _FUNC_RE.search(line)
         if m:
             current = m.group(1)
@@ -58,6 +67,10 @@ def parse_ptxas(log: str) -> dict:
             stack, st, ld = frame.get(current, (0, 0, 0))
             reports[current] = PtxasReport(registers=int(m.group(1)), smem=int(s.group(1)) if s else 0,
                                            stack=stack, spill_stores=st, spill_loads=ld)
+    for name, report in reports.items():
+        notes = tuple(dict.fromkeys(msg for func, msg in perf if func in (None, name)))
+        if notes:
+            reports[name] = dataclasses.replace(report, perf_warnings=notes)
     return reports
 
 

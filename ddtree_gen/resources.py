@@ -94,10 +94,16 @@ class PtxasReport:
     spill_stores: int
     spill_loads: int
     cmem: dict = field(default_factory=dict)
+    # ptxas "Potential Performance Loss" notes (C75xx), e.g. wgmma serialized or setmaxnreg ignored:
+    # the kernel is correct but not the one the template meant to build
+    perf_warnings: tuple = ()
 
     def as_dict(self) -> dict:
-        return {"registers": self.registers, "smem": self.smem, "stack": self.stack,
-                "spill_stores": self.spill_stores, "spill_loads": self.spill_loads}
+        out = {"registers": self.registers, "smem": self.smem, "stack": self.stack,
+               "spill_stores": self.spill_stores, "spill_loads": self.spill_loads}
+        if self.perf_warnings:
+            out["perf_warnings"] = list(self.perf_warnings)
+        return out
 
 
 def compare(plan: Plan, report: PtxasReport) -> list[str]:
@@ -113,4 +119,6 @@ def compare(plan: Plan, report: PtxasReport) -> list[str]:
         problems.append(f"register spills: {report.spill_stores} B stored, {report.spill_loads} B loaded")
     if report.stack:
         problems.append(f"stack frame of {report.stack} B (local memory); the model predicts none")
+    for w in report.perf_warnings:
+        problems.append(f"ptxas: {w}")
     return problems

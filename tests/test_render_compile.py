@@ -63,6 +63,39 @@ ptxas info    : Used 255 registers
     assert reps["b"].registers == 255 and reps["b"].smem == 0
 
 
+def test_parse_ptxas_performance_notes():
+    """ptxas's "Potential Performance Loss" notes (seen while building tree_verify_wgmma: wgmma serialized,
+    setmaxnreg ignored) reach the report of the function they name, or of every entry when they name none,
+    and resources.compare turns them into a model-vs-ptxas disagreement."""
+    from ddtree_gen.kernels import by_name
+    from ddtree_gen.resources import compare
+    log = """ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum register requirements.
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'b' in line 0
+ptxas info    : Compiling entry function 'a' for 'sm_90a'
+ptxas info    : Function properties for a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers
+ptxas info    : Compiling entry function 'b' for 'sm_90a'
+ptxas info    : Function properties for b
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers
+"""
+    reps = nvrtc_compile.parse_ptxas(log)
+    assert [w[:5] for w in reps["a"].perf_warnings] == ["C7507"]
+    assert [w[:5] for w in reps["b"].perf_warnings] == ["C7507", "C7514"]
+    assert "of a wgmma" in reps["b"].perf_warnings[1]           # whitespace normalised
+    assert reps["b"].as_dict()["perf_warnings"] == list(reps["b"].perf_warnings)
+    clean = nvrtc_compile.parse_ptxas(log.split("\n", 2)[2])          # without the two notes
+    assert clean["b"].perf_warnings == () and "perf_warnings" not in clean["b"].as_dict()
+    problems = compare(by_name("tree_build").plan(_any_spec()), reps["b"])
+    assert any(p.startswith("ptxas: C7514") for p in problems), problems
+
+
+def _any_spec():
+    from ddtree_gen import artifacts
+    return artifacts.find_spec("kimi-k2.6-tp8")
+
+
 def test_jinja_environment_is_strict():
     env = render._environment(str(render.templates_dir()))
     assert env.undefined is jinja2.StrictUndefined
