@@ -90,14 +90,9 @@ static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
 #define SMEM_BYTES (SOK_OFF + STAGES * BN * 4)
 static_assert(SMEM_BYTES == 231680, "template layout and resource plan disagree");
 
+// Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
+// the including template defines MASK_WORDS first.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// Byte offset of 16-byte chunk c of row r in a [rows][SROW] bf16 tile. Chunk index XOR (r mod 8):
-// the 8 rows an ldmatrix phase reads at one logical chunk land in 8 different bank groups.
-// SROW is a multiple of 64 (8 chunks), so c ^ (r & 7) stays inside the row.
-__device__ __forceinline__ uint32_t swz(int r, int c) {
-    return (uint32_t)(r * (SROW * 2) + ((c ^ (r & 7)) << 4));
-}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
     // src-size 0 zero-fills the 16 bytes and reads nothing
@@ -107,22 +102,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// d += a (16x16, row) * b (16x8, col), bf16 in, fp32 accumulate
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, "
-                 "{ %8, %9}, { %0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // two floats -> bf16x2 (RNE): lo in bits 0-15 (the lower address), hi in bits 16-31
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     uint32_t r;
@@ -134,7 +113,7 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; ex2(-inf) = +0
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// barrier of the two warps of row group g (ids 1..4; 0 is __syncthreads)
+// barrier of the two warps that share row group g (ids 1..4; 0 is __syncthreads)
 __device__ __forceinline__ void pair_barrier(int g) {
     asm volatile("bar.sync %0, 64;\n" :: "r"(g + 1) : "memory");
 }
@@ -151,6 +130,30 @@ __device__ __forceinline__ bool mask_bit(const uint32_t (&m)[MASK_WORDS], int j)
     #pragma unroll
     for (int w = 1; w < MASK_WORDS; ++w) word = sel_u32((j >> 5) == w, m[w], word);
     return (word >> (j & 31)) & 1u;
+}
+
+// Byte offset of 16-byte chunk c of row r in a [rows][SROW] bf16 tile. Chunk index XOR (r mod 8):
+// the 8 rows an ldmatrix phase reads at one logical chunk land in 8 different bank groups.
+// SROW is a multiple of 64 (8 chunks), so c ^ (r & 7) stays inside the row.
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+    return (uint32_t)(r * (SROW * 2) + ((c ^ (r & 7)) << 4));
+}
+
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// d += a (16x16, row) * b (16x8, col), bf16 in, fp32 accumulate
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, "
+                 "{ %8, %9}, { %0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -205,7 +208,6 @@ ddtree_tree_verify_tail_mma(const bf16_t* __restrict__ q_nope,       // [B, Nq, 
     // (an int: prefix - c_lo is in (-q_len, prefix] for a non-empty chunk, and an empty chunk, where it
     // is unused, starts at most splits * BN keys past t_hi)
     const int pre = (int)((long long)prefix - c_lo);
-
     unsigned char* const sQ = smem + SQ_OFF;
     unsigned char* const sK = smem + SK_OFF;
     unsigned char* const sP = smem + SP_OFF;

@@ -91,12 +91,9 @@ static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
 static_assert(SMEM_BYTES == 230400, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
+// Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
+// the including template defines MASK_WORDS first.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// Byte offset of 16-byte chunk c of row r in a 64-row tile: slab c / 8, row r, chunk (c mod 8) ^ (r mod 8).
-__device__ __forceinline__ uint32_t swz(int r, int c) {
-    return (uint32_t)((c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
     // src-size 0 zero-fills the 16 bytes and reads nothing
@@ -106,6 +103,41 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+// two floats -> bf16x2 (RNE): lo in bits 0-15 (the lower address), hi in bits 16-31
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float ex2(float x) {   // 2^x; ex2(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// barrier of the two warps that share row group g (ids 1..4; 0 is __syncthreads)
+__device__ __forceinline__ void pair_barrier(int g) {
+    asm volatile("bar.sync %0, 64;\n" :: "r"(g + 1) : "memory");
+}
+// Selects the compiler cannot turn into an indexed (local-memory) access of a register array.
+__device__ __forceinline__ uint32_t sel_u32(bool c, uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
+        : "=r"(r) : "r"(a), "r"(b), "r"((unsigned)c));
+    return r;
+}
+// bit j (0 <= j < 32 W) of a tree-mask row kept in registers
+__device__ __forceinline__ bool mask_bit(const uint32_t (&m)[MASK_WORDS], int j) {
+    uint32_t word = m[0];
+    #pragma unroll
+    for (int w = 1; w < MASK_WORDS; ++w) word = sel_u32((j >> 5) == w, m[w], word);
+    return (word >> (j & 31)) & 1u;
+}
+
+// Byte offset of 16-byte chunk c of row r in a 64-row tile: slab c / 8, row r, chunk (c mod 8) ^ (r mod 8).
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+    return (uint32_t)((c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
 // generic-proxy writes to shared memory (cp.async, st.shared) become visible to the tensor cores' reads
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -144,35 +176,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b)
                  : "l"(a), "l"(b), "r"(1));
 }
 
-// two floats -> bf16x2 (RNE): lo in bits 0-15 (the lower address), hi in bits 16-31
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float ex2(float x) {   // 2^x; ex2(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-// barrier of warp g of both warpgroups (ids 1..4; 0 is __syncthreads)
-__device__ __forceinline__ void pair_barrier(int g) {
-    asm volatile("bar.sync %0, 64;\n" :: "r"(g + 1) : "memory");
-}
-// Selects the compiler cannot turn into an indexed (local-memory) access of a register array.
-__device__ __forceinline__ uint32_t sel_u32(bool c, uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
-        : "=r"(r) : "r"(a), "r"(b), "r"((unsigned)c));
-    return r;
-}
-// bit j (0 <= j < 32 W) of a tree-mask row kept in registers
-__device__ __forceinline__ bool mask_bit(const uint32_t (&m)[MASK_WORDS], int j) {
-    uint32_t word = m[0];
-    #pragma unroll
-    for (int w = 1; w < MASK_WORDS; ++w) word = sel_u32((j >> 5) == w, m[w], word);
-    return (word >> (j & 31)) & 1u;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
@@ -224,8 +227,9 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     const int n_keys = c_hi > c_lo ? (int)(c_hi - c_lo) : 0;                 // keys of this chunk
     const int n_tiles = (n_keys + BN - 1) / BN;                                // block-uniform
     // key t = c_lo + rel (rel = n * BN + tile column); t < prefix iff rel < pre; tree node t - prefix = rel - pre
+    // (an int: prefix - c_lo is in (-q_len, prefix] for a non-empty chunk, and an empty chunk, where it
+    // is unused, starts at most splits * BN keys past t_hi)
     const int pre = (int)((long long)prefix - c_lo);
-
     unsigned char* const sQ = smem + SQ_OFF;
     unsigned char* const sK = smem + SK_OFF;
     unsigned char* const sP = smem + SP_OFF;
