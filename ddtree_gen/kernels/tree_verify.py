@@ -281,7 +281,7 @@ def _validate(tail: bool, inputs: dict, page_size: int) -> None:
 
 IMPLS = ("auto", "wgmma", "mma", "simple")
 TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
-MMA_COMBINE = "tree_verify_mma_combine"
+MMA_COMBINE = "tree_verify_mma_combine"   # the split-KV combine of both tensor-core families
 
 
 def _loaded(kset, name: str) -> bool:

@@ -39,6 +39,7 @@ from ..types import AttentionOutput
 from . import KernelDef
 from .tree_verify import (_INT32_MAX, _aligned, _check_inputs, _check_outputs, _given_outputs, _new_outputs,
                           _validate)
+from .tree_verify import MMA_COMBINE as COMBINE   # the split-KV combine of both tensor-core families
 
 TUNING_FILE = Path(__file__).with_name("tree_verify_mma_tuning.json")
 
@@ -52,7 +53,6 @@ MAX_SPLITS = 32
 COMBINE_ROWS_PER_BLOCK = 8
 DEFAULT_SMS = 132       # H100 / H200 SXM, used when the device cannot be asked
 READER = "tensor-core kernel"   # in alignment messages
-COMBINE = "tree_verify_mma_combine"   # the split-KV combine of both tensor-core families
 Q_ALIGN = 16            # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
 
 # ------------------------------------------------------------------------ resource model
