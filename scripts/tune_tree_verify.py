@@ -8,7 +8,7 @@ against the float64 reference, time it (CUDA events, median), print a table, wri
 Per spec: for each configuration (BN, STAGES) whose shared memory fits, compile it (ptxas must
 report no spill and no stack, or it is dropped), run a validation matrix against
 ddtree_gen.reference.tree_verify / tree_verify_tail (full and tail kernels, split-KV off and on,
-prefixes 0 .. 4096, random trees; the numerical bar of DESIGN.md); a configuration that fails is
+prefixes 0 .. 4096, random trees; the numerical bar of docs/contract.md); a configuration that fails is
 never timed nor chosen. Then every batch size of the sweep is timed with every useful split count.
 The configuration with the smallest geometric mean of (best time per batch) wins; its best split
 count per shape class (B x row tiles rounded up to a power of two) goes to the tuning file
