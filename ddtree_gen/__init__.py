@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 def load(spec, *, kernels=None):
     """The compiled kernel set of `spec` (name in specs/, path to a .toml, or Spec)."""
-    from .runtime import load as _load
+    from .kernel_set import load as _load   # imported on use: `import ddtree_gen` stays light
     return _load(spec, kernels=kernels)
 
 

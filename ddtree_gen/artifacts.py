@@ -21,7 +21,7 @@ from . import paths
 from .compile import OPTIONS, compile_source, nvrtc_version
 from .errors import BuildError, SpecError
 from .fileio import atomic_write, file_lock
-from .kernels import KernelDef, all_kernels
+from .plans import KernelDef, all_kernels
 from .render import render, templates_digest
 from .resources import PtxasReport, compare
 from .spec import Spec, load_spec, spec_paths

@@ -128,10 +128,10 @@ def cpu_heap_builder(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
 
 def bench_tree_build(args) -> None:
     import cupy
-    import ddtree_gen
     from .artifacts import find_spec
+    from .kernel_set import load
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
-    ks = ddtree_gen.load(spec, kernels=["tree_build"])
+    ks = load(spec, kernels=["tree_build"])
     budget = spec.max_tree_size - 1
     rows = []
     rng = np.random.default_rng(0)
@@ -236,16 +236,16 @@ def torch_peers(x):
 
 
 def bench_tree_verify(args) -> None:
-    import ddtree_gen
-    import ddtree_gen.artifacts
+    from .artifacts import find_spec
+    from .kernel_set import load
     peak = measured_peak_tflops()
     nq = 65
     rows, plot = [], []
     for b, h, l in VERIFY_CONFIGS:
         if args.spec and SPEC_BY_HEADS[h] not in args.spec:
             continue
-        spec = ddtree_gen.artifacts.find_spec(SPEC_BY_HEADS[h])
-        ks = ddtree_gen.load(spec)
+        spec = find_spec(SPEC_BY_HEADS[h])
+        ks = load(spec)
         rng = np.random.default_rng(1)
         lens = rng.integers(64, 16384, size=b) if l == "mixed" else np.full(b, l)
         x = verify_inputs(spec, b, lens, nq)
@@ -304,16 +304,3 @@ def _plot(points, peak, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
-
-
-BENCHES = {"tree_build": bench_tree_build, "tree_verify": bench_tree_verify}
-
-
-def main(args) -> int:
-    from .errors import DdtreeError
-    for name in args.kernels:
-        if name not in BENCHES:
-            raise DdtreeError(f"no benchmark for {name!r} (have: {', '.join(BENCHES)})")
-    for name in args.kernels:
-        BENCHES[name](args)
-    return 0

@@ -92,9 +92,19 @@ def cmd_refs(args) -> int:
     return refs.main(args)
 
 
+BENCHES = ("tree_build", "tree_verify", "launch")
+
+
 def cmd_bench(args) -> int:
-    from . import bench
-    return bench.main(args)
+    from . import bench, bench_launch
+    run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
+           "launch": bench_launch.bench_launch}
+    for name in args.kernels:
+        if name not in run:
+            raise DdtreeError(f"no benchmark for {name!r} (have: {', '.join(BENCHES)})")
+    for name in args.kernels:
+        run[name](args)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="compare refs/ with the references instead")
     r.set_defaults(func=cmd_refs)
     be = sub.add_parser("bench", help="time kernels against their peers on the GPU")
-    be.add_argument("kernels", nargs="+", help="tree_build, tree_verify, ...")
+    be.add_argument("kernels", nargs="+", help=f"what to bench: {', '.join(BENCHES)}")
     be.add_argument("--spec", action="append", help="spec(s) to bench (default: per benchmark)")
     be.add_argument("--out", help="write the table (and plot) to this folder")
     be.set_defaults(func=cmd_bench)

@@ -1,4 +1,4 @@
-"""Numpy references of the kernels (the oracles of DESIGN.md), one function per kernel.
+"""Numpy references of the kernels (the oracles of docs/contract.md), one function per kernel.
 
 tree_build and tree_accept are the bit-exact oracles of the discrete kernels; the
 attention references compute in float64. Float inputs may be any float dtype, an
@@ -112,7 +112,7 @@ def _score(parent_score, lp):
 
 
 def tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, max_tree_size):
-    """Best-first draft tree expansion (DESIGN.md tree_build), bit-exact oracle.
+    """Best-first draft tree expansion (docs/contract.md, tree_build), bit-exact oracle.
 
     Candidates are kept in creation order and the next node is found by a linear scan:
     highest score, equal scores -> the candidate created first. Popping a candidate makes

@@ -7,7 +7,7 @@ from functools import lru_cache
 import jinja2
 
 from .errors import BuildError
-from .kernels import KernelDef
+from .plans import KernelDef
 from .paths import templates_dir
 from .spec import Spec
 

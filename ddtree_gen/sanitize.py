@@ -438,7 +438,7 @@ def _run_case(kset, kernel, inputs, cupy):
 
 def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) -> int:
     """Launch every kernel of every spec on its edge cases; 0 if every case ran, else 1."""
-    from . import artifacts, runtime
+    from . import artifacts, kernel_set
     from .errors import DdtreeError
     try:
         import cupy
@@ -458,7 +458,7 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
     failures, launched = [], 0
     for spec in spec_objs:
         try:
-            kset = runtime.load(spec)  # every kernel: some launchers launch a second one (split-KV combine)
+            kset = kernel_set.load(spec)  # every kernel: some launchers launch a second one (split-KV combine)
         except Exception as e:  # a build error, or a CUDA error loading a module
             print(f"{spec.name}: cannot load the kernels: {type(e).__name__}: {e}", flush=True)
             failures.append((spec.name, "*", "load"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import ddtree_gen
-from ddtree_gen import artifacts, runtime as rt
+from ddtree_gen import artifacts
 from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
-from ddtree_gen.kernels import by_name
+from ddtree_gen.kernel_set import KernelSet
+from ddtree_gen.plans import by_name
 from ddtree_gen.render import render
 
 REFILL = "if (nn < n_tiles) stage_tile(nn % STAGES, next_src);"
@@ -23,7 +23,7 @@ CUTS = {
 def main():
     for b, h, l in [(8, 128, 4096), (8, 64, 16384)]:
         spec = artifacts.find_spec(SPEC_BY_HEADS[h])
-        base = ddtree_gen.load(spec, kernels=["tree_verify_mma_combine"])
+        base = artifacts.ensure_built(spec, kernels=["tree_verify_mma_combine"])
         x = verify_inputs(spec, b, np.full(b, l), 65)
         kdef = by_name("tree_verify_wgmma")
         src0 = render(spec, kdef)
@@ -34,7 +34,7 @@ def main():
                 assert a in src, (name, a)
                 src = src.replace(a, c)
             built = artifacts.compile_variant(spec, kdef, source=src)
-            ks = rt.KernelSet(spec, {"tree_verify_wgmma": built, **base._built}, kdefs=None)
+            ks = KernelSet(spec, {"tree_verify_wgmma": built, **base})
             out = ks.tree_verify_wgmma(**x, num_splits=1)
             ms = graph_time_ms(lambda: ks.tree_verify_wgmma(**x, out=out.out, lse=out.lse, num_splits=1),
                                per_graph=5, reps=10)

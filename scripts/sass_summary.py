@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ddtree_gen import artifacts
 from ddtree_gen.compile import OPTIONS
-from ddtree_gen.kernels import all_kernels, by_name
+from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.render import render
 
 

@@ -12,7 +12,7 @@ prefixes 0 .. 4096, random trees; the numerical bar of docs/contract.md); a conf
 never timed nor chosen. Then every batch size of the sweep is timed with every useful split count.
 The configuration with the smallest geometric mean of (best time per batch) wins; its best split
 count per shape class (B x row tiles rounded up to a power of two) goes to the tuning file
-(ddtree_gen/kernels/tree_verify_mma_tuning.json), which the plan reads: a fresh build on a machine
+(ddtree_gen/plans/tree_verify_mma_tuning.json), which the plan reads: a fresh build on a machine
 without a GPU then compiles the same configuration and the launcher picks the same split counts.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddtree_gen import artifacts, bf16, reference  # noqa: E402
 from ddtree_gen.bench import gpu_time_ms, graph_time_ms  # noqa: E402
-from ddtree_gen.kernels import tree_verify_mma as mod  # noqa: E402
+from ddtree_gen.kernel_set import variant_set  # noqa: E402
+from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
 from ddtree_gen.resources import compare  # noqa: E402
 
 OUT_TOL, LSE_TOL = 5e-3, 1e-3
@@ -183,7 +184,7 @@ def tune_spec(spec, args, sms) -> dict | None:
           f"L={list(args.L)} B={list(batches)} SMs={sms}", flush=True)
     for cfg in mod.candidates(spec):
         t0 = time.time()
-        vs = mod.variant_set(spec, cfg)
+        vs = variant_set(spec, cfg)
         bad = []
         for name, (plan, rep) in vs.reports.items():
             bad += [f"{name}: {p}" for p in compare(plan, rep)]

@@ -66,12 +66,13 @@ class FakeKernelSet:
 
     def __init__(self, spec):
         self.spec = spec
+        self.prepared_calls = {}   # runtime.run_call's per-signature cache
 
     def launch(self, name, **kwargs):
         raise LaunchReached(name)
 
     def plan(self, name):
-        from ddtree_gen.kernels import by_name
+        from ddtree_gen.plans import by_name
         return by_name(name).plan(self.spec)
 
     def constants(self, name):
@@ -81,5 +82,5 @@ class FakeKernelSet:
 @pytest.fixture
 def fake_device(monkeypatch):
     """Every fake array lives on device 0 unless its pointer says otherwise (ptr >= 1<<40: device 1)."""
-    from ddtree_gen import runtime
-    monkeypatch.setattr(runtime, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
+    from ddtree_gen import arrays
+    monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)

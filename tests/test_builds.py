@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_gen import artifacts, cli, paths, resources, sanitize
-from ddtree_gen.kernels import all_kernels, by_name
+from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.spec import load_spec, spec_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -558,7 +558,8 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     import numpy as np
 
     from conftest import FakeKernelSet
-    from ddtree_gen import runtime
+    from ddtree_gen import arrays, runtime
+    from ddtree_gen.kernels import LAUNCHERS
 
     next_ptr = [1 << 20]
 
@@ -573,15 +574,16 @@ def _fake_gpu(monkeypatch, spec_launch=None):
         set_allocator=lambda *a: None, set_pinned_memory_allocator=lambda *a: None)
     fake_cupy = types.SimpleNamespace(asarray=fake_array, cuda=cuda)
     monkeypatch.setattr(runtime, "allocate",
-                        lambda like, shape, dtype: fake_array(np.empty(shape, {"bf16": np.uint16}.get(dtype, dtype))))
-    monkeypatch.setattr(runtime, "_pointer_device", lambda ptr: 0)
+                        lambda kind, device, shape, dtype: fake_array(np.empty(shape, {"bf16": np.uint16}.get(dtype, dtype))))
+    monkeypatch.setattr(runtime, "pointer_of", lambda a: a.ptr)
+    monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 0)
 
     class Kset(FakeKernelSet):
         launched: list = []
 
         def __getattr__(self, name):
-            kdef = by_name(name)
-            return lambda **kw: kdef.launch(self, **kw)
+            launch = LAUNCHERS[name]
+            return lambda **kw: launch(self, **kw)
 
         def launch(self, name, **kwargs):
             if spec_launch is None:
@@ -612,11 +614,11 @@ def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
 def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
     """The worker's loop on CPU: every case of every registered kernel runs (fake launches), kernels without
     cases get a note, an unregistered kernel is skipped with the module named, a failing case makes exit 1."""
-    from ddtree_gen import runtime
+    from ddtree_gen import kernel_set
 
     fake_cupy, Kset = _fake_gpu(monkeypatch, spec_launch=lambda name: None)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setattr(runtime, "load", lambda spec, kernels=None: Kset(spec))
+    monkeypatch.setattr(kernel_set, "load", lambda spec, kernels=None: Kset(spec))
     registered = [k for k in KERNELS if k.name != "tree_accept"]  # as if kernels/tree_accept.py were absent
     monkeypatch.setattr(artifacts, "select_kernels", lambda kernels=None: registered)
     assert sanitize.worker(["kimi-k2.6-tp8"]) == 0
@@ -636,7 +638,7 @@ def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
             raise RuntimeError("cudaErrorIllegalAddress")
     fake_cupy, Kset = _fake_gpu(monkeypatch, spec_launch=boom)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setattr(runtime, "load", lambda spec, kernels=None: Kset(spec))
+    monkeypatch.setattr(kernel_set, "load", lambda spec, kernels=None: Kset(spec))
     assert sanitize.worker(["kimi-k2.6-tp8"], kernels=["merge_states", "tree_build"]) == 1
     out = capsys.readouterr().out
     assert "merge_states [empty sides]: FAILED RuntimeError: cudaErrorIllegalAddress" in out

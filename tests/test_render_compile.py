@@ -5,8 +5,8 @@ import pytest
 from ddtree_gen import compile as nvrtc_compile
 from ddtree_gen import render
 from ddtree_gen.errors import BuildError
-from ddtree_gen.kernels import KernelDef, all_kernels
-from ddtree_gen.kernels.tree_build import plan as tree_build_plan
+from ddtree_gen.plans import KernelDef, all_kernels
+from ddtree_gen.plans.tree_build import plan as tree_build_plan
 
 KERNELS = all_kernels()
 
@@ -23,7 +23,7 @@ def test_render_is_deterministic_and_specialized(spec, kdef):
 def test_missing_template_variable_is_an_error(spec, tmp_path, monkeypatch):
     (tmp_path / "broken.cu.j2").write_text("int x = {{ NOT_A_VARIABLE }};\n")
     monkeypatch.setattr(render, "templates_dir", lambda: tmp_path)
-    kdef = KernelDef(name="broken", template="broken.cu.j2", entry="e", plan=tree_build_plan, launch=None)
+    kdef = KernelDef(name="broken", template="broken.cu.j2", entry="e", plan=tree_build_plan)
     with pytest.raises(BuildError, match="NOT_A_VARIABLE"):
         render.render(spec, kdef)
 
@@ -67,7 +67,7 @@ def test_parse_ptxas_performance_notes():
     """ptxas's "Potential Performance Loss" notes (seen while building tree_verify_wgmma: wgmma serialized,
     setmaxnreg ignored) reach the report of the function they name, or of every entry when they name none,
     and resources.compare turns them into a model-vs-ptxas disagreement."""
-    from ddtree_gen.kernels import by_name
+    from ddtree_gen.plans import by_name
     from ddtree_gen.resources import compare
     log = """ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum register requirements.
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'b' in line 0

@@ -18,6 +18,8 @@ from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tree_verify_mma as mma
+from ddtree_gen.plans import tree_verify as verify_plans
+from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.types import AttentionOutput
 
 B, PAGES, MAX_PAGES = 2, 10, 4
@@ -245,12 +247,12 @@ def test_verify_valid_call_reaches_launch(spec, name, launcher, nq, fake_device)
     assert got == name and kw["grid"] == (groups * n * B,)
     a = kw["args"]
     assert len(a) == 13
-    assert [x.ptr for x in a[:7]] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
+    assert a[:7] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                                "prefix_lens", "q_lens", "tree_mask")]
     assert a[7] == np.float32(args["softmax_scale"] * math.log2(math.e)) and a[7].dtype == np.float32
     assert (int(a[8]), int(a[9]), int(a[10])) == (n, MAX_PAGES, PAGES)
     assert all(x.dtype == np.int32 for x in a[8:11])
-    assert (a[11].ptr, a[12].ptr) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+    assert (a[11], a[12]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
 
 
 def test_verify_int32_scale_and_zero_batch(spec, fake_device):
@@ -271,7 +273,7 @@ def test_verify_int32_scale_and_zero_batch(spec, fake_device):
 
 
 def test_verify_kernel_defs():
-    names = {k.name: k for k in tv.KERNELS}
+    names = {k.name: k for k in verify_plans.KERNELS}
     assert set(names) == {"tree_verify", "tree_verify_tail", "merge_states"}
     assert names["tree_verify"].context == {"tail": False} and names["tree_verify_tail"].context == {"tail": True}
     assert names["tree_verify"].template == names["tree_verify_tail"].template == "tree_verify.cu.j2"
@@ -279,7 +281,7 @@ def test_verify_kernel_defs():
 
 
 def test_verify_plan_fits(spec):
-    for k in tv.KERNELS:
+    for k in verify_plans.KERNELS:
         plan = k.plan(spec)
         plan.check_fits()
         consts = plan.template_constants()
@@ -376,10 +378,10 @@ def test_merge_valid_call_reaches_launch(spec, lead, inplace, fake_device):
     with pytest.raises(LaunchReached, match="merge_states"):
         tv.merge_states(kset, **args)
     name, kw = kset.launched
-    assert kw["grid"] == (-(-rows // tv.MERGE_WARPS),)
+    assert kw["grid"] == (-(-rows // verify_plans.MERGE_WARPS),)
     a = kw["args"]
     assert len(a) == 7 and int(a[6]) == rows and a[6].dtype == np.int64
-    assert [x.ptr for x in a[:6]] == [ptr_of(args[k]) for k in ("o_a", "lse_a", "o_b", "lse_b", "out", "lse")]
+    assert a[:6] == [ptr_of(args[k]) for k in ("o_a", "lse_a", "o_b", "lse_b", "out", "lse")]
 
 
 # ------------------------------------------------------------------ impl: auto / mma / simple
@@ -411,12 +413,12 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
     full = ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES, *WGMMA_NAMES)
     new = Arrays()
     args = verify_args(spec, new)
-    ws = new((mma.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
+    ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
     launches = {}
     for kw, want in (({}, "wgmma"), ({"impl": "auto"}, "wgmma"), ({"impl": "wgmma"}, "wgmma"), ({"impl": "mma"}, "mma")):
         got, k = launched(launcher, MmaKernelSet(spec, full), **args, workspace=ws, num_splits=3, **kw)
         assert got == f"{name}_{want}", (kw, got)
-        launches[want] = [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k["args"]]
+        launches[want] = list(k["args"])
     assert len(launches["wgmma"]) == 17 and launches["wgmma"] == launches["mma"]
     no_combine = [k for k in full if k != "tree_verify_mma_combine"]
     got, _ = launched(launcher, MmaKernelSet(spec, no_combine), **args)
@@ -514,19 +516,19 @@ def test_impl_mma_launch_args(spec, name, launcher, impl, fake_device):
     new = Arrays()
     args = verify_args(spec, new)
     b, n, h, r = B, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank
-    need = mma.workspace_elems(spec, b, n, 3)
+    need = mma_plans.workspace_elems(spec, b, n, 3)
     ws = new((need,), np.float32)
     got, k = launched(launcher, MmaKernelSet(spec), **args, impl=impl, workspace=ws, num_splits=3)
     direct = mma.tree_verify_tail if name == "tree_verify_tail" else mma.tree_verify
     got2, k2 = launched(direct, MmaKernelSet(spec), **args, workspace=ws, num_splits=3)
     assert got == got2 == f"{name}_mma"
-    norm = [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k["args"]]
-    assert norm == [(x.ptr, x.shape) if hasattr(x, "ptr") else x for x in k2["args"]] and k["grid"] == k2["grid"]
+    norm = list(k["args"])
+    assert norm == list(k2["args"]) and k["grid"] == k2["grid"]
     a = k["args"]
-    assert [x.ptr for x in a[:7]] == [ptr_of(args[f]) for f in ("q_nope", "q_pe", "kv_cache", "block_table",
+    assert a[:7] == [ptr_of(args[f]) for f in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                                "prefix_lens", "q_lens", "tree_mask")]
     assert (int(a[8]), int(a[9]), int(a[10]), int(a[11]), int(a[12])) == (n, MAX_PAGES, PAGES, 3, b * n * h)
-    assert (a[13].ptr, a[14].ptr) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+    assert (a[13], a[14]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
     assert int(a[15]) == ptr_of(ws) and int(a[16]) == ptr_of(ws) + 3 * b * n * h * r * 4
     with pytest.raises(ArgumentError, match="workspace"):   # the mma launcher's own workspace check
         launcher(MmaKernelSet(spec), **args, impl=impl, workspace=new((need - 1,), np.float32), num_splits=3)
@@ -557,7 +559,7 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
     """Both implementations name the argument on the odd device (out, lse, workspace included)."""
     new = Arrays()
     args = verify_args(spec, new)
-    need = mma.workspace_elems(spec, B, spec.max_tree_size, 3)
+    need = mma_plans.workspace_elems(spec, B, spec.max_tree_size, 3)
     ws = new((need,), np.float32, ptr=DEVICE1 + (1 << 30))
     with pytest.raises(ArgumentError, match="^workspace: on device 1, but q_nope is on device 0"):
         tv.tree_verify(MmaKernelSet(spec), **args, workspace=ws, num_splits=3)

@@ -1,36 +1,22 @@
-"""The kernel registry: one module per kernel family, each defining KernelDef objects.
+"""The launchers, one module per kernel family; LAUNCHERS maps a kernel name to its launcher.
 
-A KernelDef ties together a template (templates/<file>), its entry point, its resource plan
-(a function of the spec, see resources.py) and its launcher (called through a KernelSet).
+A launcher is `launch(kset, *args, **kwargs)`: it checks its arguments (kernels/checks.py, once
+per call signature) and launches through the runtime. The build data of each kernel (template,
+entry, resource plan) is in ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from . import tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
 
-from ..resources import Plan
-from ..spec import Spec
-
-
-@dataclass(frozen=True)
-class KernelDef:
-    name: str                                  # "tree_build"; also the generated file's stem
-    template: str                              # file under templates/
-    entry: str                                 # extern "C" symbol
-    plan: Callable[[Spec], Plan]               # resource plan for a spec
-    launch: Callable                           # launch(kset, *args, **kwargs)
-    context: dict = field(default_factory=dict)  # extra template variables (e.g. tail=True)
-
-
-def all_kernels() -> list[KernelDef]:
-    """Every kernel built for every spec, in build order."""
-    from . import tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
-    return [*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_verify_wgmma.KERNELS,
-            *tree_accept.KERNELS]
-
-
-def by_name(name: str) -> KernelDef:
-    for k in all_kernels():
-        if k.name == name:
-            return k
-    raise KeyError(name)
+LAUNCHERS = {
+    "tree_build": tree_build.launch,
+    "tree_verify": tree_verify.tree_verify,
+    "tree_verify_tail": tree_verify.tree_verify_tail,
+    "merge_states": tree_verify.merge_states,
+    "tree_verify_mma": tree_verify_mma.tree_verify,
+    "tree_verify_tail_mma": tree_verify_mma.tree_verify_tail,
+    "tree_verify_mma_combine": tree_verify_mma.combine,
+    "tree_verify_wgmma": tree_verify_wgmma.tree_verify,
+    "tree_verify_tail_wgmma": tree_verify_wgmma.tree_verify_tail,
+    "tree_accept": tree_accept.launch,
+}

@@ -45,6 +45,7 @@ Modules (each imports only modules listed above it; only this file imports `devi
     config       ModelConfig, Sampling, Drafter, Generation; checks of a loop's arguments
     sampling     counter-based Gumbel noise, select_tokens, draft_topk
     weights      init_weights (seeded, float64)
+    tensor_parallel  head sharding of config, weights and spec (TP ranks); the near-tie rule
     cache        make_block_table, chain_mask, cache capacity
     numpy_model  NumpyMLA, the float64 oracle
     numpy_loop   generate_numpy (plain and speculative, numpy references)

@@ -40,11 +40,15 @@ class DeviceDecoder:
 
     ops: CupyOps() (GPU; kernels = ddtree_gen.load(spec)) or NumpyOps() (CPU; kernels =
     ReferenceKernels(spec)). weights: init_weights(cfg) (float64; cast to float32 here).
+    all_reduce: None (the whole model), or, for a tensor-parallel rank holding some heads
+    (tensor_parallel.shard_weights), a callable that sums its o_proj partial [M, d] float32 over
+    the ranks (in place or not; it returns the sum) in stream order on the decoder's stream; it
+    is applied before the residual add of every layer, prefill included.
     """
 
     def __init__(self, cfg: ModelConfig, spec, prompts, new_tokens: int, *, ops, kernels, weights=None,
                  speculative: bool = True, sampling: Sampling = GREEDY, drafter: Drafter = Drafter(),
-                 budget: int | None = None, page_seed: int = 0, stream=None):
+                 budget: int | None = None, page_seed: int = 0, stream=None, all_reduce=None):
         _check_prompts(prompts, cfg.vocab_size)
         if (cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.page_size) != (
                 spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size):
@@ -55,6 +59,7 @@ class DeviceDecoder:
         self.new_tokens = int(new_tokens)
         self.timer = None          # a list: (name, start event, end event) per kernel call (CuPy only)
         self.stream = stream
+        self.all_reduce = all_reduce
         self._is_cupy = ops.xp is not np
         if self._is_cupy and self.stream is None:
             self.stream = ops.xp.cuda.Stream(non_blocking=True)   # capturable (not the legacy stream)
@@ -162,7 +167,10 @@ class DeviceDecoder:
                                   q_pe.reshape(b, nq, h, p), self.kv[layer], block_table, attn_prefix, q_lens, mask,
                                   cfg.softmax_scale, out=out, lse=lse)
             o = ops.mm(ops.from_bits(out).reshape(m, h, r), lw["w_uv"]).reshape(m, h * dv)
-            x_h = x_h + ops.mm(o, lw["wo"])
+            o_proj = ops.mm(o, lw["wo"])
+            if self.all_reduce is not None:   # tensor parallel: sum the heads of every rank
+                o_proj = self.all_reduce(o_proj)
+            x_h = x_h + o_proj
             x2 = ops.rmsnorm(x_h, lw["mlp_norm"], cfg.rms_eps)
             x_h = x_h + ops.mm(ops.silu_mul(ops.mm(x2, lw["w_gate"]), ops.mm(x2, lw["w_up"])), lw["w_down"])
         return ops.mm(ops.rmsnorm(x_h, w["final_norm"], cfg.rms_eps), w["lm_head"])
@@ -338,7 +346,7 @@ def generate_device(cfg: ModelConfig, spec, prompts, new_tokens: int, *, kernels
         if ops.xp is np:
             kernels = ReferenceKernels(spec)
         else:
-            from ..runtime import load
+            from ..kernel_set import load
             kernels = load(spec)
     dec = DeviceDecoder(cfg, spec, prompts, new_tokens, ops=ops, kernels=kernels, **kwargs)
     return dec.run(graph=graph)

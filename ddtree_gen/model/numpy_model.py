@@ -41,11 +41,16 @@ def _silu(x):
 
 class NumpyMLA:
     """The float64 model. `forward` writes the KV of its tokens into the paged cache (bf16 bits)
-    and attends through reference.tree_verify in every layer."""
+    and attends through reference.tree_verify in every layer.
 
-    def __init__(self, cfg: ModelConfig, weights: dict | None = None):
+    all_reduce: None (the whole model), or, for a tensor-parallel rank holding some heads
+    (tensor_parallel.shard_weights), a callable that sums its o_proj partial [B, Nq, d] over
+    the ranks and returns the sum; it is applied before the residual add of every layer."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict | None = None, all_reduce=None):
         self.cfg = cfg
         self.w = init_weights(cfg) if weights is None else weights
+        self.all_reduce = all_reduce
 
     def new_cache(self, num_pages: int) -> list:
         c = self.cfg
@@ -83,7 +88,10 @@ class NumpyMLA:
                                         out=np.zeros((b, nq, h_, r), np.float32)).out
             att = bf16.from_bits(_bf16_bits(att)).astype(np.float64)
             o = np.einsum("bnhr,hrv->bnhv", att, lw["w_uv"]).reshape(b, nq, h_ * dv)
-            x_h = x_h + _mm(o, lw["wo"])
+            o_proj = _mm(o, lw["wo"])
+            if self.all_reduce is not None:   # tensor parallel: sum the heads of every rank
+                o_proj = self.all_reduce(o_proj)
+            x_h = x_h + o_proj
             x2 = _rmsnorm(x_h, lw["mlp_norm"], c.rms_eps)
             x_h = x_h + _mm(_silu(_mm(x2, lw["w_gate"])) * _mm(x2, lw["w_up"]), lw["w_down"])
         return _mm(_rmsnorm(x_h, w["final_norm"], c.rms_eps), w["lm_head"])

@@ -1,0 +1,25 @@
+"""tree_accept's resource plan: walk the draft tree, commit the accepted KV, one block per request."""
+from __future__ import annotations
+
+import sympy
+
+from ..resources import D, N, P, PAGE, R, Plan
+from .kernel_def import KernelDef
+
+ENTRY = R + P                          # bf16 per cache entry (latent, then rope)
+CHUNKS = ENTRY / 8                     # 16-byte chunks per entry (R and P are multiples of 16)
+NPAGES = sympy.ceiling((N - 2) / PAGE) + 1  # block-table entries covering positions [L+1, L+N-1]
+
+
+def plan(spec) -> Plan:
+    threads = 32 * sympy.ceiling(CHUNKS / 32)  # a thread per chunk column of an entry
+    # struct TreeAcceptShared: staged source entries (D moves at most), move offsets (int64),
+    # tree rows (tokens, first_child, next_sibling, target), block-table window, path, accept_len;
+    # sizeof rounds up to the uint4 alignment of the staging buffer
+    fields = 2 * D * ENTRY + 8 * D + 8 * D + 4 * 4 * N + 4 * NPAGES + 4 * (D + 1) + 4
+    static_smem = 16 * sympy.ceiling(fields / 16)
+    return Plan(kernel="tree_accept", spec=spec, threads=threads, min_blocks=4, static_smem=static_smem,
+                consts={"ENTRY": ENTRY, "CHUNKS": CHUNKS, "NPAGES": NPAGES, "BATCH": sympy.Min(D, 16)})
+
+
+KERNELS = [KernelDef(name="tree_accept", template="tree_accept.cu.j2", entry="ddtree_tree_accept", plan=plan)]

@@ -1,0 +1,69 @@
+"""Resource plans of the CUDA-core attention kernels: tree_verify, tree_verify_tail, merge_states.
+
+tree_verify / tree_verify_tail: one block per (request, query row, group of heads), keys streamed
+through shared memory in double-buffered tiles with an online softmax, so any prefix length runs
+in fixed shared memory. merge_states: a warp per (row, head).
+"""
+from __future__ import annotations
+
+import sympy
+
+from ..errors import SpecError
+from ..resources import SM90_STATIC_SMEM, H, P, R, Plan
+from .kernel_def import KernelDef
+
+_MAX_LIVE = 180   # registers per thread the verify kernel may spend on q and accumulators
+
+def _verify_tiles(spec):
+    """(heads per warp, keys per tile) with HPW * TK = 32: the smallest HPW whose two tiles fit."""
+    row = spec.kv_lora_rank + spec.qk_rope_head_dim
+    for hpw in (2, 4, 8):
+        tk = 32 // hpw
+        if 2 * tk * row * 2 + 2 * tk * 4 <= SM90_STATIC_SMEM:
+            return hpw, tk
+    return 8, 4  # does not fit: Plan.check_fits refuses the spec with the formula
+
+
+def verify_plan(spec, kernel="tree_verify") -> Plan:
+    hpw, tk = _verify_tiles(spec)
+    warps = sympy.Min(8, sympy.ceiling(H / hpw))      # up to 8 warps of hpw heads
+    heads_per_block = warps * hpw
+    threads = 32 * warps
+    # two key tiles of tk rows (R + P bf16) + two tiles of per-key visibility flags (int)
+    static_smem = 2 * tk * (R + P) * 2 + 2 * tk * 4
+    nwarps = int(warps.subs({H: spec.num_heads}))
+    # q (2 (RW + PW)) and output accumulators (2 RW) per head live in registers in every lane
+    live = hpw * (4 * -(-spec.kv_lora_rank // 64) + 2 * -(-spec.qk_rope_head_dim // 64))
+    if live > _MAX_LIVE:
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: kv_lora_rank = {spec.kv_lora_rank} with "
+                        f"qk_rope_head_dim = {spec.qk_rope_head_dim} needs {live} query/accumulator registers per "
+                        f"thread ({hpw} heads per warp); this kernel holds at most {_MAX_LIVE}")
+    # up to 72 of them (R = 512, P = 64: 68) fit 128 registers: 16 warps per SM; beyond, one block
+    min_blocks = max(1, 16 // nwarps) if live <= 72 else 1
+    return Plan(kernel=kernel, spec=spec, threads=threads, min_blocks=min_blocks,
+                static_smem=static_smem,
+                consts={"WARPS": warps, "HEADS_PER_WARP": sympy.Integer(hpw), "TILE_KEYS": sympy.Integer(tk),
+                        "HEADS_PER_BLOCK": heads_per_block, "HEAD_GROUPS": sympy.ceiling(H / heads_per_block),
+                        "RANK_WORDS_PER_LANE": sympy.ceiling(R / 64), "ROPE_WORDS_PER_LANE": sympy.ceiling(P / 64)})
+
+
+def tail_plan(spec) -> Plan:
+    return verify_plan(spec, "tree_verify_tail")
+
+
+MERGE_WARPS = 8
+
+
+def merge_plan(spec) -> Plan:
+    return Plan(kernel="merge_states", spec=spec, threads=sympy.Integer(32 * MERGE_WARPS), min_blocks=4,
+                static_smem=sympy.Integer(0),
+                consts={"ROWS_PER_BLOCK": sympy.Integer(MERGE_WARPS), "RANK_WORDS_PER_LANE": sympy.ceiling(R / 64)})
+
+
+KERNELS = [
+    KernelDef(name="tree_verify", template="tree_verify.cu.j2", entry="ddtree_tree_verify",
+              plan=verify_plan, context={"tail": False}),
+    KernelDef(name="tree_verify_tail", template="tree_verify.cu.j2", entry="ddtree_tree_verify_tail",
+              plan=tail_plan, context={"tail": True}),
+    KernelDef(name="merge_states", template="merge_states.cu.j2", entry="ddtree_merge_states", plan=merge_plan),
+]
