@@ -1,0 +1,184 @@
+"""`ddtree-gen bench launch`: the host cost of one call, as an engine that runs eagerly pays it.
+
+For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec), with torch
+and with CuPy inputs, and through the torch custom op:
+  * eager: wall time per call of many back-to-back calls (the host is the bottleneck there);
+  * GPU: the same call replayed from a CUDA graph (no host work);
+  * host overhead = eager - GPU.
+Reference points from the same process: torch.add and a CuPy elementwise add on 16 floats.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+CALLS = 2000          # back-to-back eager calls per measurement
+GRAPH_CALLS = 50      # calls captured in one graph
+
+
+def _eager_us(fn, sync, calls=CALLS) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def _graph_us_torch(fn) -> float:
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+    return float(np.median(times))
+
+
+def _graph_us_cupy(fn) -> float:
+    from .bench import graph_time_ms
+    return graph_time_ms(fn, per_graph=GRAPH_CALLS, reps=10) * 1e3
+
+
+def tiny_inputs(spec, kind: str, seed: int = 0) -> dict:
+    """Inputs of every launcher on a tiny problem, as torch tensors or CuPy arrays."""
+    import cupy
+    from .bench import tree_build_inputs, verify_inputs
+    rng = np.random.default_rng(seed)
+    x = verify_inputs(spec, 1, [64], spec.max_tree_size, seed)
+    ids, lps, roots, prefix = (cupy.asarray(a) for a in tree_build_inputs(spec, 1, rng))
+    n = spec.max_tree_size
+    target = cupy.asarray(rng.integers(0, 4, (1, n)).astype(np.int32))
+    out = dict(verify=x, build=(ids, lps, roots, prefix), target=target)
+    if kind == "torch":
+        import torch
+        conv = {"uint16": torch.bfloat16}
+
+        def t(a):
+            ta = torch.utils.dlpack.from_dlpack(a)
+            return ta.view(conv[a.dtype.name]) if a.dtype.name in conv else ta
+        out = dict(verify={k: (t(v) if hasattr(v, "dtype") else v) for k, v in x.items()},
+                   build=tuple(t(a) for a in out["build"]), target=t(target))
+    return out
+
+
+def _calls(ks, spec, kind: str):
+    """(name -> call allocating its outputs, name -> the same call into given out= buffers, state):
+    the first for the eager figures, the second for graph capture (no allocation in a capture)."""
+    x = tiny_inputs(spec, kind)
+    v = x["verify"]
+    ids, lps, roots, prefix = x["build"]
+    budget = spec.max_tree_size - 1
+    tree = ks.tree_build(ids, lps, roots, prefix, budget)
+    res = ks.tree_verify(**v)
+    tail = ks.tree_verify_tail(**v)
+    merged = ks.merge_states(res.out, res.lse, tail.out, tail.lse)
+    # the accept moves cache entries at prefix_len + j: the verify inputs' cache has room for the tree
+    accept_args = (tree, x["target"], v["prefix_lens"], v["kv_cache"], v["block_table"])
+    acc = ks.tree_accept(*accept_args)
+    tree2 = ks.tree_build(ids, lps, roots, prefix, budget)
+    res2, tail2 = ks.tree_verify(**v), ks.tree_verify_tail(**v)
+    eager = {
+        "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget),
+        "tree_verify (auto)": lambda: ks.tree_verify(**v),
+        "tree_verify_tail": lambda: ks.tree_verify_tail(**v),
+        "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse),
+        "tree_accept": lambda: ks.tree_accept(*accept_args),
+    }
+    given = {
+        "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget, out=tree2),
+        "tree_verify (auto)": lambda: ks.tree_verify(**v, out=res2.out, lse=res2.lse),
+        "tree_verify_tail": lambda: ks.tree_verify_tail(**v, out=tail2.out, lse=tail2.lse),
+        "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse, out=merged.out,
+                                                lse=merged.lse),
+        "tree_accept": lambda: ks.tree_accept(*accept_args, out=acc),
+    }
+    return eager, given, (x, tree, res, tail)
+
+
+def _op_calls(spec_name: str, x, tree, res, tail) -> dict:
+    import torch
+
+    from . import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
+    ops = torch.ops.ddtree
+    v = x["verify"]
+    ids, lps, roots, prefix = x["build"]
+    budget = len(tree.tokens[0]) - 1
+    args = (v["q_nope"], v["q_pe"], v["kv_cache"], v["block_table"], v["prefix_lens"], v["q_lens"], v["tree_mask"],
+            v["softmax_scale"])
+    return {
+        "tree_build": lambda: ops.tree_build(spec_name, ids, lps, roots, prefix, budget),
+        "tree_verify (auto)": lambda: ops.tree_verify(spec_name, *args, "auto"),
+        "tree_verify_tail": lambda: ops.tree_verify_tail(spec_name, *args, "auto"),
+        "merge_states": lambda: ops.merge_states(spec_name, res.out, res.lse, tail.out, tail.lse),
+        "tree_accept": lambda: ops.tree_accept(spec_name, tree.num_nodes, tree.tokens, tree.first_child,
+                                               tree.next_sibling, x["target"], v["prefix_lens"], v["kv_cache"],
+                                               v["block_table"]),
+    }
+
+
+def measure(spec_name: str) -> list[tuple]:
+    """Rows (call, inputs, eager us, GPU us) of every launcher and the reference ops."""
+    import cupy
+    import torch
+
+    from .artifacts import find_spec
+    from .kernel_set import load
+    spec = find_spec(spec_name)
+    ks = load(spec)
+    rows = []
+    tsync, csync = torch.cuda.synchronize, cupy.cuda.runtime.deviceSynchronize
+    torch_calls, torch_given, state = _calls(ks, spec, "torch")
+    cupy_calls, cupy_given, _ = _calls(ks, spec, "cupy")
+    op_calls = _op_calls(spec.name, *state)
+    for name in torch_calls:
+        gpu = _graph_us_torch(torch_given[name])
+        rows.append((name, "torch", _eager_us(torch_calls[name], tsync), gpu))
+        rows.append((name, "torch op", _eager_us(op_calls[name], tsync), gpu))
+        rows.append((name, "cupy", _eager_us(cupy_calls[name], csync), _graph_us_cupy(cupy_given[name])))
+    a, b, c = (torch.ones(16, device="cuda") for _ in range(3))
+    rows.append(("torch.add, 16 floats", "torch", _eager_us(lambda: torch.add(a, b), tsync),
+                 _graph_us_torch(lambda: torch.add(a, b, out=c))))
+    ca, cb, cc = (cupy.ones(16, dtype=cupy.float32) for _ in range(3))
+    rows.append(("cupy elementwise add, 16 floats", "cupy", _eager_us(lambda: ca + cb, csync),
+                 _graph_us_cupy(lambda: cupy.add(ca, cb, out=cc))))
+    return rows
+
+
+def table(rows) -> str:
+    lines = [f"{'call':<34} {'inputs':<9} {'eager us':>9} {'GPU us':>8} {'host overhead us':>17}"]
+    for name, kind, eager, gpu in rows:
+        lines.append(f"{name:<34} {kind:<9} {eager:9.1f} {gpu:8.1f} {max(0.0, eager - gpu):17.1f}")
+    return "\n".join(lines)
+
+
+def bench_launch(args) -> None:
+    spec = (args.spec or ["kimi-k2.6-tp8"])[0]
+    text = table(measure(spec))
+    print(f"launch cost, spec {spec}, B = 1, prefix 64, Nq = N (eager: {CALLS} back-to-back calls; "
+          f"GPU: CUDA-graph replay)")
+    print(text)
+    if getattr(args, "out", None):
+        from pathlib import Path
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_launch.txt").write_text(text + "\n")

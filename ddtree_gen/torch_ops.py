@@ -1,0 +1,113 @@
+"""The launchers as torch custom ops (torch.ops.ddtree.*), for torch.compile and CUDA graphs.
+
+    import ddtree_gen.torch_ops   # registers the ops (torch is needed here, nowhere else)
+    tree = torch.ops.ddtree.tree_build("kimi-k2.6-tp8", topk_ids, topk_logprobs, roots, prefix_lens, 64)
+    out, lse = torch.ops.ddtree.tree_verify("kimi-k2.6-tp8", q_nope, q_pe, kv_cache, block_table,
+                                            prefix_lens, q_lens, tree[6], softmax_scale, "auto")
+    acc = torch.ops.ddtree.tree_accept("kimi-k2.6-tp8", tree[0], tree[1], tree[7], tree[8], target_tokens,
+                                       prefix_lens, kv_cache, block_table)   # moves kv_cache in place
+
+The first argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
+plain launcher's record as a tuple, in the record's order (TreeBuildOutput, AttentionOutput,
+TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
+running it; tree_accept declares the KV cache it moves (mutates_args). The ops call the plain
+launchers: same checks, same kernels, on the current stream of the inputs' device.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .kernel_set import load
+from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
+
+Tensor = torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _kset(spec: str):
+    return load(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _dims(spec: str) -> tuple[int, int, int]:
+    """(N, W, D + 1) of a spec, for the fake implementations (no build needed)."""
+    from .artifacts import find_spec
+    s = find_spec(spec)
+    return s.max_tree_size, s.mask_words, s.max_depth + 1
+
+
+@torch.library.custom_op("ddtree::tree_build", mutates_args=())
+def tree_build(spec: str, topk_ids: Tensor, topk_logprobs: Tensor, root_tokens: Tensor, prefix_lens: Tensor,
+               budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(_kset(spec).tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget))
+
+
+@tree_build.register_fake
+def _(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
+    n, w, _ = _dims(spec)
+    b = topk_ids.shape[0]
+    i32 = dict(dtype=torch.int32)
+    return (topk_ids.new_empty((b,), **i32), *(topk_ids.new_empty((b, n), **i32) for _ in range(4)),
+            topk_ids.new_empty((b, n), dtype=torch.float32), topk_ids.new_empty((b, n, w), dtype=torch.uint32),
+            topk_ids.new_empty((b, n), **i32), topk_ids.new_empty((b, n), **i32))
+
+
+def _attention_fake(q_nope):
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("ddtree::tree_verify", mutates_args=())
+def tree_verify(spec: str, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, prefix_lens: Tensor,
+                q_lens: Tensor, tree_mask: Tensor, softmax_scale: float, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                         softmax_scale, impl=impl))
+
+
+@tree_verify.register_fake
+def _(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, impl="auto"):
+    return _attention_fake(q_nope)
+
+
+@torch.library.custom_op("ddtree::tree_verify_tail", mutates_args=())
+def tree_verify_tail(spec: str, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
+                     prefix_lens: Tensor, q_lens: Tensor, tree_mask: Tensor, softmax_scale: float,
+                     impl: str = "auto") -> tuple[Tensor, Tensor]:
+    return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                              softmax_scale, impl=impl))
+
+
+@tree_verify_tail.register_fake
+def _(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, impl="auto"):
+    return _attention_fake(q_nope)
+
+
+@torch.library.custom_op("ddtree::merge_states", mutates_args=())
+def merge_states(spec: str, o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    return tuple(_kset(spec).merge_states(o_a, lse_a, o_b, lse_b))
+
+
+@merge_states.register_fake
+def _(spec, o_a, lse_a, o_b, lse_b):
+    return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
+
+
+@torch.library.custom_op("ddtree::tree_accept", mutates_args=("kv_cache",))
+def tree_accept(spec: str, num_nodes: Tensor, tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
+                target_tokens: Tensor, prefix_lens: Tensor, kv_cache: Tensor,
+                block_table: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
+    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table))
+
+
+@tree_accept.register_fake
+def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache, block_table):
+    _, _, d1 = _dims(spec)
+    b = tokens.shape[0]
+    return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
+
+
+OPS = {"tree_build": (tree_build, TreeBuildOutput), "tree_verify": (tree_verify, AttentionOutput),
+       "tree_verify_tail": (tree_verify_tail, AttentionOutput), "merge_states": (merge_states, AttentionOutput),
+       "tree_accept": (tree_accept, TreeAcceptOutput)}

@@ -1,0 +1,277 @@
+"""The engine boundary on the GPU: any device, any thread, torch custom ops, CUDA graphs.
+
+Multi-GPU tests skip with a reason below 2 GPUs. Every check compares with the numpy reference
+on fresh random inputs, into outputs poisoned before the launch.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ddtree_gen import bf16, reference
+from ddtree_gen.errors import ArgumentError
+from verify_cases import fresh_seed, make_inputs, random_bf16_normal
+
+pytestmark = pytest.mark.gpu
+SPEC = "kimi-k2.6-tp8"
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch is not installed")
+
+
+def _need_gpus(n):
+    torch = _torch()
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
+    return torch
+
+
+@pytest.fixture
+def ks():
+    import ddtree_gen
+    return ddtree_gen.load(SPEC)
+
+
+# ------------------------------------------------------------------------ inputs and checks
+
+def build_inputs(spec, rng, b=4):
+    d, k = spec.max_depth, spec.max_tree_size - 1
+    ids = rng.integers(0, 150000, size=(b, d, k), dtype=np.int32)
+    lps = np.ascontiguousarray(-np.sort(rng.exponential(1.0, size=(b, d, k)).astype(np.float32), axis=-1))
+    return ids, lps, rng.integers(0, 150000, size=b, dtype=np.int32), rng.integers(0, 5000, size=b, dtype=np.int32)
+
+
+def run_build(ks, torch, device, host, budget):
+    """tree_build on torch inputs of `device` into poisoned outputs; returns the outputs on the host."""
+    x = [torch.from_numpy(a).to(device) for a in host]
+    out = ks.tree_build(*x, budget)
+    assert all(o.device == torch.device(device) for o in out), [o.device for o in out]
+    return [o.cpu().numpy() for o in out]
+
+
+def check_build(got, host, spec, budget):
+    want = reference.tree_build(*host, budget, max_tree_size=spec.max_tree_size)
+    for g, w, name in zip(got, want, want._fields):
+        if g.dtype.kind == "f":
+            assert np.array_equal(g.view(np.uint32), np.asarray(w, np.float32).view(np.uint32)), name
+        else:
+            assert np.array_equal(g, w), name
+
+
+def verify_case(spec, seed):
+    rng = np.random.default_rng(seed)
+    b = 2
+    return make_inputs(spec, rng, [300, 7], [spec.max_tree_size, 20], ["random", "chain"], seed=seed,
+                       bf16=random_bf16_normal)
+
+
+def run_verify(ks, torch, device, x, stream=None):
+    def t(a, bits=False):
+        ta = torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return ta.view(torch.bfloat16) if bits else ta
+    args = (t(x.q_nope, True), t(x.q_pe, True), t(x.kv_cache, True), t(x.block_table), t(x.prefix_lens),
+            t(x.q_lens), t(x.tree_mask.view(np.int32)).view(torch.uint32))
+    b, nq, h, r = x.q_nope.shape
+    out = torch.full((b, nq, h, r), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((b, nq, h), float("nan"), dtype=torch.float32, device=device)
+    res = ks.tree_verify(*args, 0.07, out, lse)
+    assert res.out.device == torch.device(device)
+    return res
+
+
+def check_verify(res, x):
+    want = reference.tree_verify(x.q_nope, x.q_pe, x.kv_cache, x.block_table, x.prefix_lens, x.q_lens, x.tree_mask,
+                                 0.07)
+    out = bf16.from_bits(res.out.view(__import__("torch").uint16).cpu().numpy()).astype(np.float64)
+    lse = res.lse.cpu().numpy()
+    for b, q in enumerate(x.q_lens):
+        o, w = out[b, :q], want.out[b, :q]
+        assert not np.isnan(o).any() and not np.isnan(lse[b, :q]).any()
+        assert np.linalg.norm(o - w) <= 5e-3 * np.linalg.norm(w)
+        assert np.abs(lse[b, :q] - want.lse[b, :q]).max() <= 1e-3
+        assert np.isnan(out[b, q:]).all() and np.isnan(lse[b, q:]).all()   # rows >= q_len untouched
+
+
+# ------------------------------------------------------------------------------ devices
+
+def test_load_before_set_device(ks):
+    """A kernel set loaded while cuda:0 is current runs on cuda:1 after set_device(1)."""
+    torch = _need_gpus(2)
+    rng = np.random.default_rng(fresh_seed())
+    host = build_inputs(ks.spec, rng)
+    torch.cuda.set_device(1)
+    try:
+        check_build(run_build(ks, torch, "cuda:1", host, 40), host, ks.spec, 40)
+    finally:
+        torch.cuda.set_device(0)
+
+
+def test_set_used_on_0_then_inputs_on_1(ks):
+    """One kernel set, used on cuda:0 first, then with inputs on cuda:1 while cuda:0 is current."""
+    torch = _need_gpus(2)
+    seed = fresh_seed()
+    x = verify_case(ks.spec, seed)
+    check_verify(run_verify(ks, torch, "cuda:0", x), x)
+    assert torch.cuda.current_device() == 0
+    check_verify(run_verify(ks, torch, "cuda:1", x), x)
+    assert torch.cuda.current_device() == 0   # the launch switched devices for itself only
+    host = build_inputs(ks.spec, np.random.default_rng(seed))
+    check_build(run_build(ks, torch, "cuda:1", host, 64), host, ks.spec, 64)
+
+
+def test_two_threads_drive_two_gpus(ks):
+    torch = _need_gpus(2)
+    seed = fresh_seed()
+    x = verify_case(ks.spec, seed)
+    errors, results = [], {}
+
+    def work(dev):
+        try:
+            torch.cuda.set_device(dev)
+            for i in range(20):
+                results[(dev, i)] = run_verify(ks, torch, f"cuda:{dev}", x)
+            torch.cuda.synchronize(dev)
+        except Exception as e:   # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(d,)) for d in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for res in results.values():
+        check_verify(res, x)
+
+
+def test_two_threads_two_streams_one_gpu(ks):
+    torch = _need_gpus(1)
+    x = verify_case(ks.spec, fresh_seed())
+    errors, results = [], []
+
+    def work():
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for _ in range(20):
+                    results.append(run_verify(ks, torch, "cuda:0", x))
+            s.synchronize()
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 40
+    for res in results:
+        check_verify(res, x)
+
+
+def test_inputs_on_two_devices_are_refused(ks):
+    torch = _need_gpus(2)
+    host = build_inputs(ks.spec, np.random.default_rng(0))
+    x = [torch.from_numpy(a).to("cuda:0") for a in host]
+    x[2] = x[2].to("cuda:1")
+    with pytest.raises(ArgumentError, match="root_tokens: on device 1, but topk_ids is on device 0"):
+        ks.tree_build(*x, 10)
+
+
+def test_cupy_inputs_on_device_1(ks):
+    _need_gpus(2)
+    import cupy
+    host = build_inputs(ks.spec, np.random.default_rng(fresh_seed()))
+    with cupy.cuda.Device(1):
+        x = [cupy.asarray(a) for a in host]
+    out = ks.tree_build(*x, 30)
+    assert all(o.device.id == 1 for o in out)
+    check_build([cupy.asnumpy(o) for o in out], host, ks.spec, 30)
+
+
+# ------------------------------------------------------------------------------ torch ops
+
+def _step_inputs(spec, torch, rng):
+    b, n, h, r, p = 2, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    ids, lps, roots, _ = build_inputs(spec, rng, b)
+    prefix = np.array([100, 37], np.int32)
+    pages = -(-(prefix + n) // spec.page_size)
+    table = np.arange(int(pages.sum()), dtype=np.int32)
+    bt = np.zeros((b, int(pages.max())), np.int32)
+    bt[0, :pages[0]], bt[1, :pages[1]] = table[:pages[0]], table[pages[0]:]
+    dev = "cuda"
+    t = lambda a: torch.from_numpy(a).to(dev)   # noqa: E731
+    bits = lambda shape: torch.from_numpy(random_bf16_normal(rng, shape)).to(dev).view(torch.bfloat16)  # noqa: E731
+    return dict(ids=t(ids), lps=t(lps), roots=t(roots), prefix=t(prefix), table=t(bt),
+                kv=bits((int(pages.sum()), spec.page_size, r + p)), q_nope=bits((b, n, h, r)), q_pe=bits((b, n, h, p)),
+                target=t(rng.integers(0, 150000, size=(b, n), dtype=np.int32)))
+
+
+def _step(x, kv):
+    """tree_build -> tree_verify -> tree_accept through torch.ops.ddtree (what an engine compiles)."""
+    import torch
+    ops = torch.ops.ddtree
+    tree = ops.tree_build(SPEC, x["ids"], x["lps"], x["roots"], x["prefix"], 64)
+    q_lens = torch.full_like(x["prefix"], x["q_nope"].shape[1])
+    out, lse = ops.tree_verify(SPEC, x["q_nope"], x["q_pe"], kv, x["table"], x["prefix"], q_lens, tree[6], 0.07, "auto")
+    # the target "chooses" the drafted tokens of the first children where it can: a non-trivial walk
+    target = torch.where(tree[7] >= 0, torch.gather(tree[1], 1, tree[7].clamp(min=0).long()), x["target"])
+    acc = ops.tree_accept(SPEC, tree[0], tree[1], tree[7], tree[8], target, x["prefix"], kv, x["table"])
+    return (*tree, out, lse, *acc)
+
+
+def test_torch_compile_fullgraph_matches_eager(ks):
+    torch = _need_gpus(1)
+    import ddtree_gen.torch_ops  # noqa: F401
+    x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
+    kv_eager, kv_compiled = x["kv"].clone(), x["kv"].clone()
+    want = _step(x, kv_eager)
+    got = torch.compile(_step, fullgraph=True)(x, kv_compiled)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point else g,
+                           w.view(torch.uint8) if w.dtype.is_floating_point else w)
+    assert torch.equal(kv_compiled.view(torch.int16), kv_eager.view(torch.int16))   # the same entries moved
+    assert int(want[-4].max()) > 0   # some request accepted drafts: the commit really ran
+
+
+def test_torch_ops_capture_in_a_cuda_graph(ks):
+    torch = _need_gpus(1)
+    import ddtree_gen.torch_ops  # noqa: F401
+    x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
+    kv_eager, kv_graph = x["kv"].clone(), x["kv"].clone()
+    want = _step(x, kv_eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _step(x, x["kv"].clone())   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = _step(x, kv_graph)
+    kv_graph.copy_(x["kv"])
+    for o in got:
+        o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    for a, w in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                           w.view(torch.uint8) if w.dtype.is_floating_point else w)
+    assert torch.equal(kv_graph.view(torch.int16), kv_eager.view(torch.int16))
+
+
+def test_profiler_shows_our_kernels(ks):
+    torch = _need_gpus(1)
+    import ddtree_gen.torch_ops  # noqa: F401
+    x = _step_inputs(ks.spec, torch, np.random.default_rng(0))
+    _step(x, x["kv"].clone())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _step(x, x["kv"].clone())
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    for want in ("ddtree::tree_build", "ddtree::tree_verify", "ddtree::tree_accept", "ddtree_tree_build",
+                 "ddtree_tree_accept"):
+        assert any(want in n for n in names), (want, sorted(n for n in names if "ddtree" in n))
+    assert any(n.startswith("ddtree_tree_verify") for n in names), sorted(n for n in names if "ddtree" in n)
