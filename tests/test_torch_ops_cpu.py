@@ -1,0 +1,44 @@
+"""torch custom ops without a GPU: registration, schemas and the fake (meta) implementations that
+torch.compile traces with. Skipped where torch is not installed (torch is optional)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (optional: the CuPy path needs no torch)")
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+import ddtree_gen.torch_ops  # noqa: E402,F401
+
+
+def test_ops_are_registered_with_the_kv_cache_mutation():
+    ops = torch.ops.ddtree
+    for name in ("tree_build", "tree_verify", "tree_verify_tail", "merge_states", "tree_accept"):
+        assert hasattr(ops, name), name
+    schema = str(ops.tree_accept.default._schema)
+    assert "Tensor(a7!) kv_cache" in schema and schema.count("!") == 1, schema   # the one tensor it writes
+    assert "!" not in str(ops.tree_verify.default._schema)
+
+
+def test_fake_shapes_follow_the_spec(spec):
+    n, w, d1, h, r, p = (spec.max_tree_size, spec.mask_words, spec.max_depth + 1, spec.num_heads,
+                         spec.kv_lora_rank, spec.qk_rope_head_dim)
+    with FakeTensorMode():
+        b = 3
+        ids = torch.empty(b, spec.max_depth, n - 1, dtype=torch.int32)
+        vec = torch.empty(b, dtype=torch.int32)
+        tree = torch.ops.ddtree.tree_build(spec.name, ids, ids.float(), vec, vec, n - 1)
+        assert [tuple(t.shape) for t in tree] == [(b,)] + [(b, n)] * 5 + [(b, n, w), (b, n), (b, n)]
+        assert tree[5].dtype == torch.float32 and tree[6].dtype == torch.uint32
+        q = torch.empty(b, n, h, r, dtype=torch.bfloat16)
+        qp = torch.empty(b, n, h, p, dtype=torch.bfloat16)
+        kv = torch.empty(10, spec.page_size, r + p, dtype=torch.bfloat16)
+        table = torch.empty(b, 4, dtype=torch.int32)
+        for op in (torch.ops.ddtree.tree_verify, torch.ops.ddtree.tree_verify_tail):
+            out, lse = op(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, "auto")
+            assert out.shape == q.shape and out.dtype == torch.bfloat16
+            assert lse.shape == (b, n, h) and lse.dtype == torch.float32
+        out, lse = torch.ops.ddtree.merge_states(spec.name, q, lse, q, lse)
+        assert out.shape == q.shape and lse.shape == (b, n, h)
+        acc = torch.ops.ddtree.tree_accept(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec, kv, table)
+        assert [tuple(a.shape) for a in acc] == [(b,), (b, d1), (b, d1), (b,)]
+        assert all(a.dtype == torch.int32 for a in acc)
