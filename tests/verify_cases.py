@@ -1,5 +1,5 @@
-"""Shared input builders for the GPU tree_verify tests (test_gpu_tree_verify.py, the CUDA-core
-kernels, and test_gpu_tree_verify_mma.py, the tensor-core kernels).
+"""Input builders for the GPU tree_verify tests (test_gpu_tree_verify.py: the CUDA-core and the
+tensor-core kernels).
 
 make_inputs() builds a batch: random bf16 q / kv (the distribution is the `bf16` argument:
 random_bf16_bounded by default, random_bf16_normal for the tensor-core tests), ancestor masks of
