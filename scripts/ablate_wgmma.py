@@ -1,5 +1,10 @@
 """Development aid (not a test): time tree_verify_wgmma with parts of the tile loop removed
-(results are wrong on purpose), to see where a tile's time goes."""
+(results are wrong on purpose), to see where a tile's time goes.
+
+When: on a GPU after changing the tile loop of templates/tree_verify_wgmma.cu.j2, to redo the
+ablation table of docs/perf.md; each cut in CUTS must still occur in the rendered source (asserted).
+Run: PYTHONPATH=. python scripts/ablate_wgmma.py
+"""
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU matrix on the device: build every variant, then every gpu-marked test.
+# When: on a GPU machine after any change to templates/ or ddtree_gen/ (plans, launchers, runtime),
+# before committing it; pytest args narrow it (e.g. tests/test_gpu_tree_verify.py -k wgmma).
 # Usage: bash scripts/gpu_matrix.sh [pytest args...]; logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 out="${OUT:-gpu-out}"; mkdir -p "$out"

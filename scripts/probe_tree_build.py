@@ -1,6 +1,10 @@
 """Where tree_build's time goes: graph-replayed time per step against the budget (pops).
 
 The slope is the cost of one pop, the intercept the fixed cost (launch, staging, epilogue).
+`ddtree-gen bench tree_build` times the full budget only; this sweep splits the time.
+When: on a GPU after changing the pop loop of templates/tree_build.cu.j2, to compare with the
+probe numbers in docs/perf.md ("tree_build").
+Run: PYTHONPATH=. python scripts/probe_tree_build.py
 """
 import numpy as np
 import cupy

@@ -4,6 +4,8 @@ NVRTC's own cubins are not read by cuobjdump / nvdisasm 13.5 ("does not contain 
 so this script takes the PTX from NVRTC (the build's options) and assembles it with ptxas, then
 disassembles with nvdisasm. Both come from the CUDA toolkit or from the pip wheels
 nvidia-cuda-nvcc (ptxas) and nvidia-cuda-nvdisasm; pass their folder with --bin or put them on PATH.
+When (no GPU needed): after changing templates/tree_verify_mma.cu.j2 or tree_verify_wgmma.cu.j2, to
+check the MMA instruction counts per tile and that there are no local-memory accesses (docs/perf.md).
 
 PYTHONPATH=. python scripts/sass_summary.py [--bin DIR] [SPEC] [KERNEL ...]
 """

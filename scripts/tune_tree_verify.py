@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Tune tree_verify_mma on this GPU: build every candidate configuration of each spec, validate it
 against the float64 reference, time it (CUDA events, median), print a table, write the choice.
+When: on the GPU after changing templates/tree_verify_mma.cu.j2, the configuration candidates or
+the split policy of the plan, or on a new GPU model; then rebuild (the wgmma kernels use the same
+split table).
 
     python scripts/tune_tree_verify.py                        # every spec, L = 4096, write the JSON
     python scripts/tune_tree_verify.py kimi-k2.6-tp8 --L 4096 16384 --no-write
