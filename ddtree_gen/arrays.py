@@ -113,15 +113,30 @@ def view(x, name: str) -> tuple[DevArray, bool]:
                         f"got {_describe(x)}")
 
 
+def _torch_fast(x):
+    dev = x.get_device()
+    return x.data_ptr(), ((x.dtype, x.shape, x.stride(), dev) if dev >= 0 else None)
+
+
+def _cupy_fast(x):
+    return x.data.ptr, (x.dtype, x.shape, x.strides, x.device.id)
+
+
+_FAST = {}   # array class -> its fast view (torch.Tensor and CuPy's ndarray, found on first sight)
+
+
 def fast_view(x) -> tuple[int, tuple | None]:
     """(data pointer, signature) of an array argument; signature None: not cacheable (the checks
     of view() will say what is wrong with it). Cheap: no Python object is built for torch/CuPy."""
     t = type(x)
-    if t.__module__.startswith("torch"):
-        dev = x.get_device()
-        return x.data_ptr(), (t, x.dtype, x.shape, x.stride(), dev) if dev >= 0 else None
-    if t.__module__.startswith("cupy"):
-        return x.data.ptr, (t, x.dtype, x.shape, x.strides, x.device.id)
+    fast = _FAST.get(t)
+    if fast is not None:
+        p, sig = fast(x)
+        return p, (sig and (t, *sig))
+    mod = t.__module__.split(".")[0]
+    if mod in ("torch", "cupy"):
+        _FAST[t] = _torch_fast if mod == "torch" else _cupy_fast
+        return fast_view(x)
     cai = getattr(x, "__cuda_array_interface__", None)
     if isinstance(cai, dict) and not isinstance(x, np.ndarray):
         ptr = int(cai["data"][0])
@@ -185,17 +200,22 @@ def record_fields(out, record) -> tuple:
     return tuple(fields)
 
 
-_TORCH_NEW = {}
+_TORCH_NEW = {}      # (dtype name, device) -> torch.empty keyword arguments
+
+
+def _torch_empty_kwargs(dtype: str, device: int) -> dict:
+    import torch
+    kw = {"dtype": {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32,
+                    "uint32": torch.uint32, "uint8": torch.uint8}[dtype], "device": torch.device("cuda", device)}
+    _TORCH_NEW[(dtype, device)] = (torch.empty, kw)
+    return _TORCH_NEW[(dtype, device)]
 
 
 def allocate(kind: str, device: int, shape: tuple, dtype: str):
     """A new uninitialised array of the caller's kind on `device` (CuPy for CuPy and other callers)."""
     if kind == "torch":
-        import torch
-        if not _TORCH_NEW:
-            _TORCH_NEW.update(bf16=torch.bfloat16, int32=torch.int32, float32=torch.float32, uint32=torch.uint32,
-                              uint8=torch.uint8)
-        return torch.empty(shape, dtype=_TORCH_NEW[dtype], device=torch.device("cuda", device))
+        empty, kw = _TORCH_NEW.get((dtype, device)) or _torch_empty_kwargs(dtype, device)
+        return empty(shape, **kw)
     import cupy
     with cupy.cuda.Device(device):
         return cupy.empty(shape, dtype={"bf16": np.uint16}.get(dtype, dtype))

@@ -142,13 +142,29 @@ def sm_count(device: int) -> int:
         return 132
 
 
+_CUDA = {}   # the driver/runtime entry points a launch uses, looked up once
+
+
+def _cuda() -> dict:
+    if not _CUDA:
+        import cupy
+        from cupy.cuda import driver, runtime
+        _CUDA.update(launch=driver.launchKernel, get_device=runtime.getDevice, set_device=runtime.setDevice,
+                     cupy_stream=cupy.cuda.get_current_stream)
+        try:
+            import torch
+            _CUDA["torch_stream"] = torch._C._cuda_getCurrentRawStream
+        except (ImportError, AttributeError):
+            pass
+    return _CUDA
+
+
 def current_stream(device: int, kind: str) -> int:
     """The caller's current stream on `device`: torch's for torch inputs, else CuPy's."""
+    cuda = _CUDA or _cuda()
     if kind == "torch":
-        import torch
-        return torch._C._cuda_getCurrentRawStream(device)
-    import cupy
-    return cupy.cuda.get_current_stream(device).ptr
+        return cuda["torch_stream"](device)
+    return cuda["cupy_stream"](device).ptr
 
 
 class DeviceModules:
@@ -206,19 +222,19 @@ class DeviceModules:
 
     def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         """Launch `name` on `device`'s current stream (switching the thread's device for the call only)."""
-        from cupy.cuda import driver, runtime
+        cuda = _CUDA or _cuda()
         fn = self.function(name, device)
         _, _, threads, smem = self._kernels[name]
         stream = current_stream(device, kind)
-        storage, params, lock, _ = self._param_buffer(fmt)
+        storage, params, lock, _ = self._params.get(fmt) or self._param_buffer(fmt)
         gx, gy, gz = (*grid, 1, 1)[:3]
-        previous = runtime.getDevice()
+        previous = cuda["get_device"]()
         if previous != device:
-            runtime.setDevice(device)
+            cuda["set_device"](device)
         try:
             with lock:   # the parameter buffer is reused; the driver copies it at launch
                 struct.pack_into(fmt, storage, 0, *args)
-                driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
+                cuda["launch"](fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
         finally:
             if previous != device:
-                runtime.setDevice(previous)
+                cuda["set_device"](previous)

@@ -10,8 +10,8 @@
 The first argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
 plain launcher's record as a tuple, in the record's order (TreeBuildOutput, AttentionOutput,
 TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
-running it; tree_accept declares the KV cache it moves (mutates_args). The ops call the plain
-launchers: same checks, same kernels, on the current stream of the inputs' device.
+running it; tree_accept's schema declares the KV cache it moves (Tensor(a!)). The ops call the
+plain launchers: same checks, same kernels, on the current stream of the inputs' device.
 """
 from __future__ import annotations
 
@@ -21,9 +21,6 @@ import torch
 
 from .kernel_set import load
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
-
-Tensor = torch.Tensor
-
 
 @functools.lru_cache(maxsize=None)
 def _kset(spec: str):
@@ -38,13 +35,42 @@ def _dims(spec: str) -> tuple[int, int, int]:
     return s.max_tree_size, s.mask_words, s.max_depth + 1
 
 
-@torch.library.custom_op("ddtree::tree_build", mutates_args=())
-def tree_build(spec: str, topk_ids: Tensor, topk_logprobs: Tensor, root_tokens: Tensor, prefix_lens: Tensor,
-               budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+# Defined through torch.library.Library rather than the torch.library.custom_op decorator: the
+# decorator adds a Python autograd layer to every call (tens of microseconds), and these ops have
+# no gradient. The schema below is what custom_op would infer; "(a!)" marks the cache tree_accept
+# writes.
+_LIB = torch.library.Library("ddtree", "DEF")
+_ATTENTION_ARGS = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor prefix_lens, "
+                   "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto'")
+SCHEMAS = {
+    "tree_build": "tree_build(str spec, Tensor topk_ids, Tensor topk_logprobs, Tensor root_tokens, "
+                  "Tensor prefix_lens, int budget) -> (" + ", ".join(["Tensor"] * 9) + ")",
+    "tree_verify": f"tree_verify(str spec, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
+    "tree_verify_tail": f"tree_verify_tail(str spec, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
+    "merge_states": "merge_states(str spec, Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> (Tensor, Tensor)",
+    "tree_accept": "tree_accept(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                   "Tensor target_tokens, Tensor prefix_lens, Tensor(a!) kv_cache, Tensor block_table) "
+                   "-> (Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+def _op(name: str):
+    """Register `name` (its schema above): the decorated function is the CUDA implementation, and
+    `.fake` registers the shape function torch.compile traces with."""
+    def register(impl):
+        _LIB.define(SCHEMAS[name])
+        _LIB.impl(name, impl, "CUDA")
+        impl.fake = lambda fake: torch.library.register_fake(f"ddtree::{name}", lib=_LIB)(fake)
+        return impl
+    return register
+
+
+@_op("tree_build")
+def tree_build(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
     return tuple(_kset(spec).tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget))
 
 
-@tree_build.register_fake
+@tree_build.fake
 def _(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
     n, w, _ = _dims(spec)
     b = topk_ids.shape[0]
@@ -54,54 +80,48 @@ def _(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
             topk_ids.new_empty((b, n), **i32), topk_ids.new_empty((b, n), **i32))
 
 
-def _attention_fake(q_nope):
+def _attention_fake(spec, q_nope, *args):
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("ddtree::tree_verify", mutates_args=())
-def tree_verify(spec: str, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor, prefix_lens: Tensor,
-                q_lens: Tensor, tree_mask: Tensor, softmax_scale: float, impl: str = "auto") -> tuple[Tensor, Tensor]:
+@_op("tree_verify")
+def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                impl="auto"):
     return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
                                          softmax_scale, impl=impl))
 
 
-@tree_verify.register_fake
-def _(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, impl="auto"):
-    return _attention_fake(q_nope)
+tree_verify.fake(_attention_fake)
 
 
-@torch.library.custom_op("ddtree::tree_verify_tail", mutates_args=())
-def tree_verify_tail(spec: str, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, block_table: Tensor,
-                     prefix_lens: Tensor, q_lens: Tensor, tree_mask: Tensor, softmax_scale: float,
-                     impl: str = "auto") -> tuple[Tensor, Tensor]:
+@_op("tree_verify_tail")
+def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                     impl="auto"):
     return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
                                               softmax_scale, impl=impl))
 
 
-@tree_verify_tail.register_fake
-def _(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, impl="auto"):
-    return _attention_fake(q_nope)
+tree_verify_tail.fake(_attention_fake)
 
 
-@torch.library.custom_op("ddtree::merge_states", mutates_args=())
-def merge_states(spec: str, o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+@_op("merge_states")
+def merge_states(spec, o_a, lse_a, o_b, lse_b):
     return tuple(_kset(spec).merge_states(o_a, lse_a, o_b, lse_b))
 
 
-@merge_states.register_fake
+@merge_states.fake
 def _(spec, o_a, lse_a, o_b, lse_b):
     return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
 
 
-@torch.library.custom_op("ddtree::tree_accept", mutates_args=("kv_cache",))
-def tree_accept(spec: str, num_nodes: Tensor, tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
-                target_tokens: Tensor, prefix_lens: Tensor, kv_cache: Tensor,
-                block_table: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@_op("tree_accept")
+def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
+                block_table):
     tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
     return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table))
 
 
-@tree_accept.register_fake
+@tree_accept.fake
 def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache, block_table):
     _, _, d1 = _dims(spec)
     b = tokens.shape[0]

@@ -94,7 +94,12 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepar
 
 
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits) -> AttentionOutput:
-    kind = _pick_impl(kset, name, impl, workspace, num_splits)
+    # the choice depends on nothing else: cached beside the prepared calls
+    pick = ("impl", name, impl, workspace is None, num_splits is None) if isinstance(impl, str) else None
+    kind = kset.prepared_calls.get(pick) if pick else None
+    if kind is None:
+        kind = _pick_impl(kset, name, impl, workspace, num_splits)
+        kset.prepared_calls[pick] = kind
     if kind != "simple":
         module = _TENSOR_CORE[kind]
         launch = module.tree_verify_tail if tail else module.tree_verify
