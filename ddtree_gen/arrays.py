@@ -200,6 +200,19 @@ def record_fields(out, record) -> tuple:
     return tuple(fields)
 
 
+def record_outputs(arrays, first: int, shapes: dict, given: bool, like_name: str, like: DevArray) -> tuple:
+    """The outputs of a record-returning launcher, at arrays[first:] in the record's field order
+    (`shapes`: field -> (shape, dtype)): when `given`, each is checked (dtype, shape, contiguity,
+    like's device). Returns their (index, shape, dtype), the runtime's `new` list."""
+    new = []
+    for i, (field, (shape, dtype)) in enumerate(shapes.items()):
+        if given:
+            o = device_array(arrays[first + i], f"out.{field}", dtype=dtype, shape=shape)
+            same_device({like_name: like, f"out.{field}": o})
+        new.append((first + i, shape, dtype))
+    return tuple(new)
+
+
 _TORCH_NEW = {}      # (dtype name, device) -> torch.empty keyword arguments
 
 

@@ -95,15 +95,11 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
     if validate:
         _validate(spec, num_nodes, prefix, table, kv.shape[0])
     first_out = len(_INPUTS)
-    if has_out:
-        for i, (field, (shape, dtype)) in enumerate(shapes.items()):
-            o = ar.device_array(arrays[first_out + i], f"out.{field}", dtype=dtype, shape=shape)
-            ar.same_device({"tree.tokens": tokens, f"out.{field}": o})
-    outs = tuple(range(first_out, first_out + len(shapes)))
+    new = ar.record_outputs(arrays, first_out, shapes, has_out, "tree.tokens", tokens)
+    outs = tuple(i for i, _, _ in new)
     # the kernel moves 16-byte chunks when the cache is 16-byte aligned, else 2-byte elements
     steps = (Step("tree_accept", (b,), (0, 1, 2, 3, 4, 5, 6, 7, np.int32(kv.shape[0]), np.int32(table.shape[1]),
                                         IsAligned(6, 16), *outs)),) if b else ()
     return Prepared(device=device, kind=tokens.kind, steps=steps,
-                    new=tuple((first_out + i, s, d) for i, (s, d) in enumerate(shapes.values())),
-                    aligned=((6, 2, "kv_cache: data pointer {ptr:#x} is not 2-byte aligned"),),
+                    new=new, aligned=((6, 2, "kv_cache: data pointer {ptr:#x} is not 2-byte aligned"),),
                     result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))

@@ -40,12 +40,8 @@ def _prepare(kset, arrays, budget, has_out) -> Prepared:
               "tree_mask": ((b, n, w), "uint32"), "first_child": ((b, n), "int32"),
               "next_sibling": ((b, n), "int32")}
     first_out = len(_INPUTS)
-    if has_out:
-        for i, (field, (shape, dtype)) in enumerate(shapes.items()):
-            o = ar.device_array(arrays[first_out + i], f"out.{field}", dtype=dtype, shape=shape)
-            ar.same_device({"topk_ids": ids, f"out.{field}": o})
-    outs = tuple(range(first_out, first_out + len(shapes)))
+    new = ar.record_outputs(arrays, first_out, shapes, has_out, "topk_ids", ids)
+    outs = tuple(i for i, _, _ in new)
     steps = (Step("tree_build", (b,), (0, 1, 2, 3, np.int32(dp), np.int32(kp), np.int32(budget), *outs)),) if b else ()
-    return Prepared(device=device, kind=ids.kind, steps=steps,
-                    new=tuple((first_out + i, s, d) for i, (s, d) in enumerate(shapes.values())),
+    return Prepared(device=device, kind=ids.kind, steps=steps, new=new,
                     result=lambda arrays: TreeBuildOutput(*arrays[first_out:]))
