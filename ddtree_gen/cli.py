@@ -92,12 +92,13 @@ def cmd_refs(args) -> int:
     return refs.main(args)
 
 
-BENCHES = ("tree_build", "tree_verify", "launch")
+BENCHES = ("tree_build", "tree_verify", "tree_accept", "step", "launch")
 
 
 def cmd_bench(args) -> int:
-    from . import bench, bench_launch
+    from . import bench, bench_launch, bench_step
     run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
+           "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
            "launch": bench_launch.bench_launch}
     for name in args.kernels:
         if name not in run:

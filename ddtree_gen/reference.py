@@ -417,7 +417,8 @@ def tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, max_dep
     request are read before any of its destinations is written (requests in batch order).
     A position whose page index is >= max_pages or whose block_table entry is outside
     [0, num_pages) is neither read nor written: a move with such a source or destination
-    is skipped.
+    is skipped. kv_cache=None and block_table=None: the walk alone (no commit; kv_commit moves
+    the entries of every layer).
     """
     d = _int_scalar(max_depth, "max_depth", 0, 2**16)
     num_nodes = _int_array(getattr(tree, "num_nodes", None), "tree.num_nodes", 1)
@@ -434,16 +435,9 @@ def tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, max_dep
     _check_shape(target, "target_tokens", (bsz, n))
     prefix = _int_array(prefix_lens, "prefix_lens", 1, 0, _I32_MAX - d - 1)
     _check_shape(prefix, "prefix_lens", (bsz,))
-    if not isinstance(kv_cache, np.ndarray) or kv_cache.ndim != 3:
-        raise ArgumentError("kv_cache: expected a numpy array [num_pages, page_size, R+P]")
-    if not kv_cache.flags.writeable:
-        raise ArgumentError("kv_cache: array is read-only (the commit is in place)")
-    num_pages, page_size = kv_cache.shape[:2]
-    if page_size < 1:
-        raise ArgumentError("kv_cache: page_size must be >= 1")
-    table = _int_array(block_table, "block_table", 2, -2**63, 2**63 - 1)
-    if table.shape[0] != bsz:
-        raise ArgumentError(f"block_table: expected {bsz} rows, got shape {table.shape}")
+    walk_only = kv_cache is None and block_table is None
+    if not walk_only:
+        table = _check_cache(kv_cache, block_table, bsz)
 
     accept_lens = np.zeros(bsz, np.int32)
     accepted = np.full((bsz, d + 1), -1, np.int32)
@@ -470,14 +464,59 @@ def tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, max_dep
         out_tokens[b, :k] = tokens[b, path[1:]]
         out_tokens[b, k] = target[b, path[-1]]
 
-        L = int(prefix[b])
-        moves = []
-        for i in range(1, k + 1):
-            src = _slot(table[b], L + path[i], page_size, num_pages)
-            dst = _slot(table[b], L + i, page_size, num_pages)
-            if src is not None and dst is not None:
-                moves.append((dst, kv_cache[src].copy()))
-        for dst, entry in moves:
-            kv_cache[dst] = entry
+        if not walk_only:
+            _commit(kv_cache, table[b], int(prefix[b]), path)
     new_prefix = (prefix + 1 + accept_lens).astype(np.int32)
     return TreeAcceptOutput(accept_lens, accepted, out_tokens, new_prefix)
+
+
+def _check_cache(kv_cache, block_table, bsz):
+    """The block table as int64, after checking one layer's cache and the table."""
+    if not isinstance(kv_cache, np.ndarray) or kv_cache.ndim != 3:
+        raise ArgumentError("kv_cache: expected a numpy array [num_pages, page_size, R+P]")
+    if not kv_cache.flags.writeable:
+        raise ArgumentError("kv_cache: array is read-only (the commit is in place)")
+    if kv_cache.shape[1] < 1:
+        raise ArgumentError("kv_cache: page_size must be >= 1")
+    table = _int_array(block_table, "block_table", 2, -2**63, 2**63 - 1)
+    if table.shape[0] != bsz:
+        raise ArgumentError(f"block_table: expected {bsz} rows, got shape {table.shape}")
+    return table
+
+
+def _commit(kv_cache, table_row, prefix_len, path):
+    """One request's commit in one layer: for k = 1..len(path)-1 the entry at prefix_len + path[k]
+    moves to prefix_len + k; all sources are read before any destination is written; a move in
+    place (path[k] == k) or whose source or destination maps outside the cache is skipped."""
+    num_pages, page_size = kv_cache.shape[:2]
+    moves = []
+    for i in range(1, len(path)):
+        if path[i] == i:
+            continue
+        src = _slot(table_row, prefix_len + path[i], page_size, num_pages) if path[i] >= 0 else None
+        dst = _slot(table_row, prefix_len + i, page_size, num_pages)
+        if src is not None and dst is not None:
+            moves.append((dst, kv_cache[src].copy()))
+    for dst, entry in moves:
+        kv_cache[dst] = entry
+
+
+def kv_commit(accepted, prefix_lens, kv_caches, block_table):
+    """tree_accept's commit in every layer: `accepted` has accept_lens [B] and accepted_nodes
+    [B, D+1] (the walk's outputs); kv_caches is a sequence of per-layer caches or one stacked
+    [layers, num_pages, page_size, R+P] array, moved in place. accept_len is clamped to
+    [0, D] and a negative path entry is a skipped move (the kernel's rules for any device value)."""
+    lens = _int_array(getattr(accepted, "accept_lens", None), "accepted.accept_lens", 1)
+    bsz = lens.shape[0]
+    nodes = _int_array(getattr(accepted, "accepted_nodes", None), "accepted.accepted_nodes", 2)
+    if nodes.shape[0] != bsz:
+        raise ArgumentError(f"accepted.accepted_nodes: expected {bsz} rows, got shape {nodes.shape}")
+    d = nodes.shape[1] - 1
+    prefix = _int_array(prefix_lens, "prefix_lens", 1)
+    _check_shape(prefix, "prefix_lens", (bsz,))
+    layers = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches[i] for i in range(len(kv_caches))]
+    for layer, kv in enumerate(layers):
+        table = _check_cache(kv, block_table, bsz)
+        for b in range(bsz):
+            a = min(max(int(lens[b]), 0), d)
+            _commit(kv, table[b], int(prefix[b]), [int(x) for x in nodes[b, :a + 1]])

@@ -14,16 +14,18 @@ _INPUTS = (*(f"tree.{f}" for f in _TREE), "target_tokens", "prefix_lens", "kv_ca
 
 
 def _validate(spec, num_nodes, prefix, table, num_pages) -> None:
-    """The checks of validate=True, on host copies: values the kernel would tolerate but not serve."""
+    """The checks of validate=True, on host copies: values the kernel would tolerate but not serve
+    (table None: the walk alone, no cache to check)."""
     n, page = spec.max_tree_size, spec.page_size
-    nn, pl, bt = host_copy(num_nodes), host_copy(prefix), host_copy(table)
+    nn, pl = host_copy(num_nodes), host_copy(prefix)
+    bt = host_copy(table) if table is not None else None
     for b in range(nn.shape[0]):
         if not 1 <= nn[b] <= n:
             raise ArgumentError(f"tree.num_nodes: request {b} has {int(nn[b])} nodes, outside [1, {n}]")
         hi = INT32_MAX - spec.max_depth - 1
         if not 0 <= pl[b] <= hi:
             raise ArgumentError(f"prefix_lens: request {b} has prefix_len {int(pl[b])}, outside [0, {hi}]")
-        if nn[b] < 2:
+        if nn[b] < 2 or bt is None:
             continue
         # the commit reads and writes positions prefix_len + 1 .. prefix_len + num_nodes - 1
         first, last = (int(pl[b]) + 1) // page, (int(pl[b]) + int(nn[b]) - 1) // page
@@ -36,7 +38,7 @@ def _validate(spec, num_nodes, prefix, table, num_pages) -> None:
                                     f"outside [0, num_pages = {num_pages})")
 
 
-def launch(kset, tree, target_tokens, prefix_lens, kv_cache, block_table, out=None,
+def launch(kset, tree, target_tokens, prefix_lens, kv_cache=None, block_table=None, out=None,
            validate=False) -> TreeAcceptOutput:
     """Accept the longest matching path of each request's tree and commit its KV, on the current stream.
 
@@ -46,6 +48,9 @@ def launch(kset, tree, target_tokens, prefix_lens, kv_cache, block_table, out=No
     are not read on the host (the call can be captured in a CUDA graph) unless validate=True, which
     copies num_nodes, prefix_lens and block_table to the host and raises ArgumentError for values out
     of range. See docs/contract.md, tree_accept.
+
+    kv_cache=None and block_table=None: the walk alone (outputs only); kv_commit then moves the
+    accepted entries of every layer in one launch (the engine path for a many-layer model).
     """
     fields = []
     for name in _TREE:
@@ -73,6 +78,13 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
     nxt = ar.device_array(arrays[3], "tree.next_sibling", dtype="int32", shape=(b, n))
     target = ar.device_array(arrays[4], "target_tokens", dtype="int32", shape=(b, n))
     prefix = ar.device_array(arrays[5], "prefix_lens", dtype="int32", shape=(b,))
+    walk_only = arrays[6] is None and arrays[7] is None
+    if walk_only:
+        return _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt, target, prefix)
+    if arrays[6] is None or arrays[7] is None:
+        missing = "kv_cache" if arrays[6] is None else "block_table"
+        raise ArgumentError(f"{missing}: required with the other (pass both for walk + commit, neither for "
+                            f"the walk alone)")
     kv = ar.device_array(arrays[6], "kv_cache", dtype="bf16", ndim=3)
     if kv.shape[1] != spec.page_size:
         raise ArgumentError(f"kv_cache: page_size {kv.shape[1]} (dimension 1) must equal the spec's "
@@ -102,4 +114,23 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
                                         IsAligned(6, 16), *outs)),) if b else ()
     return Prepared(device=device, kind=tokens.kind, steps=steps,
                     new=new, aligned=((6, 2, "kv_cache: data pointer {ptr:#x} is not 2-byte aligned"),),
+                    result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))
+
+
+def _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt, target, prefix) -> Prepared:
+    """The walk alone: outputs, no cache (the kernel reads neither kv_cache nor block_table)."""
+    spec = kset.spec
+    b, d1 = tokens.shape[0], spec.max_depth + 1
+    device = ar.same_device({"tree.tokens": tokens, "tree.num_nodes": num_nodes, "tree.first_child": first,
+                             "tree.next_sibling": nxt, "target_tokens": target, "prefix_lens": prefix})
+    if validate:
+        _validate(spec, num_nodes, prefix, None, 0)
+    shapes = {"accept_lens": ((b,), "int32"), "accepted_nodes": ((b, d1), "int32"),
+              "out_tokens": ((b, d1), "int32"), "new_prefix_lens": ((b,), "int32")}
+    first_out = len(_INPUTS)
+    new = ar.record_outputs(arrays, first_out, shapes, has_out, "tree.tokens", tokens)
+    null = np.uint64(0)
+    steps = (Step("tree_accept", (b,), (0, 1, 2, 3, 4, 5, null, null, np.int32(0), np.int32(0), np.int32(0),
+                                        *(i for i, _, _ in new))),) if b else ()
+    return Prepared(device=device, kind=tokens.kind, steps=steps, new=new,
                     result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))

@@ -220,10 +220,13 @@ class ReferenceKernels:
         return reference.tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
                                      softmax_scale, out=out, lse=lse)
 
-    def tree_accept(self, tree, target_tokens, prefix_lens, kv_cache, block_table, out=None):
+    def tree_accept(self, tree, target_tokens, prefix_lens, kv_cache=None, block_table=None, out=None):
         r = reference.tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, self.spec.max_depth)
         if out is None:
             return r
         for dst, src in zip(out, r):
             dst[...] = src
         return out
+
+    def kv_commit(self, accepted, prefix_lens, kv_caches, block_table):
+        reference.kv_commit(accepted, prefix_lens, kv_caches, block_table)

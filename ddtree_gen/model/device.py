@@ -213,10 +213,9 @@ class DeviceDecoder:
         logits = self._forward(tree.tokens, tree.positions, st.prefix, 0, st.prefix, tree.num_nodes,
                                tree.tree_mask, self.block_table, self.att[n])
         ops.select(logits, tree.positions.reshape(bsz * n), 1, n, self.sampling, self.target_tokens.reshape(bsz * n))
-        # 4. tree_accept on every layer's cache (same walk, same outputs; each moves its layer's KV)
-        for layer_kv in self.kv:
-            acc = self._kernel("tree_accept", kern.tree_accept, tree, self.target_tokens, st.prefix, layer_kv,
-                               self.block_table, out=self.acc)
+        # 4. the walk once, then the accepted KV of every layer in one launch
+        acc = self._kernel("tree_accept", kern.tree_accept, tree, self.target_tokens, st.prefix, out=self.acc)
+        self._kernel("kv_commit", kern.kv_commit, acc, st.prefix, self.kv, self.block_table)
         # 5. commit: append the accepted tokens + bonus, advance prefix and root
         ops.commit(acc.accept_lens, acc.out_tokens, acc.new_prefix_lens, True, st)
 

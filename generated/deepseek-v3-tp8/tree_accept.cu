@@ -48,6 +48,53 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 #define THREADS 96
 #define BATCH 15          // source loads in flight per thread
 
+// The KV commit's data movement, shared by tree_accept (one layer) and kv_commit (every layer).
+// Requires THREADS and BATCH to be defined.
+//
+// move_entries<T, PER_ENTRY>: `moves` cache entries of PER_ENTRY units of T (uint4: 16-byte chunks;
+// bf16_t: the unaligned fallback) move from element offset src[m] to dst[m] of kv (-1: that move
+// is skipped). A thread owns columns e = threadIdx.x + i * THREADS of every entry; it first reads
+// every source into `stage` (BATCH loads in flight, held in registers, so the registers a thread
+// needs do not grow with the move count), then, after a barrier, writes every destination in move
+// order. The bytes a thread writes are only ever read or written by that thread, so the result is
+// "all reads, then the writes in move order" even when two positions share a slot.
+template <typename T, int PER_ENTRY>
+__device__ __forceinline__ void move_entries(uint4* stage_raw, const long long* src, const long long* dst,
+                                             bf16_t* kv_cache, int moves) {
+    constexpr int SCALE = sizeof(T) / sizeof(bf16_t);  // offsets are in bf16 elements
+    T* stage = reinterpret_cast<T*>(stage_raw);
+    T* kv = reinterpret_cast<T*>(kv_cache);
+    #pragma unroll 1
+    for (int e = threadIdx.x; e < PER_ENTRY; e += THREADS) {
+        #pragma unroll 1
+        for (int m0 = 0; m0 < moves; m0 += BATCH) {
+            T buf[BATCH];
+            #pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                const int m = m0 + i;
+                if (m < moves && src[m] >= 0) buf[i] = kv[src[m] / SCALE + e];
+            }
+            #pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                const int m = m0 + i;
+                if (m < moves && src[m] >= 0) stage[m * PER_ENTRY + e] = buf[i];
+            }
+        }
+    }
+    __syncthreads();
+    #pragma unroll 1
+    for (int e = threadIdx.x; e < PER_ENTRY; e += THREADS) {
+        #pragma unroll 1
+        for (int m0 = 0; m0 < moves; m0 += BATCH) {
+            #pragma unroll
+            for (int i = 0; i < BATCH; ++i) {  // in move order: a later move to the same slot wins
+                const int m = m0 + i;
+                if (m < moves && dst[m] >= 0) kv[dst[m] / SCALE + e] = stage[m * PER_ENTRY + e];
+            }
+        }
+    }
+}
+
 struct TreeAcceptShared {
     uint4 stage[MAX_D * CHUNKS];     // move m's source entry at [m * CHUNKS, (m + 1) * CHUNKS)
     long long src[MAX_D];            // element offset of move m's source in kv_cache; -1: no move
@@ -78,46 +125,6 @@ __device__ __forceinline__ long long slot_offset(const TreeAcceptShared& s, long
     return ((long long)page * PAGE + pos % PAGE) * ENTRY;
 }
 
-// Phases 4 and 5 in units of T (uint4: 16-byte chunks; bf16_t: the unaligned fallback). A thread
-// owns columns e = threadIdx.x + i * THREADS of every entry. Sources are read BATCH moves at a time
-// (BATCH loads in flight per thread, held in registers, then staged), so the registers a thread
-// needs do not grow with D.
-template <typename T, int PER_ENTRY>
-__device__ __forceinline__ void commit(TreeAcceptShared& s, bf16_t* kv_cache, int moves) {
-    constexpr int SCALE = sizeof(T) / sizeof(bf16_t);  // offsets are in bf16 elements
-    T* stage = reinterpret_cast<T*>(s.stage);
-    T* kv = reinterpret_cast<T*>(kv_cache);
-    #pragma unroll 1
-    for (int e = threadIdx.x; e < PER_ENTRY; e += THREADS) {
-        #pragma unroll 1
-        for (int m0 = 0; m0 < moves; m0 += BATCH) {
-            T buf[BATCH];
-            #pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                const int m = m0 + i;
-                if (m < moves && s.src[m] >= 0) buf[i] = kv[s.src[m] / SCALE + e];
-            }
-            #pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                const int m = m0 + i;
-                if (m < moves && s.src[m] >= 0) stage[m * PER_ENTRY + e] = buf[i];
-            }
-        }
-    }
-    __syncthreads();
-    #pragma unroll 1
-    for (int e = threadIdx.x; e < PER_ENTRY; e += THREADS) {
-        #pragma unroll 1
-        for (int m0 = 0; m0 < moves; m0 += BATCH) {
-            #pragma unroll
-            for (int i = 0; i < BATCH; ++i) {  // in move order: a later move to the same slot wins
-                const int m = m0 + i;
-                if (m < moves && s.dst[m] >= 0) kv[s.dst[m] / SCALE + e] = stage[m * PER_ENTRY + e];
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(96, 4)
 ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
             const int* __restrict__ tokens,          // [B, N]
@@ -125,8 +132,8 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
             const int* __restrict__ next_sibling,    // [B, N]
             const int* __restrict__ target_tokens,   // [B, N]
             const int* __restrict__ prefix_lens,     // [B]
-            bf16_t* kv_cache,                        // [num_pages, PAGE, ENTRY], moved in place
-            const int* __restrict__ block_table,     // [B, max_pages]
+            bf16_t* kv_cache,                        // [num_pages, PAGE, ENTRY], moved in place; null: walk only
+            const int* __restrict__ block_table,     // [B, max_pages] (not read when kv_cache is null)
             int num_pages, int max_pages,
             int vec16,                               // kv_cache is 16-byte aligned
             int* __restrict__ accept_lens,           // [B]
@@ -149,7 +156,7 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
             s.next_sibling[i] = next_sibling[row + i];
             s.target[i] = target_tokens[row + i];
         }
-        for (int i = tid; i < NPAGES; i += THREADS) {
+        for (int i = tid; kv_cache != nullptr && i < NPAGES; i += THREADS) {
             const long long idx = pbase + i;
             int page = -1;
             if (idx >= 0 && idx < max_pages) {
@@ -196,6 +203,7 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
         accept_lens[b] = a;
         new_prefix_lens[b] = (int)((unsigned)L + 1u + (unsigned)a);
     }
+    if (kv_cache == nullptr) return;   // the walk alone (kv_commit moves the entries of every layer)
     for (int m = tid; m < a; m += THREADS) {
         const int k = m + 1;
         long long src = slot_offset(s, (long long)L + s.path[k], pbase);
@@ -209,6 +217,6 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
     __syncthreads();
 
     // 4-5. the commit
-    if (vec16) commit<uint4, CHUNKS>(s, kv_cache, a);
-    else commit<bf16_t, ENTRY>(s, kv_cache, a);
+    if (vec16) move_entries<uint4, CHUNKS>(s.stage, s.src, s.dst, kv_cache, a);
+    else move_entries<bf16_t, ENTRY>(s.stage, s.src, s.dst, kv_cache, a);
 }

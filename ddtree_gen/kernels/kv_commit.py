@@ -1,0 +1,90 @@
+"""kv_commit's launcher: after the walk, move the accepted KV entries of every layer in one launch.
+
+    acc = kset.tree_accept(tree, target_tokens, prefix_lens)          # the walk alone (no cache)
+    kset.kv_commit(acc, prefix_lens, kv_caches, block_table)           # every layer, one launch
+
+kv_caches: a sequence of per-layer caches (same shape [num_pages, page_size, R+P] bf16, same
+device) or one stacked [layers, num_pages, page_size, R+P] tensor; at most MAX_LAYERS layers,
+each 16-byte aligned. Per layer the semantics are tree_accept's commit (docs/contract.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays as ar
+from ..errors import ArgumentError
+from ..plans.kv_commit import MAX_LAYERS
+from ..runtime import Prepared, Step, run_call
+from .checks import INT32_MAX
+
+_INPUTS = ("accept_lens", "accepted_nodes", "prefix_lens", "block_table")
+
+
+def launch(kset, accepted, prefix_lens, kv_caches, block_table) -> None:
+    """Commit the accepted path of each request (`accepted`: anything with accept_lens [B] and
+    accepted_nodes [B, D+1] int32, e.g. tree_accept's output) in every layer's cache, on the current
+    stream. prefix_lens [B] int32 are the lengths before the step; block_table [B, max_pages] int32.
+    Device values are never read on the host (graph-capturable); any values are safe."""
+    for name in ("accept_lens", "accepted_nodes"):
+        if not hasattr(accepted, name):
+            raise ArgumentError(f"accepted: has no field {name!r} (expected the tree_accept outputs)")
+    stacked = not isinstance(kv_caches, (list, tuple))
+    layers = (kv_caches,) if stacked else tuple(kv_caches)
+    arrays = (accepted.accept_lens, accepted.accepted_nodes, prefix_lens, block_table, *layers)
+
+    def prepare():
+        return _prepare(kset, arrays, stacked)
+    return run_call(kset, prepare, arrays, (stacked, len(layers)))
+
+
+def _prepare(kset, arrays, stacked) -> Prepared:
+    spec = kset.spec
+    d1, width = spec.max_depth + 1, spec.kv_lora_rank + spec.qk_rope_head_dim
+    lens = ar.device_array(arrays[0], "accepted.accept_lens", dtype="int32", ndim=1)
+    b = lens.shape[0]
+    nodes = ar.device_array(arrays[1], "accepted.accepted_nodes", dtype="int32", shape=(b, d1))
+    prefix = ar.device_array(arrays[2], "prefix_lens", dtype="int32", shape=(b,))
+    table = ar.device_array(arrays[3], "block_table", dtype="int32", ndim=2)
+    if table.shape[0] != b:
+        raise ArgumentError(f"block_table: {table.shape[0]} rows (dimension 0), expected batch size {b}")
+    named = {"accepted.accept_lens": lens, "accepted.accepted_nodes": nodes, "prefix_lens": prefix,
+             "block_table": table}
+    first = len(_INPUTS)
+    if stacked:
+        kv = ar.device_array(arrays[first], "kv_caches", dtype="bf16", ndim=4)
+        num_layers, layer_shape = kv.shape[0], kv.shape[1:]
+        layer_bytes = int(np.prod(layer_shape)) * 2
+        slots = [(first, layer * layer_bytes) for layer in range(num_layers)]
+        named["kv_caches"] = kv
+        where = "kv_caches"
+    else:
+        if not arrays[first:]:
+            raise ArgumentError("kv_caches: an empty sequence; pass every layer's cache")
+        caches = []
+        for layer, x in enumerate(arrays[first:]):
+            caches.append(ar.device_array(x, f"kv_caches[{layer}]", dtype="bf16", ndim=3))
+            if caches[-1].shape != caches[0].shape:
+                raise ArgumentError(f"kv_caches[{layer}]: shape {caches[-1].shape}, but kv_caches[0] has "
+                                    f"{caches[0].shape} (every layer's cache must have the same shape)")
+            named[f"kv_caches[{layer}]"] = caches[-1]
+        num_layers, layer_shape = len(caches), caches[0].shape
+        slots = [first + layer for layer in range(num_layers)]
+        where = "kv_caches[0]"
+    num_pages, page, row = layer_shape
+    if page != spec.page_size:
+        raise ArgumentError(f"{where}: page_size {page} must equal the spec's page_size = {spec.page_size}")
+    if row != width:
+        raise ArgumentError(f"{where}: entry width {row} must equal kv_lora_rank + qk_rope_head_dim = {width}")
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise ArgumentError(f"kv_caches: {num_layers} layers, must be in [1, {MAX_LAYERS}]")
+    if num_pages > INT32_MAX or table.shape[1] > INT32_MAX:
+        raise ArgumentError(f"{where}: {num_pages} pages and block_table {table.shape[1]} columns must be < 2**31")
+    device = ar.same_device(named)
+    # every layer's cache is moved in 16-byte chunks: its pointer must be 16-byte aligned
+    aligned = tuple((s if isinstance(s, int) else s[0], 16,
+                     f"kv_caches{'' if stacked else f'[{k}]'}: data pointer {{ptr:#x}} is not 16-byte aligned "
+                     f"(the commit moves 16-byte chunks)") for k, s in enumerate(slots[:1] if stacked else slots))
+    params = (*slots, *(np.uint64(0),) * (MAX_LAYERS - num_layers))
+    steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, *params, np.int32(num_pages),
+                                                 np.int32(table.shape[1]))),) if b else ()
+    return Prepared(device=device, kind=lens.kind, steps=steps, aligned=aligned, result=lambda a: None)

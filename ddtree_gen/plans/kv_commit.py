@@ -1,0 +1,21 @@
+"""kv_commit's resource plan: move the accepted KV entries of every layer, one block per (request, layer)."""
+from __future__ import annotations
+
+import sympy
+
+from ..resources import D, Plan
+from .kernel_def import KernelDef
+from .tree_accept import CHUNKS, ENTRY
+
+MAX_LAYERS = 128    # layer pointers passed by value in the parameters (8 bytes each: 1 KB)
+
+
+def plan(spec) -> Plan:
+    threads = 32 * sympy.ceiling(CHUNKS / 32)  # a thread per chunk column of an entry
+    static_smem = 16 * D * CHUNKS + 8 * D + 8 * D   # staged sources, source and destination offsets
+    return Plan(kernel="kv_commit", spec=spec, threads=threads, min_blocks=4, static_smem=static_smem,
+                consts={"ENTRY": ENTRY, "CHUNKS": CHUNKS, "BATCH": sympy.Min(D, 16),
+                        "MAX_LAYERS": sympy.Integer(MAX_LAYERS)})
+
+
+KERNELS = [KernelDef(name="kv_commit", template="kv_commit.cu.j2", entry="ddtree_kv_commit", plan=plan)]

@@ -1,0 +1,110 @@
+"""The walk once, the commit of every layer in one launch (tree_accept without a cache, then
+kv_commit), bit-exact against the numpy reference on every layer's whole cache (moved entries and
+untouched ones), for the sequence and the stacked layouts, in a CUDA graph too."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ddtree_gen import reference
+from ddtree_gen.types import TreeAcceptOutput
+from verify_cases import fresh_seed, random_bf16_normal
+
+pytestmark = pytest.mark.gpu
+LAYERS = 5
+
+
+def _tree(spec, rng, b):
+    n = spec.max_tree_size
+    first = np.full((b, n), -1, np.int32)
+    nxt = np.full((b, n), -1, np.int32)
+    for i in range(b):
+        parents = np.concatenate([[-1], [rng.integers(0, j) for j in range(1, n)]])
+        for j in range(n - 1, 0, -1):
+            nxt[i, j] = first[i, parents[j]]
+            first[i, parents[j]] = j
+    tokens = rng.integers(0, 3, (b, n)).astype(np.int32)
+    return SimpleNamespace(num_nodes=np.full(b, n, np.int32), tokens=tokens, first_child=first, next_sibling=nxt)
+
+
+def _cache_case(spec, rng, b):
+    """Pages from a random permutation (so a request's positions sit on scattered pages), prefixes
+    that put the tree across page boundaries."""
+    n, page = spec.max_tree_size, spec.page_size
+    prefix = rng.integers(0, 3 * page, b).astype(np.int32)
+    per = -(-(prefix.astype(int) + n) // page)
+    num_pages = int(per.sum()) + 4
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.full((b, int(per.max()) + 1), -1, np.int32)
+    k = 0
+    for i in range(b):
+        table[i, :per[i]] = perm[k:k + per[i]]
+        k += per[i]
+    caches = [random_bf16_normal(rng, (num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
+              for _ in range(LAYERS)]
+    return prefix, table, caches
+
+
+@pytest.mark.parametrize("b", [1, 7])
+def test_walk_then_commit_every_layer(spec, kset, b):
+    import cupy
+    rng = np.random.default_rng(fresh_seed())
+    tree = _tree(spec, rng, b)
+    target = rng.integers(0, 3, (b, spec.max_tree_size)).astype(np.int32)
+    prefix, table, caches = _cache_case(spec, rng, b)
+    want = [c.copy() for c in caches]
+    for c in want:
+        ref = reference.tree_accept(tree, target, prefix, c, table, spec.max_depth)
+    dev = {k: cupy.asarray(getattr(tree, k)) for k in ("num_nodes", "tokens", "first_child", "next_sibling")}
+    out = TreeAcceptOutput(*(cupy.full(np.shape(r), -7, np.int32) for r in ref))   # poisoned
+    acc = kset.tree_accept(SimpleNamespace(**dev), cupy.asarray(target), cupy.asarray(prefix), out=out)
+    for got, r in zip(acc, ref):
+        assert np.array_equal(cupy.asnumpy(got), r)
+    seq = [cupy.asarray(c) for c in caches]
+    kset.kv_commit(acc, cupy.asarray(prefix), seq, cupy.asarray(table))
+    stacked = cupy.asarray(np.stack(caches))
+    kset.kv_commit(acc, cupy.asarray(prefix), stacked, cupy.asarray(table))
+    for k in range(LAYERS):
+        assert np.array_equal(cupy.asnumpy(seq[k]), want[k]), f"layer {k} (sequence)"
+        assert np.array_equal(cupy.asnumpy(stacked[k]), want[k]), f"layer {k} (stacked)"
+
+
+@pytest.mark.parametrize("accept", ["none", "full", "random"])
+def test_commit_of_given_paths(spec, kset, accept):
+    """accept_len 0, full depth with every move a real one (path[k] = k + 16: sources and
+    destinations on different slots, often pages), and random lengths and paths, in a CUDA graph."""
+    import cupy
+    rng = np.random.default_rng(fresh_seed())
+    b, d, n = 6, spec.max_depth, spec.max_tree_size
+    prefix, table, caches = _cache_case(spec, rng, b)
+    nodes = np.full((b, d + 1), -1, np.int32)
+    nodes[:, 0] = 0
+    if accept == "none":
+        lens = np.zeros(b, np.int32)
+    elif accept == "full":
+        lens = np.full(b, d, np.int32)
+        nodes[:, 1:] = np.minimum(np.arange(1, d + 1) + 16, n - 1)
+    else:
+        lens = rng.integers(0, d + 1, b).astype(np.int32)
+        for i in range(b):
+            nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
+    accepted = SimpleNamespace(accept_lens=lens, accepted_nodes=nodes)
+    want = [c.copy() for c in caches]
+    reference.kv_commit(accepted, prefix, want, table)
+    dev = SimpleNamespace(accept_lens=cupy.asarray(lens), accepted_nodes=cupy.asarray(nodes))
+    seq = [cupy.asarray(c) for c in caches]
+    p, t = cupy.asarray(prefix), cupy.asarray(table)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        kset.kv_commit(dev, p, [cupy.asarray(c) for c in caches], t)   # prepares outside the capture
+        stream.begin_capture()
+        kset.kv_commit(dev, p, seq, t)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    for k in range(LAYERS):
+        assert np.array_equal(cupy.asnumpy(seq[k]), want[k]), f"layer {k}"
+    if accept == "full":
+        assert all(not np.array_equal(w, c) for w, c in zip(want, caches))   # the moves were real
