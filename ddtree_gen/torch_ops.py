@@ -51,6 +51,10 @@ SCHEMAS = {
     "tree_accept": "tree_accept(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
                    "Tensor target_tokens, Tensor prefix_lens, Tensor(a!) kv_cache, Tensor block_table) "
                    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "tree_walk": "tree_walk(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                 "Tensor target_tokens, Tensor prefix_lens) -> (Tensor, Tensor, Tensor, Tensor)",
+    "kv_commit": "kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+                 "Tensor(a!)[] kv_caches, Tensor block_table) -> ()",
 }
 
 
@@ -128,6 +132,32 @@ def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_
     return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
 
 
+@_op("tree_walk")
+def tree_walk(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
+    """tree_accept without a cache: the walk alone (kv_commit then moves every layer's entries)."""
+    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
+    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens))
+
+
+@tree_walk.fake
+def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
+    _, _, d1 = _dims(spec)
+    b = tokens.shape[0]
+    return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
+
+
+@_op("kv_commit")
+def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+    acc = TreeAcceptOutput(accept_lens, accepted_nodes, None, None)
+    _kset(spec).kv_commit(acc, prefix_lens, list(kv_caches), block_table)
+
+
+@kv_commit.fake
+def _(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+    return None
+
+
 OPS = {"tree_build": (tree_build, TreeBuildOutput), "tree_verify": (tree_verify, AttentionOutput),
        "tree_verify_tail": (tree_verify_tail, AttentionOutput), "merge_states": (merge_states, AttentionOutput),
-       "tree_accept": (tree_accept, TreeAcceptOutput)}
+       "tree_accept": (tree_accept, TreeAcceptOutput), "tree_walk": (tree_walk, TreeAcceptOutput),
+       "kv_commit": (kv_commit, None)}

@@ -209,8 +209,9 @@ def _step_inputs(spec, torch, rng):
                 target=t(rng.integers(0, 150000, size=(b, n), dtype=np.int32)))
 
 
-def _step(x, kv):
-    """tree_build -> tree_verify -> tree_accept through torch.ops.ddtree (what an engine compiles)."""
+def _step(x, kv, kv_layers):
+    """tree_build -> tree_verify -> tree_accept through torch.ops.ddtree (what an engine compiles);
+    then the engine path for many layers: the walk once and kv_commit of `kv_layers` (copies of kv)."""
     import torch
     ops = torch.ops.ddtree
     tree = ops.tree_build(SPEC, x["ids"], x["lps"], x["roots"], x["prefix"], 64)
@@ -219,7 +220,9 @@ def _step(x, kv):
     # the target "chooses" the drafted tokens of the first children where it can: a non-trivial walk
     target = torch.where(tree[7] >= 0, torch.gather(tree[1], 1, tree[7].clamp(min=0).long()), x["target"])
     acc = ops.tree_accept(SPEC, tree[0], tree[1], tree[7], tree[8], target, x["prefix"], kv, x["table"])
-    return (*tree, out, lse, *acc)
+    walk = ops.tree_walk(SPEC, tree[0], tree[1], tree[7], tree[8], target, x["prefix"])
+    ops.kv_commit(SPEC, walk[0], walk[1], x["prefix"], kv_layers, x["table"])
+    return (*tree, out, lse, *acc, *walk)
 
 
 def test_torch_compile_fullgraph_matches_eager(ks):
@@ -227,13 +230,18 @@ def test_torch_compile_fullgraph_matches_eager(ks):
     import ddtree_gen.torch_ops  # noqa: F401
     x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_compiled = x["kv"].clone(), x["kv"].clone()
-    want = _step(x, kv_eager)
-    got = torch.compile(_step, fullgraph=True)(x, kv_compiled)
+    layers_eager, layers_compiled = [x["kv"].clone() for _ in range(2)], [x["kv"].clone() for _ in range(2)]
+    want = _step(x, kv_eager, layers_eager)
+    got = torch.compile(_step, fullgraph=True)(x, kv_compiled, layers_compiled)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point else g,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)
     assert torch.equal(kv_compiled.view(torch.int16), kv_eager.view(torch.int16))   # the same entries moved
-    assert int(want[-4].max()) > 0   # some request accepted drafts: the commit really ran
+    for a, b in zip(layers_compiled + layers_eager, [kv_eager] * 4):   # walk + kv_commit == tree_accept's commit
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(want[-8:-4], want[-4:]):
+        assert torch.equal(a, b)   # the walk's outputs are tree_accept's
+    assert int(want[-8].max()) > 0   # some request accepted drafts: the commit really ran
 
 
 def test_torch_ops_capture_in_a_cuda_graph(ks):
@@ -241,16 +249,19 @@ def test_torch_ops_capture_in_a_cuda_graph(ks):
     import ddtree_gen.torch_ops  # noqa: F401
     x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_graph = x["kv"].clone(), x["kv"].clone()
-    want = _step(x, kv_eager)
+    layers_graph = [x["kv"].clone() for _ in range(3)]
+    want = _step(x, kv_eager, [x["kv"].clone()])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _step(x, x["kv"].clone())   # warm-up outside the capture
+        _step(x, x["kv"].clone(), [x["kv"].clone() for _ in range(3)])   # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        got = _step(x, kv_graph)
+        got = _step(x, kv_graph, layers_graph)
     kv_graph.copy_(x["kv"])
+    for layer in layers_graph:
+        layer.copy_(x["kv"])
     for o in got:
         o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
     g.replay()
@@ -259,19 +270,21 @@ def test_torch_ops_capture_in_a_cuda_graph(ks):
         assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)
     assert torch.equal(kv_graph.view(torch.int16), kv_eager.view(torch.int16))
+    for layer in layers_graph:
+        assert torch.equal(layer.view(torch.int16), kv_eager.view(torch.int16))
 
 
 def test_profiler_shows_our_kernels(ks):
     torch = _need_gpus(1)
     import ddtree_gen.torch_ops  # noqa: F401
     x = _step_inputs(ks.spec, torch, np.random.default_rng(0))
-    _step(x, x["kv"].clone())
+    _step(x, x["kv"].clone(), [x["kv"].clone()])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _step(x, x["kv"].clone())
+        _step(x, x["kv"].clone(), [x["kv"].clone()])
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
-    for want in ("ddtree::tree_build", "ddtree::tree_verify", "ddtree::tree_accept", "ddtree_tree_build",
-                 "ddtree_tree_accept"):
+    for want in ("ddtree::tree_build", "ddtree::tree_verify", "ddtree::tree_accept", "ddtree::kv_commit",
+                 "ddtree_tree_build", "ddtree_tree_accept", "ddtree_kv_commit"):
         assert any(want in n for n in names), (want, sorted(n for n in names if "ddtree" in n))
     assert any(n.startswith("ddtree_tree_verify") for n in names), sorted(n for n in names if "ddtree" in n)

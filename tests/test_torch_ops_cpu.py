@@ -12,8 +12,10 @@ import ddtree_gen.torch_ops  # noqa: E402,F401
 
 def test_ops_are_registered_with_the_kv_cache_mutation():
     ops = torch.ops.ddtree
-    for name in ("tree_build", "tree_verify", "tree_verify_tail", "merge_states", "tree_accept"):
+    for name in ("tree_build", "tree_verify", "tree_verify_tail", "merge_states", "tree_accept", "tree_walk",
+                 "kv_commit"):
         assert hasattr(ops, name), name
+    assert "Tensor(a!)[] kv_caches" in str(ops.kv_commit.default._schema)
     schema = str(ops.tree_accept.default._schema)
     assert "Tensor(a!) kv_cache" in schema and schema.count("!") == 1, schema   # the one tensor it writes
     assert "!" not in str(ops.tree_verify.default._schema)
@@ -42,3 +44,6 @@ def test_fake_shapes_follow_the_spec(spec):
         acc = torch.ops.ddtree.tree_accept(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec, kv, table)
         assert [tuple(a.shape) for a in acc] == [(b,), (b, d1), (b, d1), (b,)]
         assert all(a.dtype == torch.int32 for a in acc)
+        walk = torch.ops.ddtree.tree_walk(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec)
+        assert [tuple(a.shape) for a in walk] == [(b,), (b, d1), (b, d1), (b,)]
+        assert torch.ops.ddtree.kv_commit(spec.name, walk[0], walk[1], vec, [kv, kv], table) is None
