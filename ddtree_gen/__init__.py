@@ -12,10 +12,12 @@ from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 __version__ = "0.1.0"
 
 
-def load(spec, *, kernels=None):
-    """The compiled kernel set of `spec` (name in specs/, path to a .toml, or Spec)."""
+def load(spec, *, kernels=None, arch=None):
+    """The compiled kernel set of `spec` (name in specs/, path to a .toml, or Spec). Each kernel runs as
+    the build that fits the device (sm_90a cubin on H100 / H200, sm_80 PTX on other GPUs of compute
+    capability 8.0+); arch="sm_80" (or $DDTREE_GEN_ARCH) forces one build target everywhere."""
     from .kernel_set import load as _load   # imported on use: `import ddtree_gen` stays light
-    return _load(spec, kernels=kernels)
+    return _load(spec, kernels=kernels, arch=arch)
 
 
 __all__ = ["load", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",

@@ -1,10 +1,14 @@
 """Artifacts: the content-hashed binary cache, generated/<spec>/, manifests and drift checks.
 
-- Cache (outside git, paths.cache_dir()): <key>.cubin + <key>.json, key = hash of the rendered
-  source, compile options, NVRTC version and entry. The json holds the cubin's SHA-256, so a
+- Cache (outside git, paths.cache_dir()): <key>.cubin (sm_90a) or <key>.ptx (sm_80) + <key>.json,
+  key = hash of the rendered source, the target's compile options, NVRTC version and entry: the
+  same source built for two targets has two keys. The json holds the binary's SHA-256, so a
   truncated or corrupted binary is detected and rebuilt, never loaded.
 - generated/<spec>/: the rendered .cu of every kernel and manifest.json (spec hash, template
-  hash, options, NVRTC version, ptxas report and model per kernel). Committed to git.
+  hash, NVRTC version, the targets with their options; per kernel its targets and per target the
+  source file, cache key, binary size and hash, ptxas report and model). A kernel whose source
+  differs per target (its plan does: KernelDef.arch_plan) has one file per target,
+  <kernel>.cu for the first and <kernel>.<arch>.cu for the others. Committed to git.
 Every write is atomic (temp file + rename) and builders take a file lock, so concurrent
 builds end with valid artifacts and a failed build leaves the previous ones in place.
 """
@@ -17,8 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
-from .compile import OPTIONS, compile_source, nvrtc_version
+from . import archs, paths
+from .archs import PRIMARY
+from .compile import compile_source, nvrtc_version, options
 from .errors import BuildError, SpecError
 from .fileio import atomic_write, file_lock
 from .plans import KernelDef, all_kernels
@@ -65,118 +70,230 @@ class Built:
     kernel: str
     source: str
     key: str
-    cubin: bytes
-    report: PtxasReport
+    binary: bytes      # what is shipped: the cubin (sm_90a) or the PTX text (sm_80)
+    report: PtxasReport  # ptxas -v of the cubin (sm_80: of the sm_80 cubin assembled from the PTX, not shipped)
     status: str        # "cached" or "compiled"
     seconds: float = 0.0
+    arch: str = PRIMARY
+
+    @property
+    def kind(self) -> str:
+        """The kind of the shipped binary: 'cubin' or 'ptx'."""
+        return archs.BINARY[self.arch]
+
+    @property
+    def cubin(self) -> bytes:   # the name before there were PTX builds
+        return self.binary
 
 
-def cache_key(source: str, kdef: KernelDef, nvrtc: str) -> str:
-    return sha256(json.dumps({"source": sha256(source), "options": list(OPTIONS), "nvrtc": nvrtc,
+def variants(spec: Spec, kdefs, arch: str | None = None) -> list[tuple[KernelDef, str]]:
+    """(kernel, target) pairs a spec builds, in build order: every target of each kernel (KernelDef.archs_for),
+    or only `arch` when given."""
+    return [(k, a) for k in kdefs for a in k.archs_for(spec) if arch is None or a == arch]
+
+
+def cache_key(source: str, kdef: KernelDef, nvrtc: str, arch: str = PRIMARY) -> str:
+    return sha256(json.dumps({"source": sha256(source), "options": list(options(arch)), "nvrtc": nvrtc,
                               "entry": kdef.entry}, sort_keys=True))
 
 
-def _read_cache(key: str, entry: str) -> tuple[bytes, PtxasReport] | None:
+def _read_cache(key: str, entry: str, arch: str = PRIMARY) -> tuple[bytes, PtxasReport] | None:
     root = paths.cache_dir()
+    kind = archs.BINARY[arch]
     try:
         meta = json.loads((root / f"{key}.json").read_text())
-        cubin = (root / f"{key}.cubin").read_bytes()
-        if sha256(cubin) != meta["cubin_sha256"] or len(cubin) != meta["cubin_bytes"]:
+        binary = (root / f"{key}.{kind}").read_bytes()
+        if meta["binary"] != kind or sha256(binary) != meta["sha256"] or len(binary) != meta["bytes"]:
             return None  # truncated or corrupted: rebuild
-        return cubin, PtxasReport(**meta["reports"][entry])
+        return binary, PtxasReport(**meta["reports"][entry])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def compile_variant(spec: Spec, kdef: KernelDef, source: str | None = None) -> Built:
-    """Rendered source -> cubin, through the cache."""
-    source = render(spec, kdef) if source is None else source
+def compile_variant(spec: Spec, kdef: KernelDef, source: str | None = None, arch: str = PRIMARY) -> Built:
+    """Rendered source -> the binary of target `arch` (archs.py), through the cache."""
+    if arch not in kdef.archs:
+        raise BuildError(f"kernel {kdef.name} is not built for {arch} (its targets: {', '.join(kdef.archs)})")
+    source = render(spec, kdef, arch) if source is None else source
     nvrtc = nvrtc_version()
-    key = cache_key(source, kdef, nvrtc)
-    hit = _read_cache(key, kdef.entry)
+    key = cache_key(source, kdef, nvrtc, arch)
+    hit = _read_cache(key, kdef.entry, arch)
     if hit:
-        return Built(kdef.name, source, key, hit[0], hit[1], "cached")
+        return Built(kdef.name, source, key, hit[0], hit[1], "cached", arch=arch)
     root = paths.cache_dir()
+    kind = archs.BINARY[arch]
     with file_lock(root / f"{key}.lock"):
-        hit = _read_cache(key, kdef.entry)  # another process may have built it while we waited
+        hit = _read_cache(key, kdef.entry, arch)  # another process may have built it while we waited
         if hit:
-            return Built(kdef.name, source, key, hit[0], hit[1], "cached")
+            return Built(kdef.name, source, key, hit[0], hit[1], "cached", arch=arch)
         t0 = time.perf_counter()
-        result = compile_source(source, f"{spec.name}-{kdef.name}.cu", [kdef.entry])
+        name = f"{spec.name}-{kdef.name}.cu" if arch == PRIMARY else f"{spec.name}-{kdef.name}.{arch}.cu"
+        result = compile_source(source, name, [kdef.entry], options(arch))
         seconds = time.perf_counter() - t0
         report = result.reports[kdef.entry]
-        atomic_write(root / f"{key}.cubin", result.cubin)
-        meta = {"cubin_sha256": sha256(result.cubin), "cubin_bytes": len(result.cubin), "nvrtc": nvrtc,
-                "options": list(OPTIONS), "reports": {kdef.entry: report.as_dict()}, "log": result.log}
+        binary = result.cubin if kind == "cubin" else result.ptx
+        atomic_write(root / f"{key}.{kind}", binary)
+        meta = {"binary": kind, "sha256": sha256(binary), "bytes": len(binary), "arch": arch, "nvrtc": nvrtc,
+                "options": list(options(arch)), "reports": {kdef.entry: report.as_dict()}, "log": result.log}
         atomic_write(root / f"{key}.json", json.dumps(meta, indent=1))
-    return Built(kdef.name, source, key, result.cubin, report, "compiled", seconds)
+    return Built(kdef.name, source, key, binary, report, "compiled", seconds, arch)
 
 
-def ensure_built(spec: Spec, kernels=None) -> dict:
-    """Compiled binaries of a spec's kernels (from the cache, compiling what is missing)."""
-    return {k.name: compile_variant(spec, k) for k in select_kernels(kernels)}
+def ensure_built(spec: Spec, kernels=None, arch: str | None = None) -> dict:
+    """Compiled binaries of a spec's kernels (from the cache, compiling what is missing):
+    kernel name -> {target: Built}, for every target of the kernel in the spec (only `arch` when given;
+    a kernel with no such target maps to {})."""
+    kdefs = select_kernels(kernels)
+    built = {k.name: {} for k in kdefs}
+    for kdef, a in variants(spec, kdefs, arch):
+        built[kdef.name][a] = compile_variant(spec, kdef, arch=a)
+    return built
+
+
+def source_files(kernel: str, sources: dict) -> dict:
+    """target -> file name under generated/<spec>/ of one kernel's sources (target -> text, in preference
+    order): <kernel>.cu for the first target and for every target whose text is the same, else
+    <kernel>.<target>.cu."""
+    first = next(iter(sources.values()), None)
+    return {a: f"{kernel}.cu" if text == first else f"{kernel}.{a}.cu" for a, text in sources.items()}
+
+
+# what the ptxas report of a build is the report of
+PTXAS_OF = {"cubin": "the shipped cubin",
+            "ptx": "an sm_80 cubin assembled by NVRTC from the shipped PTX (not shipped: the driver JIT-compiles "
+                   "the PTX for the device, and its registers may differ)"}
+
+
+def targets_for(spec: Spec) -> dict:
+    """The manifest's "targets": per target of the spec, its NVRTC options, what is shipped, where it runs."""
+    return {a: {"options": list(options(a)), "binary": archs.BINARY[a], "runs_on": archs.RUNS_ON[a]}
+            for a in spec.archs}
 
 
 def manifest_for(spec: Spec, built: list[Built]) -> dict:
     kdefs = {k.name: k for k in all_kernels()}
-    kernels = {}
+    by_kernel: dict = {}
     for b in built:
-        plan = kdefs[b.kernel].plan(spec)
-        kernels[b.kernel] = {
-            "source": f"{b.kernel}.cu", "source_sha256": sha256(b.source), "template": kdefs[b.kernel].template,
-            "entry": kdefs[b.kernel].entry, "cache_key": b.key, "ptxas": b.report.as_dict(),
-            "model": {name: {"formula": f, "value": v} for name, (f, v) in plan.formulas().items()}
-                     | {"register_budget": {"formula": "min(255, floor8(65536 / (threads * min_blocks)))",
-                                            "value": plan.register_budget}},
-            "model_vs_ptxas": compare(plan, b.report) or "agree",
-        }
+        by_kernel.setdefault(b.kernel, {})[b.arch] = b
+    kernels = {}
+    for name, builds in by_kernel.items():
+        kdef = kdefs[name]
+        order = [a for a in kdef.archs_for(spec) if a in builds]
+        files = source_files(name, {a: builds[a].source for a in order})
+        per_arch = {}
+        for a in order:
+            b = builds[a]
+            plan = kdef.plan_for(spec, a)
+            per_arch[a] = {
+                "source": files[a], "source_sha256": sha256(b.source), "cache_key": b.key,
+                "binary": b.kind, "binary_bytes": len(b.binary), "binary_sha256": sha256(b.binary),
+                "ptxas": b.report.as_dict(), "ptxas_of": PTXAS_OF[b.kind],
+                "model": {n: {"formula": f, "value": v} for n, (f, v) in plan.formulas().items()}
+                         | {"register_budget": {"formula": "min(255, floor8(65536 / (threads * min_blocks)))",
+                                                "value": plan.register_budget}},
+                "model_vs_ptxas": compare(plan, b.report) or "agree",
+            }
+        kernels[name] = {"template": kdef.template, "entry": kdef.entry, "archs": order, "builds": per_arch}
     return {"spec": spec.name, "spec_sha256": spec.digest(), "spec_values": spec.as_dict(),
-            "template_sha256": templates_digest(), "options": list(OPTIONS), "nvrtc_version": nvrtc_version(),
+            "template_sha256": templates_digest(), "targets": targets_for(spec), "nvrtc_version": nvrtc_version(),
             "kernels": kernels}
 
 
 def write_generated(spec: Spec, built: list[Built]) -> None:
-    """Write generated/<spec>/ atomically, file by file, the manifest last, under a lock."""
+    """Write generated/<spec>/ atomically, file by file, the manifest last, under a lock; .cu files of the
+    folder that no build wrote any more (a kernel or a per-target source that is gone) are removed."""
     out = paths.generated_dir() / spec.name
+    manifest = manifest_for(spec, built)
+    by_kernel: dict = {}
+    for b in built:
+        by_kernel.setdefault(b.kernel, {})[b.arch] = b
     with file_lock(paths.generated_dir() / ".lock"):
-        for b in built:
-            atomic_write(out / f"{b.kernel}.cu", b.source)
-        atomic_write(out / MANIFEST, json.dumps(manifest_for(spec, built), indent=2, sort_keys=True) + "\n")
+        written = set()
+        for name, entry in manifest["kernels"].items():
+            for a, info in entry["builds"].items():
+                if info["source"] not in written:
+                    atomic_write(out / info["source"], by_kernel[name][a].source)
+                    written.add(info["source"])
+        atomic_write(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for stale in sorted(out.glob("*.cu")):
+            if stale.name not in written:
+                stale.unlink()
+
+
+def expected_sources(spec: Spec) -> dict:
+    """kernel -> {target: (file name, rendered text)} of what generated/<spec>/ must hold."""
+    out = {}
+    for kdef in all_kernels():
+        order = kdef.archs_for(spec)
+        if not order:
+            continue
+        texts = {a: render(spec, kdef, a) for a in order}
+        files = source_files(kdef.name, texts)
+        out[kdef.name] = {a: (files[a], texts[a]) for a in order}
+    return out
 
 
 def check_generated(specs: list[Spec]) -> list[str]:
     """What in generated/ is out of date with specs/ and templates/ (empty list: up to date)."""
     problems = []
     tdigest = templates_digest()
-    kernel_names = {k.name for k in all_kernels()}
     for spec in specs:
         out = paths.generated_dir() / spec.name
+        expected = expected_sources(spec)
         try:
             manifest = json.loads((out / MANIFEST).read_text())
+            if not isinstance(manifest, dict):
+                raise ValueError
         except (OSError, ValueError):
             problems.append(f"{out / MANIFEST}: missing or unreadable")
-            continue
-        if manifest.get("spec_sha256") != spec.digest():
-            problems.append(f"{out / MANIFEST}: spec hash differs from specs/{spec.name}.toml")
-        if manifest.get("template_sha256") != tdigest:
-            problems.append(f"{out / MANIFEST}: template hash differs from templates/")
-        if manifest.get("options") != list(OPTIONS):
-            problems.append(f"{out / MANIFEST}: compile options differ from the generator's")
-        if set(manifest.get("kernels", {})) != kernel_names:
-            problems.append(f"{out / MANIFEST}: kernels {sorted(manifest.get('kernels', {}))} "
-                            f"!= {sorted(kernel_names)}")
-        expected = {f"{k.name}.cu" for k in all_kernels()}
+            manifest = None
+        if manifest is not None:
+            if manifest.get("spec_sha256") != spec.digest():
+                problems.append(f"{out / MANIFEST}: spec hash differs from specs/{spec.name}.toml")
+            if manifest.get("template_sha256") != tdigest:
+                problems.append(f"{out / MANIFEST}: template hash differs from templates/")
+            targets = manifest.get("targets")
+            want = targets_for(spec)
+            if not isinstance(targets, dict) or set(targets) != set(want):   # (json.dumps sorts the keys)
+                problems.append(f"{out / MANIFEST}: targets {sorted(targets) if isinstance(targets, dict) else targets} "
+                                f"!= the spec's {sorted(want)}")
+            else:
+                for a in want:
+                    if targets[a] != want[a]:
+                        problems.append(f"{out / MANIFEST}: compile options or binary of target {a} differ from "
+                                        f"the generator's")
+            kernels = manifest.get("kernels", {})
+            if not isinstance(kernels, dict) or set(kernels) != set(expected):
+                problems.append(f"{out / MANIFEST}: kernels {sorted(kernels) if isinstance(kernels, dict) else kernels} "
+                                f"!= {sorted(expected)}")
+            else:
+                for name, per_arch in expected.items():
+                    entry = kernels[name] if isinstance(kernels[name], dict) else {}
+                    builds = entry.get("builds") if isinstance(entry.get("builds"), dict) else {}
+                    if entry.get("archs") != list(per_arch) or set(builds) != set(per_arch):
+                        problems.append(f"{out / MANIFEST}: kernel {name}: targets {entry.get('archs')} != "
+                                        f"{list(per_arch)}")
+                        continue
+                    for a, (file, text) in per_arch.items():
+                        b = builds[a] if isinstance(builds[a], dict) else {}
+                        if b.get("source") != file or b.get("source_sha256") != sha256(text):
+                            problems.append(f"{out / MANIFEST}: kernel {name}, target {a}: source "
+                                            f"{b.get('source')!r} is not the one the template renders ({file})")
+        files = {}
+        for per_arch in expected.values():
+            for file, text in per_arch.values():
+                files[file] = text
         for stray in sorted(out.glob("*.cu")):
-            if stray.name not in expected:
+            if stray.name not in files:
                 problems.append(f"{stray}: no registered kernel renders it")
-        for kdef in all_kernels():
-            path = out / f"{kdef.name}.cu"
+        for file, text in files.items():
+            path = out / file
             try:
                 current = path.read_text()
             except OSError:
                 problems.append(f"{path}: missing")
                 continue
-            if current != render(spec, kdef):
+            if current != text:
                 problems.append(f"{path}: differs from what the template renders")
     if paths.generated_dir().is_dir():
         names = {s.name for s in specs}
@@ -187,17 +304,17 @@ def check_generated(specs: list[Spec]) -> list[str]:
 
 
 def generated_state(spec: Spec) -> dict:
-    """kernel -> 'up to date' / 'stale' / 'missing' (for `ddtree-gen list`)."""
+    """kernel -> {target: 'up to date' / 'stale' / 'missing'} (for `ddtree-gen list`)."""
     out = paths.generated_dir() / spec.name
     try:
         manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = {}
+        kernels = manifest.get("kernels", {})
+    except (OSError, ValueError, AttributeError):
+        manifest, kernels = {}, {}
     fresh = (manifest.get("spec_sha256") == spec.digest() and manifest.get("template_sha256") == templates_digest())
     state = {}
     for kdef in all_kernels():
-        if kdef.name not in manifest.get("kernels", {}):
-            state[kdef.name] = "missing"
-        else:
-            state[kdef.name] = "up to date" if fresh else "stale"
+        builds = kernels.get(kdef.name, {}).get("builds", {}) if isinstance(kernels.get(kdef.name), dict) else {}
+        state[kdef.name] = {a: ("missing" if a not in builds else "up to date" if fresh else "stale")
+                            for a in kdef.archs_for(spec)}
     return state

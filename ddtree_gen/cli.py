@@ -25,30 +25,31 @@ def cmd_build(args) -> int:
         print(f"generated/ is up to date with specs/ and templates/ ({len(specs)} specs)")
         return 0
     kdefs = artifacts.select_kernels(args.kernel)
-    total = len(specs) * len(kdefs)
+    plan = [(spec, artifacts.variants(spec, kdefs)) for spec in specs]
+    total = sum(len(v) for _, v in plan)
     rows, failed, compiled, n = [], [], 0, 0
-    for spec in specs:
+    for spec, variants in plan:
         built = []
-        for kdef in kdefs:
+        for kdef, arch in variants:
             n += 1
             try:
-                b = artifacts.compile_variant(spec, kdef)
+                b = artifacts.compile_variant(spec, kdef, arch=arch)
             except DdtreeError as e:
-                failed.append((spec.name, kdef.name, str(e)))
-                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} FAILED", flush=True)
+                failed.append((spec.name, kdef.name, arch, str(e)))
+                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} FAILED", flush=True)
                 continue
             compiled += b.status == "compiled"
             took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
-            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {b.status}{took}", flush=True)
+            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
-            plan = kdef.plan(spec)
-            rows.append((spec.name, kdef.name, plan, b.report))
-        if len(built) == len(kdefs) and not args.kernel:
+            rows.append((spec.name, kdef.name, arch, kdef.plan_for(spec, arch), b.report))
+        if len(built) == len(variants) and not args.kernel:
             artifacts.write_generated(spec, built)   # only a complete, successful set replaces generated/
     if rows:
         _resource_table(rows)
-    for spec_name, kernel, msg in failed:
-        print(f"\nbuild of {spec_name}/{kernel} failed (previous artifacts left in place):\n{msg}", file=sys.stderr)
+    for spec_name, kernel, arch, msg in failed:
+        print(f"\nbuild of {spec_name}/{kernel} ({arch}) failed (previous artifacts left in place):\n{msg}",
+              file=sys.stderr)
     if failed:
         return 1
     print(f"nothing to compile: all {total} variants were cached" if compiled == 0 else
@@ -57,34 +58,48 @@ def cmd_build(args) -> int:
 
 
 def _resource_table(rows) -> None:
+    """ptxas vs the model per variant. For sm_80 the report is of an sm_80 cubin assembled from the shipped
+    PTX (the driver JIT-compiles that PTX on the device: the figures are indicative there)."""
     from .resources import compare
-    print(f"\n{'spec':<18} {'kernel':<24} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
+    print(f"\n{'spec':<18} {'kernel':<24} {'target':<6} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
           f"{'model':>7} {'stack':>5} {'spill':>5}  model vs ptxas")
-    for spec, kernel, plan, r in rows:
+    for spec, kernel, arch, plan, r in rows:
         problems = compare(plan, r)
-        print(f"{spec:<18} {kernel:<24} {plan.value(plan.threads):>7} {r.registers:>5} {plan.register_budget:>6} "
-              f"{r.smem:>7} {plan.value(plan.static_smem):>7} {r.stack:>5} {r.spill_stores + r.spill_loads:>5}  "
-              f"{'agree' if not problems else '; '.join(problems)}")
+        print(f"{spec:<18} {kernel:<24} {arch:<6} {plan.value(plan.threads):>7} {r.registers:>5} "
+              f"{plan.register_budget:>6} {r.smem:>7} {plan.value(plan.static_smem):>7} {r.stack:>5} "
+              f"{r.spill_stores + r.spill_loads:>5}  {'agree' if not problems else '; '.join(problems)}")
 
 
 def cmd_list(args) -> int:
     from . import artifacts
     for spec in _specs(args.specs):
         print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
-              f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth}")
+              f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} targets={','.join(spec.archs)}")
         state = artifacts.generated_state(spec)
         for kdef in artifacts.select_kernels():
-            cached = "cached" if _is_cached(spec, kdef) else "not compiled here"
-            print(f"  {kdef.name:<18} generated/: {state[kdef.name]:<10}  binary: {cached}")
+            order = kdef.archs_for(spec)
+            if not order:
+                print(f"  {kdef.name:<24} {'-':<14} not built: its targets ({', '.join(kdef.archs)}) are not the spec's")
+                continue
+            for i, arch in enumerate(order):
+                cached = "cached" if _is_cached(spec, kdef, arch) else "not compiled here"
+                name = kdef.name if i == 0 else ""
+                print(f"  {name:<24} {arch:<6} ({_binary(arch):<5})  generated/: {state[kdef.name][arch]:<10}  "
+                      f"binary: {cached}")
     return 0
 
 
-def _is_cached(spec, kdef) -> bool:
+def _binary(arch) -> str:
+    from .archs import BINARY
+    return BINARY[arch]
+
+
+def _is_cached(spec, kdef, arch) -> bool:
     from . import artifacts
     from .compile import nvrtc_version
     from .render import render
-    key = artifacts.cache_key(render(spec, kdef), kdef, nvrtc_version())
-    return artifacts._read_cache(key, kdef.entry) is not None
+    key = artifacts.cache_key(render(spec, kdef, arch), kdef, nvrtc_version(), arch)
+    return artifacts._read_cache(key, kdef.entry, arch) is not None
 
 
 def cmd_refs(args) -> int:

@@ -1,6 +1,12 @@
-"""Compiling: CUDA source -> sm_90a cubin with NVRTC (through CuPy), plus the ptxas report.
+"""Compiling: CUDA source -> cubin and PTX with NVRTC (through CuPy), plus the ptxas report.
 
-Needs no GPU and no CUDA toolkit: NVRTC comes from its pip wheel.
+Needs no GPU and no CUDA toolkit: NVRTC comes from its pip wheel. One compile per target
+(archs.py): `--gpu-architecture=sm_90a` gives the sm_90a cubin that is shipped; for sm_80,
+`--gpu-architecture=sm_80` gives the PTX that is shipped (nvrtcGetPTX: the same text as a
+compute_80 compile) and, from the same run, an sm_80 cubin that is not shipped: ptxas has
+assembled the PTX, which a compute_80 compile alone never checks (NVRTC passes inline PTX of a
+virtual target through unread: wgmma "compiles" for compute_80), and its report is what the
+model is compared with.
 """
 from __future__ import annotations
 
@@ -8,13 +14,22 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from . import archs
 from .errors import BuildError
 from .resources import PtxasReport
 
+COMMON_OPTIONS = ("--std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
+
+
+def options(arch: str) -> tuple:
+    """NVRTC options of a target's compile."""
+    return (f"--gpu-architecture={archs.NVRTC_ARCH[archs.check(arch)]}", *COMMON_OPTIONS)
+
+
 # sm_90a: Hopper's architecture-specific target, for wgmma (tree_verify_wgmma). Its cubins run on
 # compute capability 9.0 exactly (H100 / H200), the chips the kernels are written for.
-ARCH = "sm_90a"
-OPTIONS = (f"--gpu-architecture={ARCH}", "--std=c++17", "-Xptxas=-v", "--device-as-default-execution-space")
+ARCH = archs.PRIMARY
+OPTIONS = options(ARCH)
 
 
 def nvrtc_version() -> str:
@@ -28,6 +43,7 @@ class CompileResult:
     cubin: bytes
     log: str
     reports: dict  # entry name -> PtxasReport
+    ptx: bytes = b""   # the PTX the cubin was assembled from
 
 
 _FUNC_RE = re.compile(r"Compiling entry function '([^']+)' for")
@@ -101,6 +117,7 @@ def compile_source(source: str, filename: str, entries: list[str], options=OPTIO
                              f"{_excerpt(source, log, filename)}") from None
         log = nvrtc.getProgramLog(prog)
         cubin = nvrtc.getCUBIN(prog)
+        ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
     reports = parse_ptxas(log)
@@ -108,4 +125,4 @@ def compile_source(source: str, filename: str, entries: list[str], options=OPTIO
     if missing:
         raise BuildError(f"{filename}: ptxas reported nothing for entry {missing[0]!r}; "
                          f"is it declared extern \"C\" __global__?\n{log}")
-    return CompileResult(cubin=cubin, log=log, reports=reports)
+    return CompileResult(cubin=cubin, log=log, reports=reports, ptx=ptx)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 
-from . import artifacts
+from . import archs, artifacts, runtime
+from .errors import ArgumentError
 from .kernels import LAUNCHERS
 from .plans import KernelDef, all_kernels
 from .plans import tree_verify_mma as mma_plans
-from .runtime import DeviceModules
+from .runtime import Binary, DeviceModules
 from .spec import Spec
 
 __all__ = ["KernelSet", "load", "variant_set"]
@@ -21,42 +22,101 @@ __all__ = ["KernelSet", "load", "variant_set"]
 class KernelSet:
     """The compiled kernels of one spec. Launchers are attributes: kset.tree_build(...)."""
 
-    def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None):
-        """`built`: kernel name -> artifacts.Built; `kdefs`: the KernelDefs (default: every registered one)."""
+    def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None, arch: str | None = None):
+        """`built`: kernel name -> {target: artifacts.Built} (or one Built); `kdefs`: the KernelDefs (default:
+        every registered one); `arch`: the forced target (archs.forced), None to pick per device.
+
+        Every kernel named in `built` gets its launcher, also one with no build here (a wgmma kernel
+        when sm_80 is forced): its launch raises ArgumentError saying why."""
         self.spec = spec
-        self._plans = {}
-        self._constants = {}
+        self.forced_arch = arch
+        self._defs = {}
+        self._plans = {}        # (name, target) -> Plan
+        self._constants = {}    # (name, target) -> template constants
+        self._first = {}        # name -> its first target here (plan / constants without a device)
         modules = {}
         for kdef in kdefs if kdefs is not None else all_kernels():
             if kdef.name not in built:
                 continue
-            plan = kdef.plan(spec)
-            # launch geometry is evaluated once here: sympy has no place on the launch path
-            modules[kdef.name] = (built[kdef.name].cubin, kdef.entry, plan.value(plan.threads),
-                                  plan.value(plan.dynamic_smem))
-            self._plans[kdef.name] = plan
-            self._constants[kdef.name] = plan.template_constants()
+            builds = built[kdef.name]
+            builds = builds if isinstance(builds, dict) else {builds.arch: builds}
+            builds = {a: builds[a] for a in archs.ordered(builds) if arch is None or a == arch}
+            self._defs[kdef.name] = kdef
             setattr(self, kdef.name, _bind(LAUNCHERS[kdef.name], self))
-        self._modules = DeviceModules(modules)
+            if not builds:
+                continue
+            per_arch = {}
+            for a, b in builds.items():
+                plan = kdef.plan_for(spec, a)
+                # launch geometry is evaluated once here: sympy has no place on the launch path
+                per_arch[a] = Binary(b.binary, kdef.entry, plan.value(plan.threads), plan.value(plan.dynamic_smem),
+                                     plan.value(plan.static_smem))
+                self._plans[(kdef.name, a)] = plan
+                self._constants[(kdef.name, a)] = plan.template_constants()
+            self._first[kdef.name] = next(iter(builds))
+            modules[kdef.name] = per_arch
+        self._modules = DeviceModules(modules, forced=arch)
         self.prepared_calls: dict = {}   # call signature -> runtime.Prepared (see runtime.run_call)
 
     @property
     def kernels(self) -> list[str]:
+        """The kernels with a build in this set (on a given device: kernels_on(device))."""
         return self._modules.names
 
-    def plan(self, name):
-        return self._plans[name]
+    @property
+    def archs(self) -> tuple:
+        """The targets this set holds builds of, in preference order."""
+        return archs.ordered({a for name in self.kernels for a in self._modules.archs(name)})
 
-    def constants(self, name) -> dict:
-        """The kernel's template constants (THREADS, BN, ...), evaluated once at load."""
-        return self._constants[name]
+    def arch_for(self, name: str, device: int) -> str | None:
+        """The target of the build of `name` that runs on `device` (None: none does; unavailable() says why)."""
+        return self._modules.arch_for(name, device) if name in self._first else None
+
+    def unavailable(self, name: str, device: int) -> str | None:
+        """None if kernel `name` runs on `device`, else why not: an ArgumentError's message naming the
+        kernel, the device and its compute capability (a build for another target only, more shared
+        memory than the device allows, a target forced by $DDTREE_GEN_ARCH / load(arch=))."""
+        if name in self._first:
+            return self._modules.unavailable(name, device)
+        kdef = self._defs.get(name)
+        if kdef is None:
+            return f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
+        info = runtime.device_info(device)
+        return (f"{name}: not available on {info.describe(device)}: "
+                f"{archs.why_not(info.cc, kdef.archs_for(self.spec), self.forced_arch)}")
+
+    def require(self, name: str, device: int) -> str:
+        """The target `name` runs as on `device`; ArgumentError (unavailable()'s message) if it cannot run there."""
+        why = self.unavailable(name, device)
+        if why:
+            raise ArgumentError(why)
+        return self._modules.arch_for(name, device)
+
+    def kernels_on(self, device: int) -> list[str]:
+        """The kernels of this set that run on `device`."""
+        return [k for k in self.kernels if self.unavailable(k, device) is None]
+
+    def plan(self, name, device: int | None = None):
+        """The resource plan of `name`'s build for `device` (None: its first target here)."""
+        return self._plans[(name, self._target(name, device))]
+
+    def constants(self, name, device: int | None = None) -> dict:
+        """The kernel's template constants (THREADS, BN, ...) of its build for `device` (None: its first
+        target here), evaluated once at load."""
+        return self._constants[(name, self._target(name, device))]
+
+    def _target(self, name, device):
+        if device is None:
+            return self._first[name]
+        return self._modules.arch_for(name, device) or self._first[name]
 
     def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         """Launch kernel `name` on `device`'s current stream (torch's for kind "torch", else CuPy's)."""
         self._modules.launch(name, grid, args, device, kind, fmt)
 
     def __repr__(self):
-        return f"KernelSet({self.spec.name!r}, kernels={self.kernels})"
+        forced = f", arch={self.forced_arch!r}" if self.forced_arch else ""
+        return f"KernelSet({self.spec.name!r}, kernels={self.kernels}{forced})"
 
 
 def _bind(launch, kset):
@@ -71,28 +131,35 @@ _LOADED: dict = {}
 _LOCK = threading.Lock()
 
 
-def load(spec, *, kernels=None) -> KernelSet:
+def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
     """The compiled kernel set of a spec (a name from specs/, a path, or a Spec), building it if needed.
-    Loading touches no GPU: modules are loaded on each device at its first launch."""
+    Loading touches no GPU: modules are loaded on each device at its first launch, each kernel as the
+    build of its targets that runs there (archs.py). `arch` ("sm_90a" / "sm_80"; default
+    $DDTREE_GEN_ARCH, else none) forces one target on every device: only that one is built and loaded."""
     spec = spec if isinstance(spec, Spec) else artifacts.find_spec(spec)
-    key = (spec, tuple(kernels) if kernels else None)
+    forced = archs.forced(arch)
+    if forced is not None and forced not in spec.archs:
+        raise ArgumentError(f"arch: {forced} is forced, but spec {spec.name!r} is not built for it "
+                            f"(its targets: {', '.join(spec.archs)})")
+    key = (spec, tuple(kernels) if kernels else None, forced)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = KernelSet(spec, artifacts.ensure_built(spec, kernels=kernels))
+            _LOADED[key] = KernelSet(spec, artifacts.ensure_built(spec, kernels=kernels, arch=forced), arch=forced)
         return _LOADED[key]
 
 
-def variant_set(spec, config) -> KernelSet:
-    """A KernelSet of one tree_verify_mma configuration (for the tuner): compiled through the cache,
-    with `.config` and `.reports` (kernel name -> (plan, ptxas report)).
+def variant_set(spec, config, arch: str | None = None) -> KernelSet:
+    """A KernelSet of one tree_verify_mma configuration (for the tuner): compiled through the cache for
+    the forced target (`arch`, default $DDTREE_GEN_ARCH) or else sm_90a, with `.config` and `.reports`
+    (kernel name -> (plan, ptxas report)).
 
     vs = variant_set(spec, {"BN": 32, "STAGES": 3}); vs.tree_verify_mma(...)
     """
     config = mma_plans._normalise(config)
+    target = archs.forced(arch) or archs.PRIMARY
     defs = mma_plans.variant_defs(config)
-    built = {k.name: artifacts.compile_variant(spec, k) for k in defs}
-    vs = KernelSet(spec, built, kdefs=defs)
+    built = {k.name: artifacts.compile_variant(spec, k, arch=target) for k in defs}
+    vs = KernelSet(spec, built, kdefs=defs, arch=archs.forced(arch))
     vs.config = config
-    vs.reports = {k.name: (k.plan(spec), built[k.name].report) for k in defs}
+    vs.reports = {k.name: (k.plan_for(spec, target), built[k.name].report) for k in defs}
     return vs
-

@@ -6,6 +6,7 @@ from functools import lru_cache
 
 import jinja2
 
+from .archs import PRIMARY
 from .errors import BuildError
 from .plans import KernelDef
 from .paths import templates_dir
@@ -24,8 +25,8 @@ def _environment(root: str) -> jinja2.Environment:
     )
 
 
-def context(spec: Spec, kdef: KernelDef) -> dict:
-    plan = kdef.plan(spec)
+def context(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> dict:
+    plan = kdef.plan_for(spec, arch)
     plan.check_fits()
     ctx = {
         "spec": spec, "kernel": kdef.name, "entry": kdef.entry,
@@ -37,10 +38,12 @@ def context(spec: Spec, kdef: KernelDef) -> dict:
     return ctx
 
 
-def render(spec: Spec, kdef: KernelDef) -> str:
+def render(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> str:
+    """The CUDA source of kdef for spec, as built for `arch` (the same text for every target unless the
+    kernel's plan differs per target: KernelDef.arch_plan)."""
     env = _environment(str(templates_dir()))
     try:
-        body = env.get_template(kdef.template).render(**context(spec, kdef))
+        body = env.get_template(kdef.template).render(**context(spec, kdef, arch))
     except jinja2.TemplateError as e:
         where = f"{getattr(e, 'filename', None) or kdef.template}"
         line = f":{e.lineno}" if getattr(e, "lineno", None) else ""

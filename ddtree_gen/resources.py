@@ -24,6 +24,11 @@ SM90_STATIC_SMEM = 48 * 1024          # static __shared__ limit without opt-in
 SM90_REGS_PER_SM = 65536
 SM90_MAX_REGS_PER_THREAD = 255
 SM90_MAX_THREADS = 1024
+# The smallest opt-in shared memory per block among the datacenter GPUs the sm_80 (PTX) build is
+# meant for: A100 (and Jetson Orin), 163 KB. L4 / L40S / RTX 30xx-50xx allow 99 KB, H100 / H200 /
+# B200 227 KB. A plan is still checked against the sm_90 limits above (the largest of any target);
+# whether a build fits a given device is checked when it is loaded there (runtime.DeviceModules).
+SM80_SMEM_PER_BLOCK = 163 * 1024
 
 
 def symbols_of(spec: Spec) -> dict:

@@ -8,12 +8,15 @@ A launcher splits its work in two (FlashInfer's plan/run, Triton's specializatio
   * per call: the data pointers, the pointer checks (alignment, overlap), the new outputs and
     the launch on the current stream of the arrays' device.
 Modules are loaded lazily per device, under a lock, so a kernel set works on any GPU of the
-process and from any thread. This module imports nothing above it (no artifacts, no launchers).
+process and from any thread; per device, each kernel's build is the one of its targets that runs
+there (archs.select: the sm_90a cubin on compute capability 9.0, the sm_80 PTX elsewhere). This
+module imports nothing above it (no artifacts, no launchers).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -21,10 +24,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import archs
 from .arrays import allocate, fast_view, pointer_of
-from .errors import ArgumentError
+from .errors import ArgumentError, BuildError
 
-__all__ = ["Step", "IsAligned", "Prepared", "run_call", "DeviceModules"]
+__all__ = ["Step", "IsAligned", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo", "device_info"]
 
 
 # ----------------------------------------------------------------------------- one call
@@ -167,14 +171,52 @@ def current_stream(device: int, kind: str) -> int:
     return cuda["cupy_stream"](device).ptr
 
 
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the choice of a build needs to know about a device."""
+    name: str
+    cc: tuple            # compute capability (major, minor)
+    smem_optin: int      # shared memory per block a kernel may opt in to, bytes
+
+    def describe(self, device: int) -> str:
+        return f"device {device} ({self.name}, compute capability {archs.cc_text(self.cc)})"
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(device: int) -> DeviceInfo:
+    """The name, compute capability and opt-in shared memory limit of `device` (asked once)."""
+    from cupy.cuda import runtime
+    p = runtime.getDeviceProperties(device)
+    name = p["name"].decode(errors="replace") if isinstance(p["name"], bytes) else str(p["name"])
+    return DeviceInfo(name, (int(p["major"]), int(p["minor"])), int(p["sharedMemPerBlockOptin"]))
+
+
+@dataclass(frozen=True)
+class Binary:
+    """One build of a kernel: the shipped binary (a cubin, or PTX text the driver JIT-compiles) and its launch geometry."""
+    data: bytes
+    entry: str           # extern "C" symbol
+    threads: int         # threads per block
+    dynamic_smem: int    # dynamic shared memory bytes per block (passed at launch)
+    static_smem: int = 0   # static shared memory bytes per block
+
+
 class DeviceModules:
-    """The cubins of a kernel set, loaded per device on first use (thread-safe), and the launch.
+    """The binaries of a kernel set, one per build target (archs.py), loaded per device on first use
+    (thread-safe), and the launch.
 
-    kernels: name -> (cubin bytes, entry symbol, threads per block, dynamic shared memory bytes)."""
+    kernels: name -> {target: Binary} (or a bare Binary / (data, entry, threads, dynamic smem) tuple:
+    an sm_90a build). Per kernel and device the build is archs.select(): the sm_90a cubin on compute
+    capability 9.0, the sm_80 PTX on any other of 8.0 or later; `forced` (a target) makes it that one
+    everywhere. A kernel whose builds do not run on a device, or need more shared memory per block
+    than it allows, is not available there: unavailable() says why, and function() / launch() raise
+    ArgumentError with that text."""
 
-    def __init__(self, kernels: dict):
-        self._kernels = kernels
-        self._loaded: dict = {}       # (name, device) -> (module, function pointer)
+    def __init__(self, kernels: dict, forced: str | None = None):
+        self._kernels = {name: _builds(b) for name, b in kernels.items()}
+        self.forced = forced
+        self._loaded: dict = {}       # (name, device) -> (module, function pointer, threads, dynamic smem)
+        self._chosen: dict = {}       # (name, device) -> (target or None, reason or None)
         self._lock = threading.Lock()
         self._params: dict = {}       # struct format -> (buffer, parameter pointer array, lock)
 
@@ -182,26 +224,68 @@ class DeviceModules:
     def names(self) -> list:
         return list(self._kernels)
 
+    def archs(self, name: str) -> tuple:
+        """The targets `name` is built for in this set, in preference order."""
+        return archs.ordered(self._kernels.get(name, {}))
+
+    def choose(self, name: str, device: int) -> tuple:
+        """(target, None) of the build of `name` that runs on `device`, or (None, why not)."""
+        hit = self._chosen.get((name, device))
+        if hit is None:
+            hit = self._chosen.setdefault((name, device), self._choose(name, device))
+        return hit
+
+    def _choose(self, name, device):
+        info = device_info(device)
+        builds = self._kernels.get(name, {})
+        arch = archs.select(info.cc, builds, self.forced)
+        where = f"{name}: not available on {info.describe(device)}"
+        if arch is None:
+            return None, f"{where}: {archs.why_not(info.cc, builds, self.forced)}"
+        b = builds[arch]
+        need = b.static_smem + b.dynamic_smem
+        if need > info.smem_optin:
+            return None, (f"{where}: its {arch} build needs {need} bytes of shared memory per block, the device "
+                          f"allows {info.smem_optin}")
+        return arch, None
+
+    def arch_for(self, name: str, device: int) -> str | None:
+        return self.choose(name, device)[0]
+
+    def unavailable(self, name: str, device: int) -> str | None:
+        """None if `name` can run on `device`, else why not (naming the kernel, the device and its
+        compute capability)."""
+        return self.choose(name, device)[1]
+
     def function(self, name: str, device: int) -> int:
+        return self._entry(name, device)[1]
+
+    def _entry(self, name: str, device: int):
         hit = self._loaded.get((name, device))
         if hit is not None:
-            return hit[1]
+            return hit
         with self._lock:
             if (name, device) not in self._loaded:
                 self._loaded[(name, device)] = self._load(name, device)
-            return self._loaded[(name, device)][1]
+            return self._loaded[(name, device)]
 
     def _load(self, name: str, device: int):
         import cupy
-        cubin, entry, _, dyn = self._kernels[name]
+        arch, why = self.choose(name, device)
+        if arch is None:
+            raise ArgumentError(why)
+        b = self._kernels[name][arch]
         with cupy.cuda.Device(device):
             module = cupy.cuda.function.Module()
-            module.load(cubin)
-            fn = module.get_function(entry)
-            if dyn > 48 * 1024:   # above 48 KB a block gets dynamic shared memory only by opting in, per device
+            try:
+                module.load(b.data)
+            except cupy.cuda.driver.CUDADriverError as e:
+                raise BuildError(_load_error(name, arch, b.data, device, e)) from None
+            fn = module.get_function(b.entry)
+            if b.dynamic_smem > 48 * 1024:   # above 48 KB a block gets dynamic shared memory only by opting in, per device
                 drv = cupy.cuda.driver
-                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn)
-        return module, fn.ptr   # the module object keeps the function alive
+                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, b.dynamic_smem)
+        return module, fn.ptr, b.threads, b.dynamic_smem   # the module object keeps the function alive
 
     def _param_buffer(self, fmt: str):
         buf = self._params.get(fmt)
@@ -223,8 +307,7 @@ class DeviceModules:
     def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         """Launch `name` on `device`'s current stream (switching the thread's device for the call only)."""
         cuda = _CUDA or _cuda()
-        fn = self.function(name, device)
-        _, _, threads, smem = self._kernels[name]
+        _, fn, threads, smem = self._loaded.get((name, device)) or self._entry(name, device)
         stream = current_stream(device, kind)
         storage, params, lock, _ = self._params.get(fmt) or self._param_buffer(fmt)
         gx, gy, gz = (*grid, 1, 1)[:3]
@@ -238,3 +321,35 @@ class DeviceModules:
         finally:
             if previous != device:
                 cuda["set_device"](previous)
+
+
+def _builds(b) -> dict:
+    """A kernel's builds as {target: Binary} (DeviceModules' input forms)."""
+    if isinstance(b, dict):
+        return {a: x if isinstance(x, Binary) else Binary(*x) for a, x in b.items()}
+    return {archs.PRIMARY: b if isinstance(b, Binary) else Binary(*b)}
+
+
+def _ptx_header(data: bytes) -> tuple:
+    """(PTX ISA version, the CUDA release that wrote it) from a PTX text's header, '?' where absent."""
+    head = data[:1024].decode(errors="replace")
+    isa = re.search(r"^\.version\s+(\S+)", head, re.M)
+    release = re.search(r"release (\d+\.\d+)", head)
+    return (isa.group(1) if isa else "?"), (release.group(1) if release else "?")
+
+
+def _load_error(name: str, arch: str, data: bytes, device: int, error) -> str:
+    """The message of a module that the driver refused to load."""
+    where = f"{name}: the driver could not load its {arch} build on {device_info(device).describe(device)}: {error}"
+    if archs.BINARY[arch] != "ptx":
+        return where
+    isa, release = _ptx_header(data)
+    try:
+        from cupy.cuda import runtime
+        v = runtime.driverGetVersion()
+        driver = f"{v // 1000}.{v % 1000 // 10}"
+    except Exception:   # noqa: BLE001 - only for the message
+        driver = "?"
+    return (f"{where}. The PTX (ISA {isa}) was written by NVRTC {release}; the driver (CUDA {driver}) JIT-compiles "
+            f"only PTX of its own CUDA version or older (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): install an NVRTC no "
+            f"newer than the driver (pip install 'nvidia-cuda-nvrtc=={driver}.*') and rebuild, or update the driver")

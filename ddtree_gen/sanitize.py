@@ -474,6 +474,10 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
             if kernel not in CASES:
                 print(f"{spec.name} {kernel}: skipped: the sanitizer worker has no cases for this kernel", flush=True)
                 continue
+            why = kset.unavailable(kernel, cupy.cuda.Device().id) if hasattr(type(kset), "unavailable") else None
+            if why:   # e.g. the wgmma kernels off Hopper or with DDTREE_GEN_ARCH=sm_80
+                print(f"{spec.name} {kernel}: skipped: {why}", flush=True)
+                continue
             rng = np.random.default_rng(seed)
             for case, inputs in CASES[kernel](spec, rng):
                 t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import archs as _archs
 from .errors import SpecError
 
 # The templates keep a tree-mask row in at most this many 32-bit words (registers / shared
@@ -32,6 +33,7 @@ class Spec:
     page_size: int         # tokens per KV-cache page
     max_tree_size: int     # N: verify tokens per request, root included
     max_depth: int         # D: draft horizon
+    archs: tuple = _archs.DEFAULT  # build targets (optional field; archs.py), in preference order
 
     @property
     def mask_words(self) -> int:
@@ -39,11 +41,13 @@ class Spec:
         return -(-self.max_tree_size // 32)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["archs"] = list(self.archs)
+        return out
 
     def digest(self) -> str:
         """Hash of the spec's values (not of the file's bytes: comments don't matter)."""
-        text = ";".join(f"{k}={v}" for k, v in sorted(self.as_dict().items()))
+        text = ";".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -70,14 +74,29 @@ def _fields():
     }
 
 
+def _check_archs(v, f):
+    if not v:
+        return "must name at least one target"
+    bad = [a for a in v if not isinstance(a, str) or a not in _archs.ARCHS]
+    if bad:
+        return f"names an unknown target {bad[0]!r} (known: {', '.join(_archs.ARCHS)})"
+    if len(set(v)) != len(v):
+        return "names a target twice"
+    return None
+
+
+# optional field -> (type, check, default); a list is also accepted as a tuple (TOML arrays)
+OPTIONAL = {"archs": ((list, tuple), _check_archs, _archs.DEFAULT)}
+
+
 def parse_spec(data: dict, source: str) -> Spec:
     """Validate a parsed TOML table; `source` names the file in every message."""
     fields = _fields()
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a spec must be a TOML table of fields")
-    unknown = sorted(set(data) - set(fields), key=repr)
+    unknown = sorted(set(data) - set(fields) - set(OPTIONAL), key=repr)
     if unknown:
-        raise SpecError(f"{source}: unknown field {unknown[0]!r} (known fields: {', '.join(fields)})")
+        raise SpecError(f"{source}: unknown field {unknown[0]!r} (known fields: {', '.join([*fields, *OPTIONAL])})")
     missing = [k for k in fields if k not in data]
     if missing:
         raise SpecError(f"{source}: missing field {missing[0]!r}")
@@ -91,7 +110,18 @@ def parse_spec(data: dict, source: str) -> Spec:
         problem = check(data[key], data)
         if problem:
             raise SpecError(f"{source}: field {key!r} = {data[key]!r} {problem}")
-    return Spec(**{k: data[k] for k in fields})
+    optional = {}
+    for key, (typ, check, default) in OPTIONAL.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if not isinstance(value, typ):
+            raise SpecError(f"{source}: field {key!r} must be a list of strings, got {type(value).__name__} {value!r}")
+        problem = check(value, data)
+        if problem:
+            raise SpecError(f"{source}: field {key!r} = {list(value)!r} {problem}")
+        optional[key] = _archs.ordered(value)
+    return Spec(**{k: data[k] for k in fields}, **optional)
 
 
 def load_spec(path: str | Path) -> Spec:

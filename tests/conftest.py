@@ -41,6 +41,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 
 
+def skip_unless_runs(kset, *names):
+    """Skip the test, with the kernel set's reason, when a kernel of `names` cannot run on the current
+    device: the wgmma kernels off Hopper or under DDTREE_GEN_ARCH=sm_80 (they have no sm_80 PTX build),
+    the mma.sync kernels where the device's shared memory per block is too small (L4, L40S, RTX)."""
+    import cupy
+    device = cupy.cuda.Device().id
+    for name in names:
+        why = kset.unavailable(name, device)
+        if why:
+            pytest.skip(why)
+
+
 @pytest.fixture
 def kset(spec):
     """The compiled kernel set of the spec (GPU tests only)."""
@@ -71,11 +83,11 @@ class FakeKernelSet:
     def launch(self, name, **kwargs):
         raise LaunchReached(name)
 
-    def plan(self, name):
+    def plan(self, name, device=None):
         from ddtree_gen.plans import by_name
-        return by_name(name).plan(self.spec)
+        return by_name(name).plan_for(self.spec)     # the sm_90a build's
 
-    def constants(self, name):
+    def constants(self, name, device=None):
         return self.plan(name).template_constants()
 
 

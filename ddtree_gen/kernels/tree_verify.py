@@ -8,7 +8,10 @@ implementation:
   * "simple": the CUDA-core kernels launched here: one block per (request, query row, group of
     heads), keys streamed through shared memory with an online softmax;
   * "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel) the
-    kernel set has loaded, else the CUDA-core one.
+    kernel set has loaded and that run on the arrays' device, else the CUDA-core one. On a GPU
+    other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are
+    built for sm_90a only), and the mma.sync ones only where the device allows their shared memory
+    (A100, B200: yes; L4, L40S, RTX cards: no): see archs.py and KernelSet.unavailable.
 
 Values that live on the device (prefix_lens, q_lens, block_table) are never read on the host by
 default, so a launch can be captured in a CUDA graph; the kernels are safe for any values instead
@@ -32,6 +35,7 @@ from ..plans.tree_verify_mma import COMBINE
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
 from . import tree_verify_mma, tree_verify_wgmma
+from .tree_verify_mma import available
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
@@ -49,8 +53,10 @@ def _loaded(kset, name: str) -> bool:
     return name in kset.kernels
 
 
-def _pick_impl(kset, name: str, impl, workspace, num_splits) -> str:
-    """Which implementation `impl` sends launcher `name` to: "wgmma", "mma" or "simple" (module docstring)."""
+def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
+    """The implementations `impl` may send launcher `name` to, in order of preference: ("simple",),
+    one tensor-core kind ("wgmma" / "mma": impl asks for it), or for "auto" the loaded tensor-core
+    kinds followed by "simple" (the first that runs on the call's device is used: _prepare_auto)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
     if impl == "simple":
@@ -58,15 +64,40 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> str:
             if value is not None:
                 raise ArgumentError(f"{arg}: only the tensor-core kernels take it, but impl='simple' "
                                     f"(the CUDA-core kernel) was asked")
-        return "simple"
-    for kind in TENSOR_CORE_IMPLS if impl == "auto" else (impl,):
-        missing = [k for k in (f"{name}_{kind}", COMBINE) if not _loaded(kset, k)]
-        if not missing:
-            return kind
-        if impl != "auto":
-            raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
-                                f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")
-    return "simple"
+        return ("simple",)
+    if impl == "auto":
+        return (*(kind for kind in TENSOR_CORE_IMPLS
+                  if all(_loaded(kset, k) for k in (f"{name}_{kind}", COMBINE))), "simple")
+    missing = [k for k in (f"{name}_{impl}", COMBINE) if not _loaded(kset, k)]
+    if missing:
+        why = ""
+        if inspect.getattr_static(kset, "forced_arch", None) is not None and kset.forced_arch:
+            why = (f"; the kernel set is forced to {kset.forced_arch} ($DDTREE_GEN_ARCH or load(arch=)), and "
+                   f"{' and '.join(missing)} has no {kset.forced_arch} build")
+        raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
+                            f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple'){why}")
+    return (impl,)
+
+
+def _device_of(q_nope) -> int | None:
+    """The device of q_nope, None if it is not a usable CUDA array (the checks then say what is wrong)."""
+    try:
+        return ar.view(q_nope, "q_nope")[0].device
+    except ArgumentError:
+        return None
+
+
+def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, validate, num_splits) -> Prepared:
+    """impl="auto" with a tensor-core kind loaded: the first of `kinds` whose kernels (and the combine
+    kernel) run on the device of the arrays; "simple" last. Per call signature, so per device."""
+    device = _device_of(arrays[0])
+    for kind in kinds:
+        if kind == "simple":
+            return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, validate)
+        kernel = f"{name}_{kind}"
+        if device is None or (available(kset, kernel, device) and available(kset, COMBINE, device)):
+            return tree_verify_mma.prepare_attention(kset, kernel, tail, arrays, softmax_scale, validate, num_splits)
+    raise AssertionError(f"no implementation in {kinds}")   # "simple" is always last
 
 
 def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepared:
@@ -77,7 +108,7 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepar
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    groups = kset.constants(name)["HEAD_GROUPS"]
+    groups = kset.constants(name, qn.device)["HEAD_GROUPS"]
     if groups * nq * b > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
@@ -94,18 +125,26 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepar
 
 
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits) -> AttentionOutput:
-    # the choice depends on nothing else: cached beside the prepared calls
+    # the candidates depend on nothing else: cached beside the prepared calls
     pick = ("impl", name, impl, workspace is None, num_splits is None) if isinstance(impl, str) else None
-    kind = kset.prepared_calls.get(pick) if pick else None
-    if kind is None:
-        kind = _pick_impl(kset, name, impl, workspace, num_splits)
-        kset.prepared_calls[pick] = kind
+    kinds = kset.prepared_calls.get(pick) if pick else None
+    if kinds is None:
+        kinds = _pick_impl(kset, name, impl, workspace, num_splits)
+        kset.prepared_calls[pick] = kinds
+    scale = args[7]
+    if len(kinds) > 1:   # auto: which one runs depends on the device (part of the call's signature)
+        arrays = (*args[:7], out, lse, workspace)
+
+        def prepare_auto():
+            return _prepare_auto(kset, name, tail, kinds, arrays, scale, validate, num_splits)
+        return run_call(kset, prepare_auto, arrays, (name, kinds, type(scale), scale, type(num_splits), num_splits),
+                        cache=not validate)
+    kind = kinds[0]
     if kind != "simple":
         module = _TENSOR_CORE[kind]
         launch = module.tree_verify_tail if tail else module.tree_verify
         return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits)
     arrays = (*args[:7], out, lse)
-    scale = args[7]
 
     def prepare():
         return _prepare_simple(kset, name, tail, arrays, scale, validate)

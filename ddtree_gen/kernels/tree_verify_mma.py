@@ -13,6 +13,10 @@ templates/tree_verify_wgmma.cu.j2 hold the kernel designs, docs/perf.md the perf
 * The argument checks are kernels/checks.py's, with the tensor-core kernels' own limits: q_nope /
   q_pe 16-byte aligned (cp.async 16-byte units) and num_pages x page_size < 2**31 (32-bit
   cache-row indices).
+* The kernel must run on the arrays' device (KernelSet.require: the wgmma kernels have an sm_90a
+  build only, the mma.sync kernels' sm_80 build needs 150 KB of shared memory per block): an
+  ArgumentError names the kernel, the device and why, before anything is allocated. BN (and the
+  tuned split table) are those of the build that runs there (plans/tree_verify_mma.py).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import math
 import numpy as np
 
 from .. import arrays as ar
+from ..archs import PRIMARY
 from ..errors import ArgumentError
 from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.tree_verify_mma import workspace_elems
@@ -47,6 +52,19 @@ def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens
                     cache=not validate)
 
 
+def require(kset, name: str, device: int) -> str:
+    """The target kernel `name` runs as on `device` (KernelSet.require: ArgumentError if it cannot run
+    there). A stand-in kernel set without `require` (CPU tests) runs everything as sm_90a."""
+    if inspect.getattr_static(kset, "require", None) is None:
+        return PRIMARY
+    return kset.require(name, device)
+
+
+def available(kset, name: str, device: int) -> bool:
+    """Whether kernel `name` runs on `device` (a stand-in kernel set without `unavailable`: yes)."""
+    return inspect.getattr_static(kset, "unavailable", None) is None or kset.unavailable(name, device) is None
+
+
 def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits) -> Prepared:
     """The checks and launch plan of one call signature (runtime.Prepared)."""
     spec = kset.spec
@@ -56,18 +74,21 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    bn = kset.constants(name)["BN"]
+    arch = require(kset, name, qn.device)
+    bn = kset.constants(name, qn.device)["BN"]
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     if num_splits is None:
         max_keys = nq if tail else max_pages * spec.page_size
-        splits = choose_splits(spec, b, nq, max_keys, bn, sm_count(qn.device) if b else DEFAULT_SMS)
+        splits = choose_splits(spec, b, nq, max_keys, bn, sm_count(qn.device) if b else DEFAULT_SMS, arch)
     else:
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
     loaded = inspect.getattr_static(kset, "kernels", None)   # (static: a test stand-in may answer any name)
     if splits > 1 and loaded is not None and COMBINE not in kset.kernels:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
                             f"spec {spec.name!r} (load it, or pass num_splits=1)")
+    if splits > 1:
+        require(kset, COMBINE, qn.device)
     if b * splits * row_tiles > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied

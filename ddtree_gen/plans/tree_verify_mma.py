@@ -8,6 +8,11 @@ combine kernel defined here (tree_verify_mma_combine).
   (cp.async pipeline depth); BM = 64 query rows and 8 warps are structural. The plan takes the
   configuration from tree_verify_mma_tuning.json (written by scripts/tune_tree_verify.py on a GPU)
   and falls back to DEFAULT_CONFIG, so a fresh build without a GPU reproduces the tuned choice.
+* Per build target (archs.py): the sm_90a build takes that configuration; the sm_80 (PTX) build
+  takes it too if its shared memory fits an A100 (SM80_SMEM_PER_BLOCK, 163 KB), else the first
+  candidate that does (BN = 32, STAGES = 2 for R + P = 576: 150 KB), so that one PTX serves A100
+  as well as Blackwell; GPUs with 99 KB per block (L4, L40S, RTX cards) fit neither, and the
+  kernel set falls back to the CUDA-core kernel there (kernels/tree_verify.py).
 * Split-KV: the number of key chunks comes from shapes only (B, Nq, H, max_pages, the SM count),
   never from device values: CUDA-graph friendly. The chunk boundaries are computed in the kernel
   from the request's prefix_len.
@@ -20,8 +25,9 @@ from pathlib import Path
 
 import sympy
 
+from ..archs import PRIMARY
 from ..errors import SpecError
-from ..resources import SM90_MAX_REGS_PER_THREAD, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
+from ..resources import SM80_SMEM_PER_BLOCK, SM90_MAX_REGS_PER_THREAD, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from .kernel_def import KernelDef
 
 TUNING_FILE = Path(__file__).with_name("tree_verify_mma_tuning.json")
@@ -106,9 +112,22 @@ def candidates(spec) -> list[dict]:
     return [dict(c) for c in CANDIDATES if fits(spec, c)]
 
 
+# shared memory per block a target's configuration must fit (the sm_80 PTX: an A100's)
+ARCH_SMEM = {"sm_90a": SM90_SMEM_PER_BLOCK, "sm_80": SM80_SMEM_PER_BLOCK}
+
+
 @functools.lru_cache(maxsize=None)  # no sympy on the launch path
-def config_for(spec) -> dict:
-    """The compiled configuration of a spec: the tuned one if it fits, else the first candidate that fits."""
+def config_for(spec, arch: str = PRIMARY) -> dict:
+    """The compiled configuration of a spec for a target: on sm_90a the tuned one if it fits, else the
+    first candidate that fits; on sm_80 that one if it fits ARCH_SMEM["sm_80"], else the first candidate
+    that does (else the sm_90a one: then it runs only where a device allows its shared memory)."""
+    if arch != PRIMARY:
+        base = config_for(spec, PRIMARY)
+        limit = ARCH_SMEM.get(arch, SM90_SMEM_PER_BLOCK)
+        for c in (base, *CANDIDATES):
+            if smem_bytes(spec, c) <= limit:
+                return dict(c)
+        return base
     tuned = _tuning().get(spec.name, {}).get("config")
     if tuned:
         try:
@@ -123,9 +142,9 @@ def config_for(spec) -> dict:
     return dict(DEFAULT_CONFIG)   # Plan.check_fits refuses it with the formula
 
 
-def verify_plan(spec, kernel="tree_verify_mma", config=None) -> Plan:
+def verify_plan(spec, kernel="tree_verify_mma", config=None, arch=PRIMARY) -> Plan:
     check_spec(spec, kernel)
-    cfg = _normalise(config) if config is not None else config_for(spec)
+    cfg = _normalise(config) if config is not None else config_for(spec, arch)
     sub = {BN_: cfg["BN"], STAGES_: cfg["STAGES"]}
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=SMEM.subs(sub),
@@ -134,8 +153,8 @@ def verify_plan(spec, kernel="tree_verify_mma", config=None) -> Plan:
                         "O_REGS": O_REGS})
 
 
-def tail_plan(spec, config=None) -> Plan:
-    return verify_plan(spec, "tree_verify_tail_mma", config)
+def tail_plan(spec, config=None, arch=PRIMARY) -> Plan:
+    return verify_plan(spec, "tree_verify_tail_mma", config, arch)
 
 
 def combine_plan(spec) -> Plan:
@@ -162,17 +181,19 @@ def shape_class(base_blocks: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)   # on every launch: shapes only, so cached
-def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS) -> int:
+def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, arch: str = PRIMARY) -> int:
     """Key chunks per (request, row tile), from shapes only.
 
-    The tuned table (by shape class) wins; otherwise split only when B x row tiles leaves SMs
+    The tuned table (by shape class; measured on an H200 with the sm_90a build) wins for the sm_90a
+    build of the tuned configuration; otherwise split only when B x row tiles leaves SMs
     idle, into floor(SMs / blocks) chunks. Never more chunks than the largest possible key range
     fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise)."""
     base = b * -(-nq * spec.num_heads // BM)
     if base <= 0:
         return 1
     tuned = _tuning().get(spec.name, {})
-    table = tuned.get("splits", {}) if tuned.get("config") and _normalise(tuned["config"]) == config_for(spec) else {}
+    table = (tuned.get("splits", {}) if arch == PRIMARY and tuned.get("config")
+             and _normalise(tuned["config"]) == config_for(spec) else {})
     s = table.get(shape_class(base))
     if not isinstance(s, int) or s < 1:
         s = 1 if base >= sms else max(1, sms // base)
@@ -188,11 +209,11 @@ def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
     return splits * rows * (spec.kv_lora_rank + 1)
 
 
-KERNELS = [
+KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the plan's configuration per target)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
-              plan=verify_plan, context={"tail": False, "combine": False}),
+              plan=verify_plan, context={"tail": False, "combine": False}, arch_plan=True),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
-              plan=tail_plan, context={"tail": True, "combine": False}),
+              plan=tail_plan, context={"tail": True, "combine": False}, arch_plan=True),
     KernelDef(name=COMBINE, template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma_combine",
               plan=combine_plan, context={"tail": False, "combine": True}),
 ]

@@ -42,9 +42,11 @@ def tail_plan(spec) -> Plan:
     return verify_plan(spec, "tree_verify_tail_wgmma")
 
 
+ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
+
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
-              plan=verify_plan, context={"tail": False}),
+              plan=verify_plan, context={"tail": False}, archs=ARCHS),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
-              entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}),
+              entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS),
 ]
