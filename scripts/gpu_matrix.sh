@@ -3,8 +3,19 @@
 # When: on a GPU machine after any change to templates/ or ddtree_gen/ (plans, launchers, runtime),
 # before committing it; pytest args narrow it (e.g. tests/test_gpu_tree_verify.py -k wgmma).
 # Usage: bash scripts/gpu_matrix.sh [pytest args...]; logs go to $OUT (or ./gpu-out).
+# Build targets (docs/decisions.md, "Build targets"): by default each kernel runs as the build for the
+# GPU (the sm_90a cubins on an H100 / H200). DDTREE_GEN_ARCH=sm_80 runs the matrix on the sm_80 PTX
+# builds instead (what an A100, L40S or B200 runs; the tests of the wgmma kernels skip, saying why);
+# PASSES="auto sm_80" runs both passes, one after the other (logs gpu-tests.log, gpu-tests-sm_80.log).
 set -uo pipefail
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
 python3 -m ddtree_gen build > "$out/build.log" 2>&1; echo "build exit $?"; tail -3 "$out/build.log"
-python3 -m pytest -m gpu -q -ra -p no:cacheprovider --junitxml="$out/gpu-junit.xml" "$@" 2>&1 | tee "$out/gpu-tests.log" | tail -60
+rc=0
+for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
+  tag=""; [ "$arch" = auto ] || tag="-$arch"
+  echo "=== gpu tests, DDTREE_GEN_ARCH=$arch"
+  DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q -ra -p no:cacheprovider --junitxml="$out/gpu-junit$tag.xml" \
+    "$@" 2>&1 | tee "$out/gpu-tests$tag.log" | tail -60 || rc=1
+done
+exit $rc

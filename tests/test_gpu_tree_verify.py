@@ -8,7 +8,10 @@ the two tensor-core families split the keys (split-KV, merged by tree_verify_mma
 that applies to several implementations is parametrized over them (`impl`), or, where one test
 covers every kernel of a kernel set, over the kernel set (`group`: "simple" or "mma+wgmma").
 test_impl_auto checks the default impl="auto" dispatch; merge_states and torch tensors are tested
-on the CUDA-core kernel set.
+on the CUDA-core kernel set. An implementation whose kernels cannot run on the device is skipped with
+the kernel set's reason: the wgmma kernels under DDTREE_GEN_ARCH=sm_80 (the sm_80 PTX path on a
+Hopper GPU; they have no PTX build) or on another GPU; test_impl_auto then checks that auto picks
+mma.sync and that asking for wgmma is an ArgumentError naming the kernel and the device.
 
 The numerical bar of docs/contract.md, checked per (request, row, head): ||out - ref|| <= 5e-3 ||ref||,
 |lse - ref| <= 1e-3, no NaN, every row < q_len written, every row >= q_len byte-identical to the
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from conftest import skip_unless_runs
 from ddtree_gen import bf16, reference
 from ddtree_gen.errors import ArgumentError
 from verify_cases import (VerifyInputs, bf16_nan, fresh_seed, make_inputs, random_bf16_bounded, random_bf16_normal,
@@ -64,9 +68,17 @@ class Impl:
     def split_kv(self) -> bool:
         return len(self.splits) > 1
 
+    @property
+    def own(self) -> tuple:
+        """The kernels of its two launchers (tree_verify, tree_verify_tail)."""
+        return LAUNCHERS if self.name == "simple" else tuple(f"{launcher}_{self.name}" for launcher in LAUNCHERS)
+
     def load(self, spec):
+        """Its kernel set; the test is skipped (with the reason) if its kernels do not run on this device."""
         import ddtree_gen
-        return ddtree_gen.load(spec, kernels=self.kernels)
+        ks = ddtree_gen.load(spec, kernels=self.kernels)
+        skip_unless_runs(ks, *self.own)
+        return ks
 
     def launcher(self, ks, launcher: str):
         """The function that runs `launcher` ("tree_verify" / "tree_verify_tail") on this implementation."""
@@ -83,6 +95,19 @@ IMPLS = (SIMPLE, MMA, WGMMA)
 TENSOR_CORE = (MMA, WGMMA)
 GROUPS = ((SIMPLE,), TENSOR_CORE)   # the implementations of one loaded kernel set
 GROUP_IDS = ["+".join(map(str, g)) for g in GROUPS]
+
+
+def load_group(spec, group):
+    """The kernel set of `group` and those of its implementations whose kernels run on this device
+    (mma.sync without wgmma under DDTREE_GEN_ARCH=sm_80); skipped if none does."""
+    import cupy
+    import ddtree_gen
+    ks = ddtree_gen.load(spec, kernels=group[0].kernels)
+    device = cupy.cuda.Device().id
+    runs = tuple(impl for impl in group if all(ks.unavailable(k, device) is None for k in impl.own))
+    if not runs:
+        skip_unless_runs(ks, *group[0].own)
+    return ks, runs
 
 
 def poisoned(shape):
@@ -238,7 +263,7 @@ def test_matrix(spec, case, impl, launcher):
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 def test_empty_rows(spec, group):
     """prefix_len 0 and mask rows without bits in [0, q_len): out exactly 0, lse -inf."""
-    ks = group[0].load(spec)
+    ks, group = load_group(spec, group)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [0, 0, 3], [3, 1, 2], ["chain", "chain", "chain"], seed=seed, bf16=group[0].bf16)
@@ -297,6 +322,7 @@ def test_matches_cuda_core_kernel(spec, impl):
     if "tree_verify" not in {k.name for k in all_kernels()}:
         pytest.skip("the CUDA-core tree_verify is not registered")
     ks = ddtree_gen.load(spec, kernels=["tree_verify", *TENSOR_CORE_KERNELS])
+    skip_unless_runs(ks, *impl.own)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = make_inputs(spec, rng, [70, 0, 1000], [65, 5, 33], ["random", "star", "binary"], seed=seed, bf16=impl.bf16)
@@ -350,10 +376,12 @@ def test_out_none_allocates(spec, impl):
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_impl_auto(spec, launcher):
-    """impl="auto" (the default) is the fastest tensor-core kernel the kernel set has: the same bits
-    as <launcher>_wgmma called directly when it is loaded, as <launcher>_mma when only that family is,
-    within the bar of the reference; impl="wgmma" / "mma" pick that kernel; on a set without them,
-    auto is the CUDA-core kernel and impl="wgmma" / "mma" are refused."""
+    """impl="auto" (the default) is the fastest tensor-core kernel the kernel set has that runs on the
+    device: the same bits as <launcher>_wgmma called directly when it is loaded (on Hopper, not under
+    DDTREE_GEN_ARCH=sm_80), as <launcher>_mma when only that family runs, within the bar of the reference;
+    impl="wgmma" / "mma" pick that kernel, or are an ArgumentError naming the kernel and the device where it
+    does not run; on a set without them, auto is the CUDA-core kernel and impl="wgmma" / "mma" are refused."""
+    import cupy
     import ddtree_gen
     full = ddtree_gen.load(spec, kernels=CUDA_CORE_KERNELS + MMA_KERNELS + WGMMA_KERNELS)
     mma_only = ddtree_gen.load(spec, kernels=CUDA_CORE_KERNELS + MMA_KERNELS)
@@ -372,9 +400,19 @@ def test_impl_auto(spec, launcher):
         assert res.out is out and res.lse is lse
         return to_host(out), to_host(lse)
 
-    direct = {kind: launch(getattr(full, f"{launcher}_{kind}")) for kind in ("wgmma", "mma")}
-    for ks, kw, want in ((full, {}, "wgmma"), (full, {"impl": "auto"}, "wgmma"), (full, {"impl": "wgmma"}, "wgmma"),
-                         (full, {"impl": "mma"}, "mma"), (mma_only, {}, "mma")):
+    device = cupy.cuda.Device().id
+    runs = [kind for kind in ("wgmma", "mma") if full.unavailable(f"{launcher}_{kind}", device) is None]
+    for kind in ("wgmma", "mma"):
+        if kind not in runs:   # e.g. wgmma under DDTREE_GEN_ARCH=sm_80: a clear error, nothing launched
+            for fn, kw in ((getattr(full, f"{launcher}_{kind}"), {}), (getattr(full, launcher), {"impl": kind})):
+                with pytest.raises(ArgumentError, match=f"{launcher}_{kind}: not available on device {device}"):
+                    launch(fn, **kw)
+    direct = {kind: launch(getattr(full, f"{launcher}_{kind}")) for kind in runs}
+    direct["simple"] = launch(getattr(full, launcher), impl="simple")
+    auto = runs[0] if runs else "simple"
+    cases = [(full, {}, auto), (full, {"impl": "auto"}, auto), *((full, {"impl": k}, k) for k in runs),
+             (mma_only, {}, "mma" if "mma" in runs else "simple")]
+    for ks, kw, want in cases:
         got_o, got_l = launch(getattr(ks, launcher), **kw)
         want_o, want_l = direct[want]
         assert (got_o == want_o).all() and (got_l.view(np.uint32) == want_l.view(np.uint32)).all(), \
@@ -430,7 +468,7 @@ def test_device_values_are_clamped(spec, group):
     """Without validate=True, bad device-side lengths and pages never fault: a request with a bad
     q_len or a negative prefix_len writes nothing, a key on a page outside [0, num_pages) is not
     visible (compared to the reference with those tree bits cleared)."""
-    ks = group[0].load(spec)
+    ks, group = load_group(spec, group)
     page = spec.page_size
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -468,7 +506,7 @@ def test_device_values_are_clamped(spec, group):
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 def test_keys_past_block_table_are_not_visible(spec, group):
     """prefix_len + q_len beyond max_pages * page_size: keys past the table are not visible."""
-    ks = group[0].load(spec)
+    ks, group = load_group(spec, group)
     page = spec.page_size
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
