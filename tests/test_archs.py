@@ -319,8 +319,9 @@ def test_wgmma_off_hopper_is_a_clear_error(kimi, fake_devices, launcher):
     with pytest.raises(ArgumentError, match="forced to sm_80") as e:
         _call(forced, f"{launcher}_wgmma", 0)
     assert f"{launcher}_wgmma" in str(e.value) and "compute capability 9.0" in str(e.value)
-    with pytest.raises(ArgumentError, match=f"impl: 'wgmma' needs {launcher}_wgmma.*forced to sm_80"):
+    with pytest.raises(ArgumentError, match=f"{launcher}_wgmma: not available on device 0 .*forced to sm_80"):
         _call(forced, launcher, 0, impl="wgmma")
+    assert not hasattr(forced, "launched")
 
 
 def test_device_modules_refuse_before_loading(fake_devices):
