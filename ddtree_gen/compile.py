@@ -113,7 +113,7 @@ def compile_source(source: str, filename: str, entries: list[str], options=OPTIO
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError:
             log = nvrtc.getProgramLog(prog)
-            raise BuildError(f"NVRTC failed to compile {filename}:\n{log.strip()}\n\n"
+            raise BuildError(f"NVRTC failed to compile {filename}:\n{log.strip(chr(0) + ' ' + chr(10))}\n\n"
                              f"{_excerpt(source, log, filename)}") from None
         log = nvrtc.getProgramLog(prog)
         cubin = nvrtc.getCUBIN(prog)

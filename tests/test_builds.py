@@ -225,6 +225,26 @@ def test_template_error_keeps_previous_generated(kind, concurrent_build, session
     assert rc == 0, out
 
 
+def test_hopper_only_instruction_fails_the_sm80_build(concurrent_build, session_cache, tmp_path):
+    """A template that starts using a Hopper-only instruction builds for sm_90a and fails for sm_80 (ptxas
+    assembles the PTX of the sm_80 build), naming the target; generated/ is left as it was."""
+    root = _clone(concurrent_build[0], tmp_path / "project")
+    template = root / "templates" / by_name("merge_states").template
+    text = template.read_text()
+    marker = "extern \"C\" __global__"
+    assert marker in text
+    template.write_text(text.replace(marker, 'extern "C" __global__ void hopper_only() { asm volatile("fence.proxy.async;"); }'
+                                             '\n' + marker, 1))
+    before = _snapshot(root / "generated")
+    r = _cli(root, session_cache, "build", SPEC_NAMES[0], "--kernel", "merge_states")
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = {ln.split()[3]: ln for ln in r.stdout.splitlines() if "merge_states" in ln and ln.startswith("[")}
+    assert "FAILED" not in lines["sm_90a"] and "FAILED" in lines["sm_80"], r.stdout
+    assert f"build of {SPEC_NAMES[0]}/merge_states (sm_80) failed" in r.stderr and "requires .target sm_90" in r.stderr
+    r = _cli(root, session_cache, "build", SPEC_NAMES[0])
+    assert r.returncode == 1 and _snapshot(root / "generated") == before
+
+
 # -------------------------------------------------------------- (c) corrupted cache
 
 def _truncate(b: bytes) -> bytes:

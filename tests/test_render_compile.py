@@ -20,6 +20,20 @@ def test_render_is_deterministic_and_specialized(spec, kdef):
     assert "{{" not in a and "{%" not in a
 
 
+SM80 = [k for k in KERNELS if "sm_80" in k.archs]
+
+
+@pytest.mark.parametrize("kdef", SM80, ids=[k.name for k in SM80])
+def test_sm80_render_compiles_to_ptx(spec, kdef):
+    """The sm_80 build of every kernel that has one: rendered (deterministic), compiled by NVRTC for sm_80
+    (PTX, and ptxas's report of the sm_80 cubin assembled from it)."""
+    a, b = render.render(spec, kdef, "sm_80"), render.render(spec, kdef, "sm_80")
+    assert a == b and kdef.entry in a and "{{" not in a
+    result = nvrtc_compile.compile_source(a, f"{kdef.name}.sm_80.cu", [kdef.entry], nvrtc_compile.options("sm_80"))
+    assert b"\n.target sm_80\n" in result.ptx[:1024] and f".entry {kdef.entry}(".encode() in result.ptx
+    assert result.cubin[:4] == b"\x7fELF" and result.reports[kdef.entry].registers > 0
+
+
 def test_missing_template_variable_is_an_error(spec, tmp_path, monkeypatch):
     (tmp_path / "broken.cu.j2").write_text("int x = {{ NOT_A_VARIABLE }};\n")
     monkeypatch.setattr(render, "templates_dir", lambda: tmp_path)
