@@ -125,6 +125,12 @@ def _cupy_fast(x):
 _FAST = {}   # array class -> its fast view (torch.Tensor and CuPy's ndarray, found on first sight)
 
 
+def dlpack_only(x) -> bool:
+    """An object that speaks DLPack but is neither torch, CuPy, numpy nor __cuda_array_interface__."""
+    return (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray) and not _is_torch(x)
+            and type(x).__module__.split(".")[0] != "cupy" and not hasattr(x, "__cuda_array_interface__"))
+
+
 def fast_view(x) -> tuple[int, tuple | None]:
     """(data pointer, signature) of an array argument; signature None: not cacheable (the checks
     of view() will say what is wrong with it). Cheap: no Python object is built for torch/CuPy."""

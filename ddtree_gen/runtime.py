@@ -19,13 +19,13 @@ import functools
 import re
 import struct
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from . import archs
-from .arrays import allocate, fast_view, pointer_of
+from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
 from .errors import ArgumentError, BuildError
 
 __all__ = ["Step", "IsAligned", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo", "device_info"]
@@ -83,7 +83,6 @@ class Prepared:
     new: tuple = ()
     aligned: tuple = ()
     disjoint: tuple = ()
-    lock: Any = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.steps = tuple(Step(s.kernel, s.grid, s.args, _param_fmt(s.args)) for s in self.steps)
@@ -103,16 +102,19 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     pointer checks, new outputs, the launches. `prepare()` takes no arguments (a closure over the
     launcher's arguments); `key` holds the launcher's non-array arguments that prepare reads."""
     ptrs, sigs = [], []
-    for a in arrays:
+    for i, a in enumerate(arrays):
         if a is None:
             ptrs.append(0)
             sigs.append(None)
-        else:
-            p, s = fast_view(a)
-            if s is None:
-                cache = False
-            ptrs.append(p)
-            sigs.append(s)
+            continue
+        p, s = fast_view(a)
+        if s is None:   # not cacheable: checked in full by prepare(), which names what is wrong
+            cache = False
+            if dlpack_only(a):   # launched through its zero-copy CuPy view, returned as that view
+                arrays = (*arrays[:i], from_dlpack(a, "argument"), *arrays[i + 1:])
+                p, _ = fast_view(arrays[i])
+        ptrs.append(p)
+        sigs.append(s)
     prepared_calls = kset.prepared_calls
     k = (prepare.__code__, key, tuple(sigs)) if cache else None
     prep = prepared_calls.get(k) if cache else None

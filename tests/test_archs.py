@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from conftest import LaunchReached
 from ddtree_gen import archs, artifacts, runtime
-from ddtree_gen.compile import OPTIONS, nvrtc_version, options
+from ddtree_gen.compile import OPTIONS, options
 from ddtree_gen.errors import ArgumentError, DdtreeError, SpecError
 from ddtree_gen.kernel_set import KernelSet, load
 from ddtree_gen.plans import all_kernels, by_name

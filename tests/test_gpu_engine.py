@@ -63,7 +63,6 @@ def check_build(got, host, spec, budget):
 
 def verify_case(spec, seed):
     rng = np.random.default_rng(seed)
-    b = 2
     return make_inputs(spec, rng, [300, 7], [spec.max_tree_size, 20], ["random", "chain"], seed=seed,
                        bf16=random_bf16_normal)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
+from conftest import FakeCudaArray, FakeKernelSet
 from ddtree_gen import reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels.kv_commit import launch as kv_commit
