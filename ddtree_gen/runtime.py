@@ -43,7 +43,14 @@ class Step:
     kernel: str
     grid: tuple
     args: tuple
-    fmt: str = ""    # struct format of the parameters (filled in by Prepared)
+    fmt: str = ""    # struct format of the parameters (filled in by Prepared); "[...]": one struct parameter
+
+
+@dataclass(frozen=True)
+class ParamStruct:
+    """One kernel parameter that is a struct passed by value (e.g. an array of pointers): its
+    fields as Step args, laid out contiguously with their natural alignment."""
+    items: tuple
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,13 @@ class IsAligned:
 
 
 def _param_fmt(args) -> str:
-    """Native struct format of a kernel's parameters (each aligned to its size, as CUDA lays them out)."""
+    """Native struct format of a kernel's parameters (each aligned to its size, as CUDA lays them out);
+    a ParamStruct's fields are bracketed: the driver takes one pointer per kernel parameter."""
     codes = []
     for a in args:
-        if isinstance(a, (int, tuple)):
+        if isinstance(a, ParamStruct):
+            codes.append("[" + _param_fmt(a.items)[1:] + "]")
+        elif isinstance(a, (int, tuple)):
             codes.append("Q")
         elif isinstance(a, IsAligned):
             codes.append("i")
@@ -130,10 +140,49 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
                 arrays[i] = allocate(prep.kind, prep.device, shape, dtype)
                 ptrs[i] = pointer_of(arrays[i])
     for step in prep.steps:
-        args = [ptrs[a] if type(a) is int else ptrs[a[0]] + a[1] if type(a) is tuple else
-                np.int32(ptrs[a.index] % a.alignment == 0) if type(a) is IsAligned else a for a in step.args]
+        args = _values(step.args, ptrs)
         kset.launch(step.kernel, grid=step.grid, args=args, device=prep.device, kind=prep.kind, fmt=step.fmt)
     return prep.result(arrays)
+
+
+def param_offsets(fmt: str) -> list:
+    """Byte offset of each kernel parameter in the packed buffer of `fmt` (natural alignment; a
+    bracketed struct is one parameter, aligned to its largest field)."""
+    offsets, off, i = [], 0, 1
+    while i < len(fmt):
+        if fmt[i] == "[":
+            j = fmt.index("]", i)
+            fields = fmt[i + 1:j]
+            align = max(struct.calcsize("@" + c) for c in fields)
+            off = -(-off // align) * align
+            offsets.append(off)
+            off += struct.calcsize("@" + fields)
+            i = j + 1
+        else:
+            n = struct.calcsize("@" + fmt[i])
+            off = -(-off // n) * n
+            offsets.append(off)
+            off += n
+            i += 1
+    return offsets
+
+
+def _values(args, ptrs) -> list:
+    """A step's parameter values for this call's pointers (a ParamStruct's fields inline)."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            out.append(ptrs[a])
+        elif t is tuple:
+            out.append(ptrs[a[0]] + a[1])
+        elif t is IsAligned:
+            out.append(np.int32(ptrs[a.index] % a.alignment == 0))
+        elif t is ParamStruct:
+            out.extend(_values(a.items, ptrs))
+        else:
+            out.append(a)
+    return out
 
 
 # ----------------------------------------------------------------------- devices, launch
@@ -290,20 +339,17 @@ class DeviceModules:
         return module, fn.ptr, b.threads, b.dynamic_smem   # the module object keeps the function alive
 
     def _param_buffer(self, fmt: str):
+        """(buffer, kernelParams address, lock, flat struct format, keep-alive) for a parameter layout."""
         buf = self._params.get(fmt)
         if buf is None:
             with self._lock:
-                size = struct.calcsize(fmt)
-                storage = ctypes.create_string_buffer(max(size, 8))
+                flat = fmt.replace("[", "").replace("]", "")
+                storage = ctypes.create_string_buffer(max(struct.calcsize(flat), 8))
                 base = ctypes.addressof(storage)
-                offsets, off = [], 0
-                for code in fmt[1:]:
-                    n = struct.calcsize("@" + code)
-                    off = -(-off // n) * n
-                    offsets.append(off)
-                    off += n
-                params = (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets])
-                buf = self._params.setdefault(fmt, (storage, ctypes.addressof(params), threading.Lock(), params))
+                starts = [base + o for o in param_offsets(fmt)]
+                params = (ctypes.c_void_p * max(1, len(starts)))(*starts)
+                buf = self._params.setdefault(fmt, (storage, ctypes.addressof(params), threading.Lock(), flat,
+                                                    params))
         return buf
 
     def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
@@ -311,14 +357,14 @@ class DeviceModules:
         cuda = _CUDA or _cuda()
         _, fn, threads, smem = self._loaded.get((name, device)) or self._entry(name, device)
         stream = current_stream(device, kind)
-        storage, params, lock, _ = self._params.get(fmt) or self._param_buffer(fmt)
+        storage, params, lock, flat, _ = self._params.get(fmt) or self._param_buffer(fmt)
         gx, gy, gz = (*grid, 1, 1)[:3]
         previous = cuda["get_device"]()
         if previous != device:
             cuda["set_device"](device)
         try:
             with lock:   # the parameter buffer is reused; the driver copies it at launch
-                struct.pack_into(fmt, storage, 0, *args)
+                struct.pack_into(flat, storage, 0, *args)
                 cuda["launch"](fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
         finally:
             if previous != device:

@@ -170,3 +170,16 @@ def test_reference_walk_then_commit_equals_tree_accept_per_layer(spec):
         for k in range(3):
             assert np.array_equal(seq[k], per_layer[k]) and np.array_equal(stacked[k], per_layer[k])
         assert any(not np.array_equal(a, b) for a, b in zip(per_layer, caches)) or not walk.accept_lens.any()
+
+
+def test_layer_pointers_are_one_struct_parameter(spec, fake_device):
+    """cuLaunchKernel takes one pointer per kernel parameter: the 128 layer pointers are one struct
+    parameter (LayerCaches) at offset 32, so num_pages and max_pages sit at 1056 and 1060."""
+    from ddtree_gen.runtime import param_offsets
+    kset = FakeKernelSet(spec)
+    args = commit_args(spec, 2)
+    seen = {}
+    kset.launch = lambda name, **kw: seen.update(kw)
+    kv_commit(kset, **args)
+    assert seen["fmt"].count("[") == 1 and param_offsets(seen["fmt"]) == [0, 8, 16, 24, 32, 1056, 1060]
+    assert param_offsets("@QfiqQ") == [0, 8, 12, 16, 24]

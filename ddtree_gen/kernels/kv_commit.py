@@ -14,7 +14,7 @@ import numpy as np
 from .. import arrays as ar
 from ..errors import ArgumentError
 from ..plans.kv_commit import MAX_LAYERS
-from ..runtime import Prepared, Step, run_call
+from ..runtime import ParamStruct, Prepared, Step, run_call
 from .checks import INT32_MAX
 
 _INPUTS = ("accept_lens", "accepted_nodes", "prefix_lens", "block_table")
@@ -84,7 +84,7 @@ def _prepare(kset, arrays, stacked) -> Prepared:
     aligned = tuple((s if isinstance(s, int) else s[0], 16,
                      f"kv_caches{'' if stacked else f'[{k}]'}: data pointer {{ptr:#x}} is not 16-byte aligned "
                      f"(the commit moves 16-byte chunks)") for k, s in enumerate(slots[:1] if stacked else slots))
-    params = (*slots, *(np.uint64(0),) * (MAX_LAYERS - num_layers))
-    steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, *params, np.int32(num_pages),
+    layers = ParamStruct((*slots, *(np.uint64(0),) * (MAX_LAYERS - num_layers)))   # struct LayerCaches, by value
+    steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, layers, np.int32(num_pages),
                                                  np.int32(table.shape[1]))),) if b else ()
     return Prepared(device=device, kind=lens.kind, steps=steps, aligned=aligned, result=lambda a: None)
