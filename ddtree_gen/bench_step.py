@@ -112,6 +112,7 @@ def bench_step(args) -> None:
         outs = [ks.tree_verify(**x) for x in layers]
         acc = ks.tree_accept(tree, target, x0["prefix_lens"])
         caches = [x["kv_cache"] for x in layers]
+        cupy.cuda.runtime.deviceSynchronize()   # the cache copies above must not overlap the timings
 
         def build():
             ks.tree_build(*build_in, n - 1, out=tree)
