@@ -203,13 +203,18 @@ class ReferenceKernels:
     def __init__(self, spec):
         self.spec = spec
 
-    def tree_build(self, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, out=None):
-        r = reference.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, self.spec.max_tree_size)
+    @staticmethod
+    def _into(out, r):
+        """The reference's record r, or copied into the caller's out= record (as the launchers fill it)."""
         if out is None:
             return r
         for dst, src in zip(out, r):
             dst[...] = src
         return out
+
+    def tree_build(self, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, out=None):
+        return self._into(out, reference.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget,
+                                                    self.spec.max_tree_size))
 
     def tree_verify(self, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                     out=None, lse=None):
@@ -221,12 +226,8 @@ class ReferenceKernels:
                                      softmax_scale, out=out, lse=lse)
 
     def tree_accept(self, tree, target_tokens, prefix_lens, kv_cache=None, block_table=None, out=None):
-        r = reference.tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, self.spec.max_depth)
-        if out is None:
-            return r
-        for dst, src in zip(out, r):
-            dst[...] = src
-        return out
+        return self._into(out, reference.tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table,
+                                                     self.spec.max_depth))
 
     def kv_commit(self, accepted, prefix_lens, kv_caches, block_table):
         reference.kv_commit(accepted, prefix_lens, kv_caches, block_table)
