@@ -269,7 +269,7 @@ class DeviceModules:
         self._loaded: dict = {}       # (name, device) -> (module, function pointer, threads, dynamic smem)
         self._chosen: dict = {}       # (name, device) -> (target or None, reason or None)
         self._lock = threading.Lock()
-        self._params: dict = {}       # struct format -> (buffer, parameter pointer array, lock)
+        self._params: dict = {}       # parameter format -> (buffer, kernelParams address, lock, flat format, keep-alive)
 
     @property
     def names(self) -> list:
