@@ -13,6 +13,12 @@ _TREE = ("num_nodes", "tokens", "first_child", "next_sibling")
 _INPUTS = (*(f"tree.{f}" for f in _TREE), "target_tokens", "prefix_lens", "kv_cache", "block_table")
 
 
+def _output_shapes(b: int, d1: int) -> dict:
+    """TreeAcceptOutput's fields: (shape, dtype) for B requests and D + 1 path columns."""
+    return {"accept_lens": ((b,), "int32"), "accepted_nodes": ((b, d1), "int32"),
+            "out_tokens": ((b, d1), "int32"), "new_prefix_lens": ((b,), "int32")}
+
+
 def _validate(spec, num_nodes, prefix, table, num_pages) -> None:
     """The checks of validate=True, on host copies: values the kernel would tolerate but not serve
     (table None: the walk alone, no cache to check)."""
@@ -102,8 +108,7 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
     device = ar.same_device({"tree.tokens": tokens, "tree.num_nodes": num_nodes, "tree.first_child": first,
                              "tree.next_sibling": nxt, "target_tokens": target, "prefix_lens": prefix,
                              "kv_cache": kv, "block_table": table})
-    shapes = {"accept_lens": ((b,), "int32"), "accepted_nodes": ((b, d1), "int32"),
-              "out_tokens": ((b, d1), "int32"), "new_prefix_lens": ((b,), "int32")}
+    shapes = _output_shapes(b, d1)
     if validate:
         _validate(spec, num_nodes, prefix, table, kv.shape[0])
     first_out = len(_INPUTS)
@@ -125,8 +130,7 @@ def _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt
                              "tree.next_sibling": nxt, "target_tokens": target, "prefix_lens": prefix})
     if validate:
         _validate(spec, num_nodes, prefix, None, 0)
-    shapes = {"accept_lens": ((b,), "int32"), "accepted_nodes": ((b, d1), "int32"),
-              "out_tokens": ((b, d1), "int32"), "new_prefix_lens": ((b,), "int32")}
+    shapes = _output_shapes(b, d1)
     first_out = len(_INPUTS)
     new = ar.record_outputs(arrays, first_out, shapes, has_out, "tree.tokens", tokens)
     null = np.uint64(0)
