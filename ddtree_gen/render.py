@@ -32,6 +32,7 @@ def context(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> dict:
         "spec": spec, "kernel": kdef.name, "entry": kdef.entry,
         "H": spec.num_heads, "R": spec.kv_lora_rank, "P": spec.qk_rope_head_dim,
         "N": spec.max_tree_size, "D": spec.max_depth, "W": spec.mask_words, "PAGE": spec.page_size,
+        "KV_FP8": spec.kv_fp8,
     }
     ctx.update(plan.template_constants())
     ctx.update(kdef.context)

@@ -34,6 +34,17 @@ class Spec:
     max_tree_size: int     # N: verify tokens per request, root included
     max_depth: int         # D: draft horizon
     archs: tuple = _archs.DEFAULT  # build targets (optional field; archs.py), in preference order
+    kv_dtype: str = "bf16"         # KV-cache element type (optional field): "bf16" or "fp8_e4m3"
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV cache holds e4m3 bytes (dequantized value = byte * kv_scale)."""
+        return self.kv_dtype == "fp8_e4m3"
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per KV-cache element."""
+        return 1 if self.kv_fp8 else 2
 
     @property
     def mask_words(self) -> int:
@@ -85,8 +96,16 @@ def _check_archs(v, f):
     return None
 
 
-# optional field -> (type, check, default); a list is also accepted as a tuple (TOML arrays)
-OPTIONAL = {"archs": ((list, tuple), _check_archs, _archs.DEFAULT)}
+KV_DTYPES = ("bf16", "fp8_e4m3")
+
+
+def _check_kv_dtype(v, f):
+    return None if v in KV_DTYPES else f"must be one of {', '.join(map(repr, KV_DTYPES))}"
+
+
+# optional field -> (types, what the type must be, check, normalise)
+OPTIONAL = {"archs": ((list, tuple), "a list of strings", _check_archs, _archs.ordered),
+            "kv_dtype": ((str,), "str", _check_kv_dtype, str)}
 
 
 def parse_spec(data: dict, source: str) -> Spec:
@@ -111,16 +130,17 @@ def parse_spec(data: dict, source: str) -> Spec:
         if problem:
             raise SpecError(f"{source}: field {key!r} = {data[key]!r} {problem}")
     optional = {}
-    for key, (typ, check, default) in OPTIONAL.items():
+    for key, (typ, what, check, normalise) in OPTIONAL.items():
         if key not in data:
             continue
         value = data[key]
         if not isinstance(value, typ):
-            raise SpecError(f"{source}: field {key!r} must be a list of strings, got {type(value).__name__} {value!r}")
+            raise SpecError(f"{source}: field {key!r} must be {what}, got {type(value).__name__} {value!r}")
         problem = check(value, data)
         if problem:
-            raise SpecError(f"{source}: field {key!r} = {list(value)!r} {problem}")
-        optional[key] = _archs.ordered(value)
+            shown = list(value) if isinstance(value, (list, tuple)) else value
+            raise SpecError(f"{source}: field {key!r} = {shown!r} {problem}")
+        optional[key] = normalise(value)
     return Spec(**{k: data[k] for k in fields}, **optional)
 
 

@@ -115,7 +115,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         lse_part = splits * rows_total * r * 4     # byte offset of the partial lse in the workspace
         part_o, part_lse = ((WS, 0), (WS, lse_part)) if need else (np.uint64(0), np.uint64(0))
         steps.append(Step(name, (b * splits * row_tiles,),
-                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.int32(nq), np.int32(max_pages),
+                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(1.0), np.int32(nq), np.int32(max_pages),
                            np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse)))
         if need:
             new.append((WS, (need,), "float32"))

@@ -25,6 +25,13 @@ SMEM = ((1 + STAGES) * TILE                        # Q tile, key tiles
         + mma.BM * BN * 2                          # P tile
         + 2 * mma.BM * 4                           # row maxima of both key halves
         + STAGES * BN * 4)                         # per-key "staged" flags
+# FP8 cache: the stages hold e4m3 bytes (half a bf16 tile each), converted into one bf16 key tile; the
+# flags of the converted tile and of every stage are live at once
+SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 key tile
+            + mma.BM * BN * 2                      # P tile
+            + STAGES * BN * (R + P)                # e4m3 stages
+            + 2 * mma.BM * 4                       # row maxima of both key halves
+            + (STAGES + 1) * BN * 4)               # per-key "staged" flags
 # V read as the MN-major B operand of wgmma: byte stride between 64-column slabs (LBO) and between
 # groups of 8 keys (SBO) in the tile layout above
 V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
@@ -33,7 +40,7 @@ V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 def verify_plan(spec, kernel="tree_verify_wgmma") -> Plan:
     mma.check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
-                static_smem=sympy.Integer(0), dynamic_smem=SMEM,
+                static_smem=sympy.Integer(0), dynamic_smem=SMEM_FP8 if spec.kv_fp8 else SMEM,
                 consts={"BM": sympy.Integer(mma.BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
                         "SLABS": SLABS, **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
