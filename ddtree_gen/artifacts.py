@@ -114,6 +114,8 @@ def compile_variant(spec: Spec, kdef: KernelDef, source: str | None = None, arch
     """Rendered source -> the binary of target `arch` (archs.py), through the cache."""
     if arch not in kdef.archs:
         raise BuildError(f"kernel {kdef.name} is not built for {arch} (its targets: {', '.join(kdef.archs)})")
+    if not kdef.builds_for(spec):
+        raise BuildError(kdef.why_not_built(spec))
     source = render(spec, kdef, arch) if source is None else source
     nvrtc = nvrtc_version()
     key = cache_key(source, kdef, nvrtc, arch)

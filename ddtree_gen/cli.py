@@ -17,6 +17,8 @@ def cmd_build(args) -> int:
     specs = _specs(args.specs)
     if args.check:
         problems = artifacts.check_generated(specs if args.specs else artifacts.all_specs())
+        for spec in specs:
+            print(_spec_summary(spec))
         for p in problems:
             print(f"out of date: {p}")
         if problems:
@@ -57,6 +59,16 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _spec_summary(spec) -> str:
+    """One line per spec for `build --check`: its kv_dtype, targets and kernel count (and what it does not get)."""
+    from .plans import all_kernels
+    built = [k for k in all_kernels() if k.archs_for(spec)]
+    skipped = [k.name for k in all_kernels() if not k.builds_for(spec)]
+    line = (f"{spec.name}: kv_dtype={spec.kv_dtype} targets={','.join(spec.archs)}, {len(built)} kernels, "
+            f"{sum(len(k.archs_for(spec)) for k in built)} variants")
+    return line + (f" (not built for {spec.kv_dtype}: {', '.join(skipped)})" if skipped else "")
+
+
 def _resource_table(rows) -> None:
     """ptxas vs the model per variant. For sm_80 the report is of an sm_80 cubin assembled from the shipped
     PTX (the driver JIT-compiles that PTX on the device: the figures are indicative there)."""
@@ -74,12 +86,16 @@ def cmd_list(args) -> int:
     from . import artifacts
     for spec in _specs(args.specs):
         print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
-              f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} targets={','.join(spec.archs)}")
+              f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} kv_dtype={spec.kv_dtype} "
+              f"targets={','.join(spec.archs)}")
         state = artifacts.generated_state(spec)
         for kdef in artifacts.select_kernels():
             order = kdef.archs_for(spec)
             if not order:
-                print(f"  {kdef.name:<24} {'-':<14} not built: its targets ({', '.join(kdef.archs)}) are not the spec's")
+                why = (f"it reads {', '.join(kdef.kv_dtypes)} caches, the spec's kv_dtype is {spec.kv_dtype}"
+                       if not kdef.builds_for(spec) else
+                       f"its targets ({', '.join(kdef.archs)}) are not the spec's")
+                print(f"  {kdef.name:<24} {'-':<14} not built: {why}")
                 continue
             for i, arch in enumerate(order):
                 cached = "cached" if _is_cached(spec, kdef, arch) else "not compiled here"
@@ -107,12 +123,13 @@ def cmd_refs(args) -> int:
     return refs.main(args)
 
 
-BENCHES = ("tree_build", "tree_verify", "tree_accept", "step", "launch")
+BENCHES = ("tree_build", "tree_verify", "kv-dtype", "tree_accept", "step", "launch")
 
 
 def cmd_bench(args) -> int:
     from . import bench, bench_launch, bench_step
     run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
+           "kv-dtype": bench.bench_kv_dtype,
            "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
            "launch": bench_launch.bench_launch}
     for name in args.kernels:

@@ -27,7 +27,7 @@ class KernelSet:
         every registered one); `arch`: the forced target (archs.forced), None to pick per device.
 
         Every kernel named in `built` gets its launcher, also one with no build here (a wgmma kernel
-        when sm_80 is forced): its launch raises ArgumentError saying why."""
+        when sm_80 is forced, an mma.sync one for an fp8 spec): its launch raises ArgumentError saying why."""
         self.spec = spec
         self.forced_arch = arch
         self._defs = {}
@@ -81,6 +81,8 @@ class KernelSet:
         kdef = self._defs.get(name)
         if kdef is None:
             return f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
+        if not kdef.builds_for(self.spec):   # the mma.sync kernels for an fp8 spec: no build on any device
+            return kdef.why_not_built(self.spec)
         info = runtime.device_info(device)
         return (f"{name}: not available on {info.describe(device)}: "
                 f"{archs.why_not(info.cc, kdef.archs_for(self.spec), self.forced_arch)}")

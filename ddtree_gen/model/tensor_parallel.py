@@ -71,12 +71,12 @@ def shard_weights(weights: dict, cfg: ModelConfig, rank: int, tp: int) -> dict:
     return {**weights, "layers": layers}
 
 
-_MATCH = ("kv_lora_rank", "qk_rope_head_dim", "page_size", "max_tree_size", "max_depth")
+_MATCH = ("kv_lora_rank", "qk_rope_head_dim", "page_size", "max_tree_size", "max_depth", "kv_dtype")
 
 
 def rank_spec(spec, tp: int, specs=None):
     """The spec a rank runs: one of `specs` (default: every spec in specs/) with num_heads
-    H / tp and the same R, P, page size, N and D as `spec`. None there: a Spec of those values
+    H / tp and the same R, P, page size, N, D and kv_dtype as `spec`. None there: a Spec of those values
     named '<spec>-tp<tp>-rank' (ddtree_gen.load compiles it through the cache)."""
     lo, hi = head_range(spec.num_heads, 0, tp)
     if tp == 1:

@@ -209,11 +209,16 @@ def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
     return splits * rows * (spec.kv_lora_rank + 1)
 
 
+# the mma.sync kernels read bf16 caches only: an fp8 spec (kv_dtype "fp8_e4m3") does not get them, its
+# tree_verify is the wgmma kernel (Hopper) or the CUDA-core one; the combine kernel (fp32 partials) is built
+# for every spec
+MMA_KV_DTYPES = ("bf16",)
+
 KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the plan's configuration per target)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
-              plan=verify_plan, context={"tail": False, "combine": False}, arch_plan=True),
+              plan=verify_plan, context={"tail": False, "combine": False}, arch_plan=True, kv_dtypes=MMA_KV_DTYPES),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
-              plan=tail_plan, context={"tail": True, "combine": False}, arch_plan=True),
+              plan=tail_plan, context={"tail": True, "combine": False}, arch_plan=True, kv_dtypes=MMA_KV_DTYPES),
     KernelDef(name=COMBINE, template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma_combine",
               plan=combine_plan, context={"tail": False, "combine": True}),
 ]
@@ -224,8 +229,8 @@ def variant_defs(config) -> list[KernelDef]:
     cfg = _normalise(config)
     return [KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
                       plan=functools.partial(verify_plan, kernel="tree_verify_mma", config=cfg),
-                      context={"tail": False, "combine": False}),
+                      context={"tail": False, "combine": False}, kv_dtypes=MMA_KV_DTYPES),
             KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2",
                       entry="ddtree_tree_verify_tail_mma", plan=functools.partial(tail_plan, config=cfg),
-                      context={"tail": True, "combine": False}),
+                      context={"tail": True, "combine": False}, kv_dtypes=MMA_KV_DTYPES),
             KERNELS[2]]
