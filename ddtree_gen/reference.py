@@ -2,20 +2,22 @@
 
 tree_build and tree_accept are the bit-exact oracles of the discrete kernels; the
 attention references compute in float64. Float inputs may be any float dtype, an
-ml_dtypes.bfloat16 array, or uint16 arrays of bf16 bits. Bad arguments raise
-ArgumentError naming the argument.
+ml_dtypes.bfloat16 array, or uint16 arrays of bf16 bits. An fp8 KV cache (kv_dtype
+"fp8_e4m3") is uint8 e4m3 bytes (or an ml_dtypes.float8_e4m3fn array): the attention
+references take its kv_scale and dequantize it in float64 (e4m3 * kv_scale, ddtree_gen.fp8),
+tree_accept and kv_commit move its bytes. Bad arguments raise ArgumentError naming the argument.
 """
 import heapq
 import math
 
 import numpy as np
 
-from . import bf16
+from . import bf16, fp8
 from .errors import ArgumentError
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
-           "merge_states", "tree_accept"]
+           "merge_states", "tree_accept", "kv_commit"]
 
 _I32_MAX = 2**31 - 1
 
@@ -238,8 +240,27 @@ def tree_build_heap(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget, m
 
 # ------------------------------------------------------------------------- tree_verify
 
+def _kv_scale(kv_cache, kv_scale):
+    """The cache's dequantization: (is e4m3, kv_scale as a float or None), after the checks of both."""
+    if fp8.is_e4m3(kv_cache.dtype):
+        if kv_scale is None:
+            raise ArgumentError(f"kv_scale: required for an e4m3 kv_cache ({kv_cache.dtype}: fp8 bytes, "
+                                f"value = e4m3 * kv_scale)")
+        if isinstance(kv_scale, (bool, np.bool_)) or not isinstance(
+                kv_scale, (int, float, np.integer, np.floating)):
+            raise ArgumentError(f"kv_scale: expected a real number, got {type(kv_scale).__name__}")
+        if not (math.isfinite(kv_scale) and kv_scale > 0):
+            raise ArgumentError(f"kv_scale: {kv_scale} must be finite and > 0")
+        return True, float(kv_scale)
+    if kv_scale is not None:
+        raise ArgumentError(f"kv_scale: given ({kv_scale!r}), but kv_cache holds {kv_cache.dtype} values, not "
+                            f"e4m3 bytes (uint8): only an fp8 cache takes a scale")
+    _to_f64(kv_cache[:0], "kv_cache")  # dtype check only
+    return False, None
+
+
 def _attention(tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-               softmax_scale, out, lse):
+               softmax_scale, out, lse, kv_scale=None):
     qn = _float_array(q_nope, "q_nope", 4)
     bsz, nq, h, r = qn.shape
     qp = _float_array(q_pe, "q_pe", 4)
@@ -250,7 +271,7 @@ def _attention(tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, t
     if kv.ndim != 3 or kv.shape[2] != r + p:
         raise ArgumentError(f"kv_cache: expected shape (num_pages, page_size, {r + p}), "
                             f"got {kv.shape}")
-    _to_f64(kv[:0], "kv_cache")  # dtype check only
+    is_fp8, kv_scale = _kv_scale(kv, kv_scale)
     num_pages, page_size = kv.shape[:2]
     if page_size < 1:
         raise ArgumentError("kv_cache: page_size must be >= 1")
@@ -294,7 +315,8 @@ def _attention(tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, t
 
     for b, (t, pages) in enumerate(keys_of):
         L, q = int(prefix[b]), int(qlen[b])
-        keys = _to_f64(kv[pages, t % page_size], "kv_cache")
+        entries = kv[pages, t % page_size]
+        keys = fp8.dequantize(entries, kv_scale) if is_fp8 else _to_f64(entries, "kv_cache")
         ckv, kpe = keys[:, :r], keys[:, r:]
         s = softmax_scale * (np.einsum("ihr,tr->iht", qn[b, :q], ckv)
                              + np.einsum("ihp,tp->iht", qp[b, :q], kpe))
@@ -320,6 +342,8 @@ _VERIFY_DOC = """
     Shapes: q_nope [B,Nq,H,R], q_pe [B,Nq,H,P], kv_cache [num_pages,page_size,R+P] (latent
     first), block_table [B,max_pages], prefix_lens [B], q_lens [B] (1 <= q_len <= Nq),
     tree_mask [B,Nq,W] (uint32; int32 is taken as its bits; W >= ceil(q_len/32)).
+    An e4m3 kv_cache (uint8 bytes, or ml_dtypes.float8_e4m3fn) needs kv_scale (finite, > 0):
+    its keys and values are e4m3 * kv_scale in float64; any other cache refuses kv_scale.
     s = scale * (q_nope.ckv + q_pe.kpe) in float64; lse natural log; out = softmax-weighted
     ckv. A row without a visible key gets out 0, lse -inf. Rows i >= q_len are not written:
     given out/lse keep them, otherwise the returned float64 arrays hold NaN there. A uint16
@@ -328,15 +352,15 @@ _VERIFY_DOC = """
 
 
 def tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                softmax_scale, out=None, lse=None):
+                softmax_scale, out=None, lse=None, *, kv_scale=None):
     return _attention(False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                      tree_mask, softmax_scale, out, lse)
+                      tree_mask, softmax_scale, out, lse, kv_scale)
 
 
 def tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                     softmax_scale, out=None, lse=None):
+                     softmax_scale, out=None, lse=None, *, kv_scale=None):
     return _attention(True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                      tree_mask, softmax_scale, out, lse)
+                      tree_mask, softmax_scale, out, lse, kv_scale)
 
 
 tree_verify.__doc__ = ("Tree attention over prefix + tree: row i sees every key t < prefix_len "
@@ -412,8 +436,8 @@ def tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table, max_dep
     * a child link c is followed only if cur < c < num_nodes, a sibling link only if
       previous < c < num_nodes; any other value (-1 included) ends that scan;
     * the walk stops after max_depth accepted nodes.
-    KV commit, in place on kv_cache (any dtype): for k = 1..accept_len the entry (all R+P
-    values) at position prefix_len + path[k] is copied to prefix_len + k; all sources of a
+    KV commit, in place on kv_cache (any dtype: bf16 bits, e4m3 bytes, ...): for k = 1..accept_len the
+    entry (all R+P values) at position prefix_len + path[k] is copied to prefix_len + k; all sources of a
     request are read before any of its destinations is written (requests in batch order).
     A position whose page index is >= max_pages or whose block_table entry is outside
     [0, num_pages) is neither read nor written: a move with such a source or destination

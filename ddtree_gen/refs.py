@@ -4,6 +4,9 @@
 `ddtree-gen refs --check` recomputes every bundle's outputs from its stored inputs and
 compares (discrete outputs exactly, float outputs to float32 rounding), and checks that the
 set of bundles is the set of cases.
+
+An fp8 spec's (kv_dtype "fp8_e4m3") bundles hold its cache as uint8 e4m3 bytes (drawn from normal
+floats, no NaN bytes), and the attention cases its scale as `in.kv_scale`, a float32 scalar.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import zlib
 
 import numpy as np
 
-from . import bf16, kdtr, paths, reference
+from . import bf16, fp8, kdtr, paths, reference
 from .spec import Spec
 from .trees import ancestor_mask
 
@@ -48,7 +51,8 @@ def _tree_build_inputs(spec, rng, case):
 
 
 def _paged(spec, rng, lens, extra_pages=2):
-    """A kv cache and a block table that is a random permutation of pages (never contiguous)."""
+    """A kv cache (bf16 bits, or e4m3 bytes for an fp8 spec) and a block table that is a random
+    permutation of pages (never contiguous)."""
     page = spec.page_size
     per = [-(-int(n) // page) for n in lens]
     max_pages = max(per + [1])
@@ -59,7 +63,8 @@ def _paged(spec, rng, lens, extra_pages=2):
     for i, c in enumerate(per):
         table[i, :c] = perm[k:k + c]
         k += c
-    kv = bf16.to_bits(rng.standard_normal((num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim)))
+    values = rng.standard_normal((num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
+    kv = fp8.from_float(values.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(values)
     return kv, table
 
 
@@ -70,10 +75,13 @@ def _verify_inputs(spec, rng, case):
     q_lens = np.array([3], np.int32)
     kv, table = _paged(spec, rng, prefix + q_lens)
     mask = ancestor_mask([-1, 0, 0], spec.mask_words)[None]
-    return {"q_nope": bf16.to_bits(rng.standard_normal((1, nq, h, r))),
-            "q_pe": bf16.to_bits(rng.standard_normal((1, nq, h, p))),
-            "kv_cache": kv, "block_table": table, "prefix_lens": prefix, "q_lens": q_lens, "tree_mask": mask,
-            "softmax_scale": np.array(192 ** -0.5, np.float64)}
+    out = {"q_nope": bf16.to_bits(rng.standard_normal((1, nq, h, r))),
+           "q_pe": bf16.to_bits(rng.standard_normal((1, nq, h, p))),
+           "kv_cache": kv, "block_table": table, "prefix_lens": prefix, "q_lens": q_lens, "tree_mask": mask,
+           "softmax_scale": np.array(192 ** -0.5, np.float64)}
+    if spec.kv_fp8:   # a scale in [0.01, 2], exactly a float32
+        out["kv_scale"] = np.array(rng.uniform(0.01, 2.0), np.float32)
+    return out
 
 
 def _merge_inputs(spec, rng, case):
@@ -127,7 +135,8 @@ def _run(spec: Spec, kernel: str, a: dict) -> dict:
     if kernel in ("tree_verify", "tree_verify_tail"):
         fn = getattr(reference, kernel)
         out = fn(a["q_nope"], a["q_pe"], a["kv_cache"], a["block_table"], a["prefix_lens"], a["q_lens"],
-                 a["tree_mask"], float(a["softmax_scale"]))
+                 a["tree_mask"], float(a["softmax_scale"]),
+                 kv_scale=float(a["kv_scale"]) if "kv_scale" in a else None)
         return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
     if kernel == "merge_states":
         out = reference.merge_states(a["o_a"], a["lse_a"], a["o_b"], a["lse_b"])
