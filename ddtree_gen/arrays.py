@@ -2,7 +2,8 @@
 
 Launchers take CuPy arrays, torch CUDA tensors, or any CUDA array speaking DLPack or
 __cuda_array_interface__, without copies. bf16 data is uint16 raw bits on the CuPy side and
-torch.bfloat16 on the torch side.
+torch.bfloat16 on the torch side; the e4m3 KV cache of an fp8 spec is uint8 bytes on the CuPy side
+and torch.float8_e4m3fn (or torch.uint8) on the torch side (kv_array).
 
 Two views of an array:
   * view() / device_array(): a DevArray with everything the checks read (the first call of a
@@ -24,14 +25,18 @@ from .errors import ArgumentError
 _TORCH_DTYPES = {"torch.int32": "int32", "torch.float32": "float32", "torch.uint32": "uint32",
                  "torch.bfloat16": "bf16", "torch.uint16": "bf16", "torch.int64": "int64",
                  "torch.float16": "float16", "torch.float64": "float64", "torch.int16": "int16",
-                 "torch.uint8": "uint8", "torch.int8": "int8"}
+                 "torch.uint8": "uint8", "torch.int8": "int8", "torch.float8_e4m3fn": "fp8_e4m3"}
 _NUMPY_DTYPES = {"int32": "int32", "float32": "float32", "uint32": "uint32", "uint16": "bf16",
                  "int64": "int64", "float16": "float16", "float64": "float64", "int16": "int16"}
 _CAI_DTYPES = {"<i4": "int32", "<f4": "float32", "<u4": "uint32", "<u2": "bf16", "<i8": "int64",
                "<f2": "float16", "<f8": "float64", "<i2": "int16", "|u1": "uint8", "|i1": "int8"}
 _DTYPE_NAMES = {"bf16": "bf16 (uint16 bits on CuPy, torch.bfloat16 on torch)"}
 ITEMSIZE = {"bf16": 2, "float32": 4, "int32": 4, "uint32": 4, "int64": 8, "float16": 2, "float64": 8,
-            "int16": 2, "uint8": 1, "int8": 1}
+            "int16": 2, "uint8": 1, "int8": 1, "fp8_e4m3": 1}
+# a KV cache per spec kv_dtype: the dtypes (as view() names them) that hold it, and how to say so
+KV_CACHE_DTYPES = {"bf16": ("bf16",), "fp8_e4m3": ("uint8", "fp8_e4m3")}
+KV_CACHE_NAMES = {"bf16": "bf16 (uint16 bits on CuPy, torch.bfloat16 on torch)",
+                  "fp8_e4m3": "e4m3 bytes (uint8 on CuPy, torch.float8_e4m3fn or torch.uint8 on torch)"}
 
 
 @dataclass
@@ -167,6 +172,19 @@ def device_array(x, name: str, *, dtype: str, shape: tuple | None = None, ndim: 
         raise ArgumentError(f"{name}: not C-contiguous; pass a contiguous array (e.g. .contiguous() / "
                             f"cupy.ascontiguousarray)")
     return arr
+
+
+def kv_array(x, name: str, spec, *, ndim: int) -> DevArray:
+    """A KV cache argument of `spec`: its dtype must hold the spec's kv_dtype (KV_CACHE_DTYPES; the message
+    names the argument, the dtype found and what the kv_dtype needs), then device_array's checks."""
+    if x is None:
+        raise ArgumentError(f"{name}: required, got None")
+    arr, _ = view(x, name)
+    accepted = KV_CACHE_DTYPES[spec.kv_dtype]
+    if arr.dtype not in accepted:
+        raise ArgumentError(f"{name}: dtype {arr.dtype}, expected {KV_CACHE_NAMES[spec.kv_dtype]} for kv_dtype "
+                            f"{spec.kv_dtype!r} of spec {spec.name!r}")
+    return device_array(x, name, dtype=arr.dtype, ndim=ndim)
 
 
 def same_device(arrays: dict) -> int:

@@ -127,7 +127,10 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         sigs.append(s)
     prepared_calls = kset.prepared_calls
     k = (prepare.__code__, key, tuple(sigs)) if cache else None
-    prep = prepared_calls.get(k) if cache else None
+    try:
+        prep = prepared_calls.get(k) if cache else None
+    except TypeError:   # an unhashable scalar argument (a list as softmax_scale / kv_scale): prepare() refuses it
+        cache, prep = False, None
     if prep is None:
         prep = prepare()
         if cache:

@@ -6,6 +6,9 @@
                                             prefix_lens, q_lens, tree[6], softmax_scale, "auto")
     acc = torch.ops.ddtree.tree_accept("kimi-k2.6-tp8", tree[0], tree[1], tree[7], tree[8], target_tokens,
                                        prefix_lens, kv_cache, block_table)   # moves kv_cache in place
+    # an fp8 spec (kv_dtype "fp8_e4m3"): kv_cache is torch.float8_e4m3fn (or uint8), tree_verify takes kv_scale
+    out, lse = torch.ops.ddtree.tree_verify("kimi-k2.6-tp8-fp8", q_nope, q_pe, kv_fp8, block_table, prefix_lens,
+                                            q_lens, tree[6], softmax_scale, "auto", kv_scale)
 
 The first argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
 plain launcher's record as a tuple, in the record's order (TreeBuildOutput, AttentionOutput,
@@ -41,7 +44,7 @@ def _dims(spec: str) -> tuple[int, int, int]:
 # writes.
 _LIB = torch.library.Library("ddtree", "DEF")
 _ATTENTION_ARGS = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor prefix_lens, "
-                   "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto'")
+                   "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto', float? kv_scale=None")
 SCHEMAS = {
     "tree_build": "tree_build(str spec, Tensor topk_ids, Tensor topk_logprobs, Tensor root_tokens, "
                   "Tensor prefix_lens, int budget) -> (" + ", ".join(["Tensor"] * 9) + ")",
@@ -90,9 +93,9 @@ def _attention_fake(spec, q_nope, *args):
 
 @_op("tree_verify")
 def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                impl="auto"):
+                impl="auto", kv_scale=None):
     return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                         softmax_scale, impl=impl))
+                                         softmax_scale, impl=impl, kv_scale=kv_scale))
 
 
 tree_verify.fake(_attention_fake)
@@ -100,9 +103,9 @@ tree_verify.fake(_attention_fake)
 
 @_op("tree_verify_tail")
 def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     impl="auto"):
+                     impl="auto", kv_scale=None):
     return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                              softmax_scale, impl=impl))
+                                              softmax_scale, impl=impl, kv_scale=kv_scale))
 
 
 tree_verify_tail.fake(_attention_fake)

@@ -1,5 +1,6 @@
 """Argument checks shared by the attention launchers (CUDA-core, mma.sync and wgmma tree_verify,
-tree_verify_tail, merge_states): shapes against the spec, devices, alignment and overlap.
+tree_verify_tail, merge_states): shapes against the spec, the cache's dtype and kv_scale against the
+spec's kv_dtype, devices, alignment and overlap.
 
 Pointer checks (alignment, overlap) are recorded in a PointerChecks as they run, so that a cached
 call (runtime.run_call) repeats exactly them, with the same messages, on every later call.
@@ -60,14 +61,17 @@ class PointerChecks:
 
 
 def check_attention_inputs(spec, ptrs: PointerChecks, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                           tree_mask, softmax_scale, *, q_align: int, reader: str = "kernel",
-                           row_indices32: bool = False) -> tuple[dict, float]:
-    """Shapes, dtypes, contiguity, devices, alignment and the spec's H / R / P / page_size / W (host only).
+                           tree_mask, softmax_scale, kv_scale=None, *, q_align: int, reader: str = "kernel",
+                           row_indices32: bool = False) -> tuple[dict, float, float]:
+    """Shapes, dtypes, contiguity, devices, alignment and the spec's H / R / P / page_size / W / kv_dtype
+    (host only).
 
     q_align: the alignment of q_nope and q_pe in bytes (kv_cache: always 16). row_indices32: the
     kernel indexes cache rows (page x page_size + offset) in 32 bits, so num_pages x page_size
-    must be < 2**31 (else only num_pages and max_pages, passed as int, must be).
-    Returns (the inputs by name, in the kernels' argument order, as DevArrays; softmax_scale x log2(e)).
+    must be < 2**31 (else only num_pages and max_pages, passed as int, must be). kv_scale: required
+    for an fp8 spec, refused for a bf16 one (kv_scale_arg).
+    Returns (the inputs by name, in the kernels' argument order, as DevArrays; the kernels' scale_log2 =
+    softmax_scale x kv_scale x log2(e); their v_scale = kv_scale, 1 for a bf16 cache).
     """
     nh, rank, rope, page, n, w = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size,
                                   spec.max_tree_size, spec.mask_words)
@@ -85,7 +89,7 @@ def check_attention_inputs(spec, ptrs: PointerChecks, q_nope, q_pe, kv_cache, bl
         raise ArgumentError(f"q_pe: P = {qp.shape[3]} (dimension 3) must equal qk_rope_head_dim = {rope} {of}")
     if qp.shape != (b, nq, h, rope):
         raise ArgumentError(f"q_pe: shape {qp.shape}, expected {(b, nq, h, rope)} (B, Nq, H of q_nope)")
-    kv = ar.device_array(kv_cache, "kv_cache", dtype="bf16", ndim=3)
+    kv = ar.kv_array(kv_cache, "kv_cache", spec, ndim=3)
     num_pages, ps, row = kv.shape
     if ps != page:
         raise ArgumentError(f"kv_cache: page_size = {ps} (dimension 1) must equal page_size = {page} {of}")
@@ -104,7 +108,8 @@ def check_attention_inputs(spec, ptrs: PointerChecks, q_nope, q_pe, kv_cache, bl
                             f"ceil(max_tree_size / 32) = {w} {of}")
     if tm.shape != (b, nq, w):
         raise ArgumentError(f"tree_mask: shape {tm.shape}, expected {(b, nq, w)} (B, Nq of q_nope)")
-    scale_log2 = softmax_scale_log2(softmax_scale)
+    v_scale = kv_scale_arg(spec, kv_scale)
+    scale_log2 = softmax_scale_log2(softmax_scale, v_scale)
     inputs = {"q_nope": qn, "q_pe": qp, "kv_cache": kv, "block_table": bt, "prefix_lens": pl, "q_lens": ql,
               "tree_mask": tm}
     ar.same_device(inputs)
@@ -118,15 +123,41 @@ def check_attention_inputs(spec, ptrs: PointerChecks, q_nope, q_pe, kv_cache, bl
     elif num_pages > INT32_MAX or max_pages > INT32_MAX:
         raise ArgumentError(f"kv_cache/block_table: num_pages {num_pages} and max_pages {max_pages} "
                             f"must be < 2**31")
-    return inputs, scale_log2
+    return inputs, scale_log2, v_scale
 
 
-def softmax_scale_log2(softmax_scale) -> float:
-    """softmax_scale x log2(e), the factor the kernels apply (they use exp2)."""
+F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def kv_scale_arg(spec, kv_scale) -> float:
+    """The dequantization scale of the spec's cache: kv_scale for kv_dtype "fp8_e4m3" (required: a real
+    number, finite, > 0 and a normal float32), 1.0 for "bf16" (where kv_scale must not be given)."""
+    of = f"spec {spec.name!r}"
+    if not spec.kv_fp8:
+        if kv_scale is not None:
+            raise ArgumentError(f"kv_scale: given ({kv_scale!r}), but {of} has kv_dtype {spec.kv_dtype!r}: its cache "
+                                f"holds the values themselves (kv_scale is for kv_dtype 'fp8_e4m3' only)")
+        return 1.0
+    if kv_scale is None:
+        raise ArgumentError(f"kv_scale: required for kv_dtype {spec.kv_dtype!r} of {of} (the cache holds e4m3 "
+                            f"bytes; the value of an element is e4m3 x kv_scale)")
+    scale = ar.float_arg(kv_scale, "kv_scale")
+    if not scale > 0:
+        raise ArgumentError(f"kv_scale: {scale} must be > 0")
+    if not F32_TINY <= scale <= F32_MAX:
+        raise ArgumentError(f"kv_scale: {scale} is out of the normal float32 range [{F32_TINY:.3g}, {F32_MAX:.3g}] "
+                            f"(the kernels apply it in fp32)")
+    return scale
+
+
+def softmax_scale_log2(softmax_scale, kv_scale: float = 1.0) -> float:
+    """softmax_scale x kv_scale x log2(e), the factor the kernels apply to q . k (they use exp2; an fp8
+    cache's keys are e4m3 x kv_scale, so its scale is folded in here)."""
     scale = ar.float_arg(softmax_scale, "softmax_scale")
-    scale_log2 = scale * LOG2E
-    if not abs(scale_log2) < float(np.finfo(np.float32).max):
-        raise ArgumentError(f"softmax_scale: {scale} is out of float32 range")
+    scale_log2 = scale * kv_scale * LOG2E
+    if not abs(scale_log2) < F32_MAX:
+        extra = f" x kv_scale {kv_scale}" if kv_scale != 1.0 else ""
+        raise ArgumentError(f"softmax_scale: {scale}{extra} is out of float32 range")
     return scale_log2
 
 

@@ -3,9 +3,10 @@
     acc = kset.tree_accept(tree, target_tokens, prefix_lens)          # the walk alone (no cache)
     kset.kv_commit(acc, prefix_lens, kv_caches, block_table)           # every layer, one launch
 
-kv_caches: a sequence of per-layer caches (same shape [num_pages, page_size, R+P] bf16, same
-device) or one stacked [layers, num_pages, page_size, R+P] tensor; at most MAX_LAYERS layers,
-each 16-byte aligned. Per layer the semantics are tree_accept's commit (docs/contract.md).
+kv_caches: a sequence of per-layer caches (same shape [num_pages, page_size, R+P] bf16, or e4m3 bytes
+for an fp8 spec: uint8 / torch.float8_e4m3fn; same dtype and device) or one stacked
+[layers, num_pages, page_size, R+P] tensor; at most MAX_LAYERS layers, each 16-byte aligned. Per layer
+the semantics are tree_accept's commit (docs/contract.md).
 """
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ def _prepare(kset, arrays, stacked) -> Prepared:
              "block_table": table}
     first = len(_INPUTS)
     if stacked:
-        kv = ar.device_array(arrays[first], "kv_caches", dtype="bf16", ndim=4)
+        kv = ar.kv_array(arrays[first], "kv_caches", spec, ndim=4)
         num_layers, layer_shape = kv.shape[0], kv.shape[1:]
-        layer_bytes = int(np.prod(layer_shape)) * 2
+        layer_bytes = int(np.prod(layer_shape)) * spec.kv_itemsize
         slots = [(first, layer * layer_bytes) for layer in range(num_layers)]
         named["kv_caches"] = kv
         where = "kv_caches"
@@ -62,7 +63,10 @@ def _prepare(kset, arrays, stacked) -> Prepared:
             raise ArgumentError("kv_caches: an empty sequence; pass every layer's cache")
         caches = []
         for layer, x in enumerate(arrays[first:]):
-            caches.append(ar.device_array(x, f"kv_caches[{layer}]", dtype="bf16", ndim=3))
+            caches.append(ar.kv_array(x, f"kv_caches[{layer}]", spec, ndim=3))
+            if caches[-1].dtype != caches[0].dtype:
+                raise ArgumentError(f"kv_caches[{layer}]: dtype {caches[-1].dtype}, but kv_caches[0] has "
+                                    f"{caches[0].dtype} (every layer's cache must have the same dtype)")
             if caches[-1].shape != caches[0].shape:
                 raise ArgumentError(f"kv_caches[{layer}]: shape {caches[-1].shape}, but kv_caches[0] has "
                                     f"{caches[0].shape} (every layer's cache must have the same shape)")

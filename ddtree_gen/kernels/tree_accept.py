@@ -50,7 +50,8 @@ def launch(kset, tree, target_tokens, prefix_lens, kv_cache=None, block_table=No
 
     `tree`: anything with num_nodes [B], tokens, first_child, next_sibling [B, N] int32 (e.g. the
     TreeBuildOutput of tree_build); target_tokens [B, N] int32; prefix_lens [B] int32; kv_cache
-    [num_pages, page_size, R+P] bf16 (moved in place); block_table [B, max_pages] int32. Device values
+    [num_pages, page_size, R+P] bf16, or e4m3 bytes for an fp8 spec (uint8 / torch.float8_e4m3fn), moved
+    in place; block_table [B, max_pages] int32. Device values
     are not read on the host (the call can be captured in a CUDA graph) unless validate=True, which
     copies num_nodes, prefix_lens and block_table to the host and raises ArgumentError for values out
     of range. See docs/contract.md, tree_accept.
@@ -91,7 +92,7 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
         missing = "kv_cache" if arrays[6] is None else "block_table"
         raise ArgumentError(f"{missing}: required with the other (pass both for walk + commit, neither for "
                             f"the walk alone)")
-    kv = ar.device_array(arrays[6], "kv_cache", dtype="bf16", ndim=3)
+    kv = ar.kv_array(arrays[6], "kv_cache", spec, ndim=3)
     if kv.shape[1] != spec.page_size:
         raise ArgumentError(f"kv_cache: page_size {kv.shape[1]} (dimension 1) must equal the spec's "
                             f"page_size = {spec.page_size}")
@@ -114,11 +115,13 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
     first_out = len(_INPUTS)
     new = ar.record_outputs(arrays, first_out, shapes, has_out, "tree.tokens", tokens)
     outs = tuple(i for i, _, _ in new)
-    # the kernel moves 16-byte chunks when the cache is 16-byte aligned, else 2-byte elements
+    # the kernel moves 16-byte chunks when the cache is 16-byte aligned, else single elements (bf16: 2 bytes,
+    # which must then be 2-byte aligned; e4m3: bytes, any address)
     steps = (Step("tree_accept", (b,), (0, 1, 2, 3, 4, 5, 6, 7, np.int32(kv.shape[0]), np.int32(table.shape[1]),
                                         IsAligned(6, 16), *outs)),) if b else ()
-    return Prepared(device=device, kind=tokens.kind, steps=steps,
-                    new=new, aligned=((6, 2, "kv_cache: data pointer {ptr:#x} is not 2-byte aligned"),),
+    item = spec.kv_itemsize
+    aligned = ((6, item, f"kv_cache: data pointer {{ptr:#x}} is not {item}-byte aligned"),) if item > 1 else ()
+    return Prepared(device=device, kind=tokens.kind, steps=steps, new=new, aligned=aligned,
                     result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))
 
 

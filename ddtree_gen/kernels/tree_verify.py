@@ -12,6 +12,10 @@ implementation:
     other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are
     built for sm_90a only), and the mma.sync ones only where the device allows their shared memory
     (A100, B200: yes; L4, L40S, RTX cards: no): see archs.py and KernelSet.unavailable.
+An fp8 spec (kv_dtype "fp8_e4m3": the cache holds e4m3 bytes) has no mma.sync kernels (plans: KernelDef
+.kv_dtypes): "auto" is wgmma where it runs, else the CUDA-core kernel, and impl="mma" is an ArgumentError.
+Its launches take kv_scale (the value of a cache element is e4m3 x kv_scale): folded into the scores'
+factor and applied to the output, in fp32 (kernels/checks.py kv_scale_arg); a bf16 spec refuses kv_scale.
 
 Values that live on the device (prefix_lens, q_lens, block_table) are never read on the host by
 default, so a launch can be captured in a CUDA graph; the kernels are safe for any values instead
@@ -30,6 +34,7 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
+from ..plans import by_name
 from ..plans.tree_verify import MERGE_WARPS
 from ..plans.tree_verify_mma import COMBINE
 from ..runtime import Prepared, Step, run_call
@@ -53,10 +58,16 @@ def _loaded(kset, name: str) -> bool:
     return name in kset.kernels
 
 
+def _built_for(kset, kernel: str) -> bool:
+    """Whether the spec of kset gets kernel `kernel` at all (its kv_dtype: KernelDef.kv_dtypes)."""
+    return by_name(kernel).builds_for(kset.spec)
+
+
 def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
     """The implementations `impl` may send launcher `name` to, in order of preference: ("simple",),
     one tensor-core kind ("wgmma" / "mma": impl asks for it), or for "auto" the loaded tensor-core
-    kinds followed by "simple" (the first that runs on the call's device is used: _prepare_auto)."""
+    kinds the spec is built with, followed by "simple" (the first that runs on the call's device is
+    used: _prepare_auto)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
     if impl == "simple":
@@ -67,7 +78,13 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
         return ("simple",)
     if impl == "auto":
         return (*(kind for kind in TENSOR_CORE_IMPLS
-                  if all(_loaded(kset, k) for k in (f"{name}_{kind}", COMBINE))), "simple")
+                  if _built_for(kset, f"{name}_{kind}") and all(_loaded(kset, k) for k in (f"{name}_{kind}", COMBINE))),
+                "simple")
+    if not _built_for(kset, f"{name}_{impl}"):
+        spec = kset.spec
+        others = [k for k in IMPLS if k in ("auto", "simple") or _built_for(kset, f"{name}_{k}")]
+        raise ArgumentError(f"impl: {impl!r}: {by_name(f'{name}_{impl}').why_not_built(spec)}; "
+                            f"pass impl={' or '.join(map(repr, others))}")
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
     missing = [k for k in (f"{name}_{impl}", COMBINE)
@@ -86,24 +103,25 @@ def _device_of(q_nope) -> int | None:
         return None
 
 
-def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, validate, num_splits) -> Prepared:
+def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
     """impl="auto" with a tensor-core kind loaded: the first of `kinds` whose kernels (and the combine
     kernel) run on the device of the arrays; "simple" last. Per call signature, so per device."""
     device = _device_of(arrays[0])
     for kind in kinds:
         if kind == "simple":
-            return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, validate)
+            return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
         kernel = f"{name}_{kind}"
         if device is None or (available(kset, kernel, device) and available(kset, COMBINE, device)):
-            return tree_verify_mma.prepare_attention(kset, kernel, tail, arrays, softmax_scale, validate, num_splits)
+            return tree_verify_mma.prepare_attention(kset, kernel, tail, arrays, softmax_scale, validate, num_splits,
+                                                     kv_scale)
     raise AssertionError(f"no implementation in {kinds}")   # "simple" is always last
 
 
-def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepared:
+def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate) -> Prepared:
     """The CUDA-core kernel `name`: checks and launch plan of one call signature."""
     spec = kset.spec
     ptrs = PointerChecks(INDEX)
-    inputs, scale_log2 = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, q_align=4)
+    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale, q_align=4)
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
@@ -115,15 +133,15 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, validate) -> Prepar
     check_outputs(ptrs, inputs, {"out": oa, "lse": la})
     if validate and b:
         validate_attention_values(tail, inputs, spec.page_size)
-    steps = (Step(name, (groups * nq * b,), (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.int32(nq),
-                                              np.int32(max_pages), np.int32(num_pages), 7, 8)),) if b else ()
+    steps = (Step(name, (groups * nq * b,), (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale),
+                                              np.int32(nq), np.int32(max_pages), np.int32(num_pages), 7, 8)),) if b else ()
     return Prepared(device=qn.device, kind=qn.kind, steps=steps,
                     new=((7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")),
                     aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
                     result=lambda a: AttentionOutput(a[7], a[8]))
 
 
-def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits) -> AttentionOutput:
+def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits, kv_scale) -> AttentionOutput:
     # the candidates depend on nothing else: cached beside the prepared calls
     pick = ("impl", name, impl, workspace is None, num_splits is None) if isinstance(impl, str) else None
     kinds = kset.prepared_calls.get(pick) if pick else None
@@ -135,27 +153,29 @@ def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_s
         arrays = (*args[:7], out, lse, workspace)
 
         def prepare_auto():
-            return _prepare_auto(kset, name, tail, kinds, arrays, scale, validate, num_splits)
-        return run_call(kset, prepare_auto, arrays, (name, kinds, type(scale), scale, type(num_splits), num_splits),
-                        cache=not validate)
+            return _prepare_auto(kset, name, tail, kinds, arrays, scale, kv_scale, validate, num_splits)
+        return run_call(kset, prepare_auto, arrays, (name, kinds, type(scale), scale, type(num_splits), num_splits,
+                                                     type(kv_scale), kv_scale), cache=not validate)
     kind = kinds[0]
     if kind != "simple":
         module = _TENSOR_CORE[kind]
         launch = module.tree_verify_tail if tail else module.tree_verify
-        return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits)
+        return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits,
+                      kv_scale=kv_scale)
     arrays = (*args[:7], out, lse)
 
     def prepare():
-        return _prepare_simple(kset, name, tail, arrays, scale, validate)
-    return run_call(kset, prepare, arrays, (name, type(scale), scale), cache=not validate)
+        return _prepare_simple(kset, name, tail, arrays, scale, kv_scale, validate)
+    return run_call(kset, prepare, arrays, (name, type(scale), scale, type(kv_scale), kv_scale), cache=not validate)
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                 out=None, lse=None, *, validate=False, impl="auto", workspace=None,
-                num_splits=None) -> AttentionOutput:
+                num_splits=None, kv_scale=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (docs/contract.md tree_verify), on the current stream.
 
-    q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16,
+    q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16 (an fp8
+    spec: e4m3 bytes, uint8 / torch.float8_e4m3fn, with kv_scale: finite, > 0),
     block_table [B,max_pages] int32, prefix_lens [B] int32, q_lens [B] int32,
     tree_mask [B,Nq,W] uint32, softmax_scale finite. Returns AttentionOutput(out [B,Nq,H,R] bf16,
     lse [B,Nq,H] float32); rows i >= q_len are not written. validate=True checks the device-side
@@ -170,18 +190,18 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     """
     return _dispatch(kset, "tree_verify", False,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
-                     out, lse, validate, impl, workspace, num_splits)
+                     out, lse, validate, impl, workspace, num_splits, kv_scale)
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                      out=None, lse=None, *, validate=False, impl="auto", workspace=None,
-                     num_splits=None) -> AttentionOutput:
+                     num_splits=None, kv_scale=None) -> AttentionOutput:
     """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
     merging with an external prefix kernel through merge_states. Same arguments as tree_verify
     (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma)."""
     return _dispatch(kset, "tree_verify_tail", True,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
-                     out, lse, validate, impl, workspace, num_splits)
+                     out, lse, validate, impl, workspace, num_splits, kv_scale)
 
 
 _MERGE_INDEX = {name: i for i, name in enumerate(("o_a", "lse_a", "o_b", "lse_b", "out", "lse"))}

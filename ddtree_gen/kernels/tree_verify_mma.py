@@ -13,6 +13,10 @@ templates/tree_verify_wgmma.cu.j2 hold the kernel designs, docs/perf.md the perf
 * The argument checks are kernels/checks.py's, with the tensor-core kernels' own limits: q_nope /
   q_pe 16-byte aligned (cp.async 16-byte units) and num_pages x page_size < 2**31 (32-bit
   cache-row indices).
+* kv_scale: required for an fp8 spec (its cache holds e4m3 bytes), refused for a bf16 one; the kernels
+  take scale_log2 = softmax_scale x kv_scale x log2(e) and v_scale = kv_scale (1 for bf16), the factor
+  of their output, both in fp32. The mma.sync kernels are not built for an fp8 spec (an ArgumentError
+  naming the kernel and the kv_dtype); the wgmma ones read its e4m3 tiles.
 * The kernel must run on the arrays' device (KernelSet.require: the wgmma kernels have an sm_90a
   build only, the mma.sync kernels' sm_80 build needs 150 KB of shared memory per block): an
   ArgumentError names the kernel, the device and why, before anything is allocated. BN (and the
@@ -28,6 +32,7 @@ import numpy as np
 from .. import arrays as ar
 from ..archs import PRIMARY
 from ..errors import ArgumentError
+from ..plans import by_name
 from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.tree_verify_mma import workspace_elems
 from ..runtime import Prepared, Step, run_call, sm_count
@@ -42,14 +47,14 @@ _INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace"))}
 
 
 def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-              out, lse, validate, workspace, num_splits) -> AttentionOutput:
+              out, lse, validate, workspace, num_splits, kv_scale=None) -> AttentionOutput:
     """Launch tensor-core kernel `name` (tree_verify[_tail]_{mma,wgmma}); see tree_verify below."""
     arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace)
 
     def prepare():
-        return prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits)
-    return run_call(kset, prepare, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits), num_splits),
-                    cache=not validate)
+        return prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale)
+    return run_call(kset, prepare, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
+                                            type(kv_scale), kv_scale), cache=not validate)
 
 
 def require(kset, name: str, device: int) -> str:
@@ -65,12 +70,14 @@ def available(kset, name: str, device: int) -> bool:
     return inspect.getattr_static(kset, "unavailable", None) is None or kset.unavailable(name, device) is None
 
 
-def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits) -> Prepared:
+def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
     """The checks and launch plan of one call signature (runtime.Prepared)."""
     spec = kset.spec
+    if not by_name(name).builds_for(spec):   # the mma.sync kernels and an fp8 spec
+        raise ArgumentError(by_name(name).why_not_built(spec))
     ptrs = PointerChecks(_INDEX)
-    inputs, scale_log2 = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, q_align=Q_ALIGN,
-                                                reader=READER, row_indices32=True)
+    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
+                                                         q_align=Q_ALIGN, reader=READER, row_indices32=True)
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
@@ -115,7 +122,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         lse_part = splits * rows_total * r * 4     # byte offset of the partial lse in the workspace
         part_o, part_lse = ((WS, 0), (WS, lse_part)) if need else (np.uint64(0), np.uint64(0))
         steps.append(Step(name, (b * splits * row_tiles,),
-                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(1.0), np.int32(nq), np.int32(max_pages),
+                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
                            np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse)))
         if need:
             new.append((WS, (need,), "float32"))
@@ -134,24 +141,27 @@ def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse) -> 
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                out=None, lse=None, *, validate=False, workspace=None, num_splits=None) -> AttentionOutput:
+                out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
+                kv_scale=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (docs/contract.md tree_verify) with mma.sync.
 
     Arguments, outputs and device-value behaviour as kernels.tree_verify.tree_verify, plus:
     q_nope, q_pe (and kv_cache) must be 16-byte aligned; workspace: float32 CUDA array of at least
     workspace_elems(spec, B, Nq, splits) elements for split-KV (allocated when None and needed);
     num_splits: key chunks per request (None: chosen from the shapes and the tuning table).
+    Not built for an fp8 spec (ArgumentError); kv_scale is there for the common signature.
     """
     return attention(kset, "tree_verify_mma", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits)
+                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     out=None, lse=None, *, validate=False, workspace=None, num_splits=None) -> AttentionOutput:
+                     out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
+                     kv_scale=None) -> AttentionOutput:
     """tree_verify_mma over the tree tail alone (keys prefix_len + j with mask bit j set), for merging
     with an external prefix kernel through merge_states. Same arguments as tree_verify_mma."""
     return attention(kset, "tree_verify_tail_mma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits)
+                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
 
 
 def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> AttentionOutput:

@@ -12,18 +12,21 @@ from .tree_verify_mma import attention
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                out=None, lse=None, *, validate=False, workspace=None, num_splits=None) -> AttentionOutput:
+                out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
+                kv_scale=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (docs/contract.md tree_verify) with wgmma.
 
     Arguments, outputs, device-value behaviour, workspace and num_splits as
-    tree_verify_mma.tree_verify (needs tree_verify_mma_combine loaded for split-KV)."""
+    tree_verify_mma.tree_verify (needs tree_verify_mma_combine loaded for split-KV); an fp8 spec's
+    e4m3 cache with its kv_scale (required there, refused for bf16)."""
     return attention(kset, "tree_verify_wgmma", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits)
+                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     out=None, lse=None, *, validate=False, workspace=None, num_splits=None) -> AttentionOutput:
+                     out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
+                     kv_scale=None) -> AttentionOutput:
     """tree_verify_wgmma over the tree tail alone (keys prefix_len + j with mask bit j set), for merging
     with an external prefix kernel through merge_states. Same arguments as tree_verify_wgmma."""
     return attention(kset, "tree_verify_tail_wgmma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens,
-                     q_lens, tree_mask, softmax_scale, out, lse, validate, workspace, num_splits)
+                     q_lens, tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
