@@ -5,16 +5,17 @@ import sympy
 
 from ..resources import D, Plan
 from .kernel_def import KernelDef
-from .tree_accept import CHUNKS, ENTRY
+from .tree_accept import ENTRY, chunks
 
 MAX_LAYERS = 128    # layer pointers passed by value in the parameters (8 bytes each: 1 KB)
 
 
 def plan(spec) -> Plan:
-    threads = 32 * sympy.ceiling(CHUNKS / 32)  # a thread per chunk column of an entry
-    static_smem = 16 * D * CHUNKS + 8 * D + 8 * D   # staged sources, source and destination offsets
+    c = chunks(spec)                                 # 16-byte chunks per entry (R + P elements of kv_dtype)
+    threads = 32 * sympy.ceiling(c / 32)  # a thread per chunk column of an entry
+    static_smem = 16 * D * c + 8 * D + 8 * D   # staged sources, source and destination offsets
     return Plan(kernel="kv_commit", spec=spec, threads=threads, min_blocks=4, static_smem=static_smem,
-                consts={"ENTRY": ENTRY, "CHUNKS": CHUNKS, "BATCH": sympy.Min(D, 16),
+                consts={"ENTRY": ENTRY, "CHUNKS": c, "BATCH": sympy.Min(D, 16),
                         "MAX_LAYERS": sympy.Integer(MAX_LAYERS)})
 
 

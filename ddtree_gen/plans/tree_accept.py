@@ -6,20 +6,29 @@ import sympy
 from ..resources import D, N, P, PAGE, R, Plan
 from .kernel_def import KernelDef
 
-ENTRY = R + P                          # bf16 per cache entry (latent, then rope)
-CHUNKS = ENTRY / 8                     # 16-byte chunks per entry (R and P are multiples of 16)
+ENTRY = R + P                          # elements per cache entry (latent, then rope)
 NPAGES = sympy.ceiling((N - 2) / PAGE) + 1  # block-table entries covering positions [L+1, L+N-1]
 
 
+def entry_bytes(spec):
+    """Bytes of one cache entry: R + P elements of the spec's kv_dtype (bf16: 2 bytes, fp8_e4m3: 1)."""
+    return ENTRY * sympy.Integer(spec.kv_itemsize)
+
+
+def chunks(spec):
+    """16-byte chunks per cache entry (R and P are multiples of 16, so an entry is a whole number of them)."""
+    return entry_bytes(spec) / 16
+
+
 def plan(spec) -> Plan:
-    threads = 32 * sympy.ceiling(CHUNKS / 32)  # a thread per chunk column of an entry
+    threads = 32 * sympy.ceiling(chunks(spec) / 32)  # a thread per chunk column of an entry
     # struct TreeAcceptShared: staged source entries (D moves at most), move offsets (int64),
     # tree rows (tokens, first_child, next_sibling, target), block-table window, path, accept_len;
     # sizeof rounds up to the uint4 alignment of the staging buffer
-    fields = 2 * D * ENTRY + 8 * D + 8 * D + 4 * 4 * N + 4 * NPAGES + 4 * (D + 1) + 4
+    fields = sympy.Integer(spec.kv_itemsize) * D * ENTRY + 8 * D + 8 * D + 4 * 4 * N + 4 * NPAGES + 4 * (D + 1) + 4
     static_smem = 16 * sympy.ceiling(fields / 16)
     return Plan(kernel="tree_accept", spec=spec, threads=threads, min_blocks=4, static_smem=static_smem,
-                consts={"ENTRY": ENTRY, "CHUNKS": CHUNKS, "NPAGES": NPAGES, "BATCH": sympy.Min(D, 16)})
+                consts={"ENTRY": ENTRY, "CHUNKS": chunks(spec), "NPAGES": NPAGES, "BATCH": sympy.Min(D, 16)})
 
 
 KERNELS = [KernelDef(name="tree_accept", template="tree_accept.cu.j2", entry="ddtree_tree_accept", plan=plan)]

@@ -2,7 +2,9 @@
 
 tree_verify / tree_verify_tail: one block per (request, query row, group of heads), keys streamed
 through shared memory in double-buffered tiles with an online softmax, so any prefix length runs
-in fixed shared memory. merge_states: a warp per (row, head).
+in fixed shared memory. An fp8 spec's kernel double-buffers the tiles' e4m3 bytes and converts each
+into one bf16 tile: 2 x TK x (R+P) bytes + TK x (R+P) x 2, the same total as the bf16 kernel's two
+bf16 tiles. merge_states: a warp per (row, head).
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ def verify_plan(spec, kernel="tree_verify") -> Plan:
     warps = sympy.Min(8, sympy.ceiling(H / hpw))      # up to 8 warps of hpw heads
     heads_per_block = warps * hpw
     threads = 32 * warps
-    # two key tiles of tk rows (R + P bf16) + two tiles of per-key visibility flags (int)
-    static_smem = 2 * tk * (R + P) * 2 + 2 * tk * 4
+    # bf16 cache: two key tiles of tk rows (R + P bf16); fp8: two tiles of e4m3 bytes and one bf16 tile;
+    # + two tiles of per-key visibility flags (int)
+    tiles = 2 * tk * (R + P) * 2 if not spec.kv_fp8 else 2 * tk * (R + P) + tk * (R + P) * 2
+    static_smem = tiles + 2 * tk * 4
     nwarps = int(warps.subs({H: spec.num_heads}))
     # q (2 (RW + PW)) and output accumulators (2 RW) per head live in registers in every lane
     live = hpw * (4 * -(-spec.kv_lora_rank // 64) + 2 * -(-spec.qk_rope_head_dim // 64))
