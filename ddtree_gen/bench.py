@@ -5,6 +5,7 @@ benchmark prints a table last; --out DIR also writes it (and a plot where there 
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import statistics
 import time
@@ -166,7 +167,9 @@ VERIFY_CONFIGS = [(1, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096), (8,
 
 
 def verify_inputs(spec, b: int, lens, nq: int, seed: int = 0):
-    """Random bf16 inputs on the GPU (cupy uint16 bits), a random-permutation block table, random trees."""
+    """Random bf16 inputs on the GPU (cupy uint16 bits), a random-permutation block table, random trees.
+    An fp8 spec's cache is the e4m3 bytes (cupy uint8, converted by torch) of the same normal samples,
+    with kv_scale 1; the same seed gives the same q, table, masks and cache values for both kv_dtypes."""
     import cupy
     from .bf16 import to_bits
     rng = np.random.default_rng(seed)
@@ -188,10 +191,26 @@ def verify_inputs(spec, b: int, lens, nq: int, seed: int = 0):
     def bf(shape):
         return cupy.asarray(to_bits(cupy.asnumpy(g.standard_normal(shape, dtype=cupy.float32))))
 
-    return dict(q_nope=bf((b, nq, h, r)), q_pe=bf((b, nq, h, p)), kv_cache=bf((num_pages, page, r + p)),
-                block_table=cupy.asarray(table), prefix_lens=cupy.asarray(lens),
-                q_lens=cupy.full(b, nq, dtype=cupy.int32), tree_mask=cupy.asarray(mask),
-                softmax_scale=192 ** -0.5)
+    def e4m3(shape):   # normal samples -> e4m3 bytes (round to nearest even; |x| < 448 here)
+        import torch
+        x = torch.utils.dlpack.from_dlpack(g.standard_normal(shape, dtype=cupy.float32))
+        return cupy.from_dlpack(x.to(torch.float8_e4m3fn).view(torch.uint8).contiguous())
+
+    q_nope, q_pe = bf((b, nq, h, r)), bf((b, nq, h, p))
+    kv_shape = (num_pages, page, r + p)
+    out = dict(q_nope=q_nope, q_pe=q_pe, kv_cache=e4m3(kv_shape) if spec.kv_fp8 else bf(kv_shape),
+               block_table=cupy.asarray(table), prefix_lens=cupy.asarray(lens),
+               q_lens=cupy.full(b, nq, dtype=cupy.int32), tree_mask=cupy.asarray(mask),
+               softmax_scale=192 ** -0.5)
+    if spec.kv_fp8:
+        out["kv_scale"] = 1.0
+    return out
+
+
+def verify_flops(spec, lens, nq: int) -> float:
+    """The contract's FLOP count of one tree_verify call (docs/contract.md section 13), summed over requests."""
+    return float(sum(2 * spec.num_heads * nq * (int(li) + nq) * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
+                     for li in lens))
 
 
 def torch_peers(x):
@@ -249,8 +268,7 @@ def bench_tree_verify(args) -> None:
         rng = np.random.default_rng(1)
         lens = rng.integers(64, 16384, size=b) if l == "mixed" else np.full(b, l)
         x = verify_inputs(spec, b, lens, nq)
-        flops = float(sum(2 * h * nq * (int(li) + nq) * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim)
-                          for li in lens))
+        flops = verify_flops(spec, lens, nq)
         impls = {}
         for impl in ("wgmma", "mma", "simple"):
             why = ks.unavailable(f"tree_verify_{impl}", x["q_nope"].device.id) if impl != "simple" else None
@@ -308,3 +326,71 @@ def _plot(points, peak, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------- kv dtype: fp8 vs bf16
+
+KV_DTYPE_CONFIGS = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096), (8, 128, 4096)]
+KV_DTYPE_KERNELS = ("tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine")
+
+
+def spec_variant(base, heads: int, kv_dtype: str):
+    """`base` with num_heads = heads and kv_dtype: the shipped spec with exactly those values if there is one
+    (its builds may be cached already), else an unshipped variant named <base>-h<H>[-fp8] (built into the
+    binary cache only, never into generated/)."""
+    from .artifacts import all_specs
+    want = dataclasses.replace(base, num_heads=heads, kv_dtype=kv_dtype)
+    for s in all_specs():
+        if dataclasses.replace(s, name=want.name) == want:
+            return s
+    stem = base.name[:-4] if base.name.endswith("-fp8") else base.name
+    name = stem + (f"-h{heads}" if heads != base.num_heads else "") + ("-fp8" if kv_dtype == "fp8_e4m3" else "")
+    return dataclasses.replace(want, name=name)
+
+
+def _auto_impl(ks, device: int) -> str:
+    """The implementation tree_verify(impl="auto") takes on `device` (kernels/tree_verify.py's rule)."""
+    for kind in ("wgmma", "mma"):
+        if all(k in ks.kernels and ks.unavailable(k, device) is None
+               for k in (f"tree_verify_{kind}", "tree_verify_mma_combine")):
+            return kind
+    return "simple"
+
+
+def bench_kv_dtype(args) -> None:
+    """tree_verify (impl="auto") of a spec with a bf16 and with an fp8 (e4m3) KV cache on the same shapes, in one
+    process: H comes from the config (variants of the spec with other H are built as needed), the fp8 cache holds
+    the e4m3 bytes of the bf16 cache's samples. A table: config, impl, bf16 ms, fp8 ms, bf16/fp8 speed ratio,
+    TFLOP/s and % of the measured bf16 matmul peak of each."""
+    from .artifacts import find_spec
+    from .kernel_set import load
+    base = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
+    peak = measured_peak_tflops()
+    nq = 65
+    rows = []
+    for b, h, l in KV_DTYPE_CONFIGS:
+        lens = np.full(b, l)
+        flops, times, impls = None, {}, {}
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            spec = spec_variant(base, h, kv_dtype)
+            t0 = time.perf_counter()
+            ks = load(spec, kernels=list(KV_DTYPE_KERNELS))
+            x = verify_inputs(spec, b, lens, nq)
+            impls[kv_dtype] = _auto_impl(ks, x["q_nope"].device.id)
+            res = ks.tree_verify(**x)
+            fn = lambda ks=ks, x=x, res=res: ks.tree_verify(**x, out=res.out, lse=res.lse)  # noqa: E731
+            times[kv_dtype] = graph_time_ms(fn, per_graph=5, reps=10)
+            flops = verify_flops(spec, lens, nq)
+            print(f"B={b} H={h} L={l} {spec.name} ({kv_dtype}, impl={impls[kv_dtype]}): {times[kv_dtype]:.3f} ms "
+                  f"(load + inputs + timing {time.perf_counter() - t0:.1f} s)", flush=True)
+        cells = []
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            tf = flops / (times[kv_dtype] * 1e-3) / 1e12
+            cells += [f"{tf:.1f}", f"{100 * tf / peak:.1f}%"]
+        rows.append([f"B={b} H={h} L={l}", f"{impls['bf16']}/{impls['fp8_e4m3']}", f"{times['bf16']:.3f}",
+                     f"{times['fp8_e4m3']:.3f}", f"{times['bf16'] / times['fp8_e4m3']:.2f}x", *cells])
+    print_table(f"tree_verify (impl auto) of {base.name}: bf16 vs fp8 (e4m3) KV cache, Nq={nq}; CUDA-graph replay "
+                f"medians; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; measured bf16 matmul peak in this run: "
+                f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms",
+                ["config", "impl bf16/fp8", "bf16 ms", "fp8 ms", "speedup", "bf16 TFLOP/s", "bf16 % peak",
+                 "fp8 TFLOP/s", "fp8 % peak"], rows, args.out, "bench_kv_dtype")

@@ -54,7 +54,8 @@ def bench_tree_accept(args) -> None:
     from .kernel_set import load
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     ks = load(spec)
-    entry = (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2
+    width = spec.kv_lora_rank + spec.qk_rope_head_dim
+    entry = width * spec.kv_itemsize        # bytes per cache entry (bf16 or e4m3)
     rows = []
     for b in (1, 8, 64):
         tree_np, target_of, full = accept_tree(spec, b)
@@ -63,7 +64,8 @@ def bench_tree_accept(args) -> None:
         per = -(-(512 + spec.max_tree_size) // spec.page_size)
         table = cupy.asarray(np.arange(b * per, dtype=np.int32).reshape(b, per))
         prefix = cupy.asarray(prefix_np)
-        caches = [cupy.zeros((b * per, spec.page_size, entry // 2), cupy.uint16) for _ in range(LAYERS)]
+        caches = [cupy.zeros((b * per, spec.page_size, width), cupy.uint8 if spec.kv_fp8 else cupy.uint16)
+                  for _ in range(LAYERS)]
         for name, a in (("0", 0), ("typical", 5 if b % 2 else 4), ("full", full)):
             target = cupy.asarray(target_of(a))
             acc = ks.tree_accept(tree, target, prefix)

@@ -19,7 +19,10 @@ with prefix_len 0, 63, 64, 65, q_len 1 and Nq, an empty row, a permuted block ta
 out-of-range lengths and pages the kernels promise to tolerate; merge_states with empty sides (-inf, +inf, NaN), both sides empty, a row
 count that is not a multiple of the block, and in place; tree_accept with full and zero
 acceptance, malformed trees (num_nodes out of range, links out of range, cycles), bad
-block-table entries, and a kv_cache that is not 16-byte aligned. CuPy's memory pool is turned
+block-table entries, and a kv_cache that is not 16-byte aligned; kv_commit (after the walk) with zero,
+full and random paths, bad block-table entries and nodes, in a sequence of layer caches and a stacked
+one. An fp8 spec (kv_dtype "fp8_e4m3") runs the same cases on e4m3 caches (finite bytes) with a
+kv_scale; its mma.sync kernels are not built and are skipped with that reason. CuPy's memory pool is turned
 off so that every array is its own allocation and memcheck sees every overrun. A kernel the
 worker has no cases for, or whose module is not present, is skipped with a note. The worker
 exits 1 if any case raised.
@@ -213,6 +216,14 @@ def _bits(rng, shape):
     return rng.integers(0, 1 << 16, shape, dtype=np.uint16) & np.uint16(0xBFFF)
 
 
+def _kv(spec, rng, shape):
+    """Random finite KV-cache elements of the spec's kv_dtype, magnitude < 2: bf16 bits, or e4m3 bytes (the top
+    exponent bit cleared: no NaN)."""
+    if spec.kv_fp8:
+        return rng.integers(0, 1 << 8, shape, dtype=np.uint8) & np.uint8(0xBF)
+    return _bits(rng, shape)
+
+
 def _tree_build_cases(spec, rng):
     n, d = spec.max_tree_size, spec.max_depth
 
@@ -265,10 +276,13 @@ def _verify_cases(spec, rng):
 
     def inputs(prefix, qlens, nq, mask, table, num_pages):
         b = len(prefix)
-        return dict(q_nope=_bits(rng, (b, nq, h, r)), q_pe=_bits(rng, (b, nq, h, p)),
-                    kv_cache=_bits(rng, (num_pages, page, r + p)), block_table=table,
-                    prefix_lens=np.asarray(prefix, np.int32), q_lens=np.asarray(qlens, np.int32),
-                    tree_mask=mask, softmax_scale=scale)
+        out = dict(q_nope=_bits(rng, (b, nq, h, r)), q_pe=_bits(rng, (b, nq, h, p)),
+                   kv_cache=_kv(spec, rng, (num_pages, page, r + p)), block_table=table,
+                   prefix_lens=np.asarray(prefix, np.int32), q_lens=np.asarray(qlens, np.int32),
+                   tree_mask=mask, softmax_scale=scale)
+        if spec.kv_fp8:
+            out["kv_scale"] = 0.37
+        return out
 
     prefix = [0, 63, 64]
     tree = _reference_tree(spec, rng, 3, spec.max_depth, min(4, n - 1), n - 1, prefix)
@@ -336,7 +350,7 @@ def _accept_cases(spec, rng):
     def cache(b, num_pages=None, misalign=False):
         table, pages = _pages(spec, rng, b, 64 + n + 1)
         num_pages = num_pages or pages
-        kv = _bits(rng, (num_pages * page * (r + p) + 8,))
+        kv = _kv(spec, rng, (num_pages * page * (r + p) + 16,))
         start = 1 if misalign else 0
         return table, kv, (start, (num_pages, page, r + p))
 
@@ -392,6 +406,47 @@ def _accept_cases(spec, rng):
                                                kv_cache=(kv_m, view_m), block_table=table_m)
 
 
+def _commit_cases(spec, rng):
+    """kv_commit after the walk: given paths (zero, full depth with real moves, random), bad block-table entries
+    and nodes, a sequence of 3 layer caches and a stacked [3, ...] one."""
+    from .types import TreeAcceptOutput
+    n, d, r, p, page = spec.max_tree_size, spec.max_depth, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size
+    b = 3
+    prefix = np.array([0, 63, 64], np.int32)
+    table, num_pages = _pages(spec, rng, b, 64 + n + 1)
+
+    def paths(kind):
+        lens = {"zero": np.zeros(b), "full": np.full(b, d), "random": rng.integers(0, d + 1, b)}[kind].astype(np.int32)
+        nodes = np.full((b, d + 1), -1, np.int32)
+        nodes[:, 0] = 0
+        for i in range(b):
+            if kind == "full":
+                nodes[i, 1:] = np.minimum(np.arange(1, d + 1) + 16, n - 1)
+            else:
+                nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
+        return TreeAcceptOutput(lens, nodes, np.zeros_like(nodes), prefix + 1 + lens)
+
+    def layers(k):
+        return [_kv(spec, rng, (num_pages, page, r + p)) for _ in range(k)]
+
+    for kind in ("zero", "full", "random"):
+        yield f"{kind} paths, 3 layers", dict(accepted=paths(kind), prefix_lens=prefix, kv_caches=layers(3),
+                                              block_table=table)
+    bad_table = table.copy()
+    bad_table[0, :] = -1
+    bad_table[1, 1] = 10**6
+    bad_table[2, 0] = 2**31 - 1
+    yield "block-table entries out of range", dict(accepted=paths("full"), prefix_lens=prefix, kv_caches=layers(2),
+                                                   block_table=bad_table)
+    odd = paths("full")
+    odd.accept_lens[:] = [-5, d + 7, 2**31 - 1]     # clamped to [0, D]
+    odd.accepted_nodes[2, 1:] = [-1 if k % 2 else 2**31 - 1 for k in range(d)]
+    yield "accept_lens and nodes out of range", dict(accepted=odd, prefix_lens=prefix, kv_caches=layers(2),
+                                                     block_table=table)
+    yield "stacked layers", dict(accepted=paths("random"), prefix_lens=prefix,
+                                 kv_caches=np.stack(layers(3)), block_table=table)
+
+
 def _verify_mma_cases(spec, rng):
     """The tree_verify cases with the launcher's own split choice, then forced split-KV (combine kernel)."""
     for i, (case, inputs) in enumerate(_verify_cases(spec, rng)):
@@ -402,7 +457,7 @@ def _verify_mma_cases(spec, rng):
 
 
 CASES = {"tree_build": _tree_build_cases, "tree_verify": _verify_cases, "tree_verify_tail": _verify_cases,
-         "merge_states": _merge_cases, "tree_accept": _accept_cases,
+         "merge_states": _merge_cases, "tree_accept": _accept_cases, "kv_commit": _commit_cases,
          "tree_verify_mma": _verify_mma_cases, "tree_verify_tail_mma": _verify_mma_cases,
          "tree_verify_wgmma": _verify_mma_cases, "tree_verify_tail_wgmma": _verify_mma_cases}
 # registered kernels that are launched by another kernel's cases rather than on their own
@@ -413,9 +468,11 @@ MODULES = {"tree_verify_tail": "tree_verify", "merge_states": "tree_verify", "tr
 
 
 def _to_device(value, cupy):
-    from .types import TreeBuildOutput
-    if isinstance(value, TreeBuildOutput):
-        return TreeBuildOutput(*(cupy.asarray(np.ascontiguousarray(a)) for a in value))
+    from .types import TreeAcceptOutput, TreeBuildOutput
+    if isinstance(value, (TreeBuildOutput, TreeAcceptOutput)):
+        return type(value)(*(cupy.asarray(np.ascontiguousarray(a)) for a in value))
+    if isinstance(value, list):   # kv_commit's layer caches
+        return [cupy.asarray(a) for a in value]
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], tuple):  # (flat, (start, shape))
         flat, (start, shape) = value
         dev = cupy.asarray(flat)

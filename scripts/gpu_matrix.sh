@@ -10,6 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
+python3 -c "import ml_dtypes" 2>/dev/null || echo "WARNING: ml_dtypes is not installed: the fp8 specs' GPU tests need it (pip install ml_dtypes)"
 python3 -m ddtree_gen build > "$out/build.log" 2>&1; echo "build exit $?"; tail -3 "$out/build.log"
 rc=0
 for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
