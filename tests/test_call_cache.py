@@ -16,9 +16,9 @@ from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels.tree_accept import launch as tree_accept
 from ddtree_gen.kernels.tree_build import launch as tree_build
 from ddtree_gen.runtime import Prepared
-from test_tree_accept_cpu import ACCEPT_CASES, BUILD_CASES, accept_args, accept_out, build_args, build_out
-from test_tree_verify_cpu import (Arrays, MmaKernelSet, RecordingKernelSet, merge_args, merge_cases, ptr_of,
-                                  verify_args, verify_cases)
+from test_tree_accept_cpu import BUILD_CASES, accept_args, accept_cases, accept_out, build_args, build_out
+from test_tree_verify_cpu import (Arrays, MmaKernelSet, RecordingKernelSet, impl_of, merge_args, merge_cases, ptr_of,
+                                  tc, verify_args, verify_cases)
 
 
 class Counting(MmaKernelSet):
@@ -47,7 +47,7 @@ def _warm(kset, launcher, args):
 @pytest.mark.parametrize("launcher", [tv.tree_verify, tv.tree_verify_tail], ids=["tree_verify", "tree_verify_tail"])
 @pytest.mark.parametrize("impl", ["simple", "mma"])
 def test_verify_errors_after_a_cached_valid_call(spec, launcher, impl, fake_device):
-    extra = {"impl": impl, **({"num_splits": 1} if impl == "mma" else {})}   # (no workspace to allocate)
+    extra = {"impl": impl_of(impl, spec), **({"num_splits": 1} if impl == "mma" else {})}   # (no workspace)
     for case, mutate, word in verify_cases(spec):
         new = Arrays()
         kset = MmaKernelSet(spec) if impl == "mma" else RecordingKernelSet(spec)
@@ -74,7 +74,7 @@ def test_merge_errors_after_a_cached_valid_call(spec, fake_device):
 
 
 def test_accept_and_build_errors_after_a_cached_valid_call(spec, fake_device):
-    for cases, launcher, make, out in ((ACCEPT_CASES, tree_accept, accept_args, accept_out),
+    for cases, launcher, make, out in ((accept_cases(spec), tree_accept, accept_args, accept_out),
                                        (BUILD_CASES, tree_build, build_args, build_out)):
         for case, change, word in cases:
             kset = FakeKernelSet(spec)
@@ -100,11 +100,18 @@ def test_one_signature_prepares_once_and_launches_each_calls_pointers(spec, fake
         assert name == "tree_verify"
         assert kw["args"][:7] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                             "prefix_lens", "q_lens", "tree_mask")]
-        assert kw["args"][11:] == [ptr_of(args["out"]), ptr_of(args["lse"])]
+        assert kw["args"][12:] == [ptr_of(args["out"]), ptr_of(args["lse"])]
     # another shape, another scale, another impl: another signature
     tv.tree_verify(kset, **dict(calls[0], softmax_scale=0.5), impl="simple")
-    tv.tree_verify(kset, **calls[0], impl="mma", num_splits=1)
+    tv.tree_verify(kset, **calls[0], impl=tc(spec), num_splits=1)
     assert len(_signatures(kset)) == 3
+    if spec.kv_fp8:   # kv_scale is a scalar of the signature, like softmax_scale: its factors are not reused
+        tv.tree_verify(kset, **dict(calls[0], kv_scale=0.25), impl="simple")
+        tv.tree_verify(kset, **dict(calls[0], kv_scale=0.25), impl=tc(spec), num_splits=1)
+        assert len(_signatures(kset)) == 5
+        for (name, kw) in kset.launches[-2:]:
+            assert kw["args"][8] == np.float32(0.25), name
+            assert kw["args"][7] == np.float32(calls[0]["softmax_scale"] * 0.25 * np.log2(np.e)), name
 
 
 def test_validate_is_never_cached(spec, fake_device, monkeypatch):
@@ -135,11 +142,11 @@ def test_misaligned_pointer_after_cached_call_names_the_argument(spec, fake_devi
     kset = Counting(spec)
     new = Arrays()
     args = verify_args(spec, new)
-    tv.tree_verify(kset, **args, impl="mma", num_splits=1)
+    tv.tree_verify(kset, **args, impl=tc(spec), num_splits=1)
     cai = args["q_nope"].__cuda_array_interface__
     bad = dict(args, q_nope=new(cai["shape"], np.uint16, ptr=ptr_of(args["q_nope"]) + 8))
     with pytest.raises(ArgumentError, match=r"^q_nope: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
-        tv.tree_verify(kset, **bad, impl="mma", num_splits=1)
+        tv.tree_verify(kset, **bad, impl=tc(spec), num_splits=1)
     overlapping = dict(args, lse=new((2, spec.max_tree_size, spec.num_heads), np.float32, ptr=ptr_of(args["q_pe"])))
     with pytest.raises(ArgumentError, match="^lse: overlaps q_pe"):
-        tv.tree_verify(kset, **overlapping, impl="mma", num_splits=1)
+        tv.tree_verify(kset, **overlapping, impl=tc(spec), num_splits=1)

@@ -95,7 +95,7 @@ def test_spec_values_in_file(spec_file, values):
     spec_file.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
     spec = _load_bytes(spec_file, spec_file.read_bytes())
     if spec is not None:
-        assert spec.as_dict() == dict(values, archs=["sm_90a", "sm_80"])   # archs: optional, default
+        assert spec.as_dict() == dict(values, archs=["sm_90a", "sm_80"], kv_dtype="bf16")   # optional: defaults
         assert 2 <= spec.max_tree_size <= 128 and 1 <= spec.max_depth < spec.max_tree_size
         assert spec.kv_lora_rank % 16 == 0 and spec.qk_rope_head_dim % 16 == 0
 

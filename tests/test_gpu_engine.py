@@ -12,10 +12,11 @@ import pytest
 
 from ddtree_gen import bf16, reference
 from ddtree_gen.errors import ArgumentError
-from verify_cases import fresh_seed, make_inputs, random_bf16_normal
+from verify_cases import fresh_seed, kv_torch, make_inputs, random_bf16_normal, random_e4m3_normal, random_kv_scale
 
 pytestmark = pytest.mark.gpu
 SPEC = "kimi-k2.6-tp8"
+SPEC_FP8 = "kimi-k2.6-tp8-fp8"   # the same with an fp8 (e4m3) KV cache: torch.float8_e4m3fn and kv_scale
 
 
 def _torch():
@@ -193,6 +194,8 @@ def test_cupy_inputs_on_device_1(ks):
 # ------------------------------------------------------------------------------ torch ops
 
 def _step_inputs(spec, torch, rng):
+    """One step's inputs as torch tensors; the cache is torch.bfloat16, or torch.float8_e4m3fn (with a kv_scale)
+    for an fp8 spec."""
     b, n, h, r, p = 2, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
     ids, lps, roots, _ = build_inputs(spec, rng, b)
     prefix = np.array([100, 37], np.int32)
@@ -203,9 +206,12 @@ def _step_inputs(spec, torch, rng):
     dev = "cuda"
     t = lambda a: torch.from_numpy(a).to(dev)   # noqa: E731
     bits = lambda shape: torch.from_numpy(random_bf16_normal(rng, shape)).to(dev).view(torch.bfloat16)  # noqa: E731
-    return dict(ids=t(ids), lps=t(lps), roots=t(roots), prefix=t(prefix), table=t(bt),
-                kv=bits((int(pages.sum()), spec.page_size, r + p)), q_nope=bits((b, n, h, r)), q_pe=bits((b, n, h, p)),
-                target=t(rng.integers(0, 150000, size=(b, n), dtype=np.int32)))
+    kv_shape = (int(pages.sum()), spec.page_size, r + p)
+    kv = kv_torch(spec, random_e4m3_normal(rng, kv_shape) if spec.kv_fp8 else random_bf16_normal(rng, kv_shape), dev)
+    return dict(spec=spec.name, ids=t(ids), lps=t(lps), roots=t(roots), prefix=t(prefix), table=t(bt),
+                kv=kv, q_nope=bits((b, n, h, r)), q_pe=bits((b, n, h, p)),
+                target=t(rng.integers(0, 150000, size=(b, n), dtype=np.int32)),
+                kv_scale=random_kv_scale(rng) if spec.kv_fp8 else None)
 
 
 def _step(x, kv, kv_layers):
@@ -213,21 +219,29 @@ def _step(x, kv, kv_layers):
     then the engine path for many layers: the walk once and kv_commit of `kv_layers` (copies of kv)."""
     import torch
     ops = torch.ops.ddtree
-    tree = ops.tree_build(SPEC, x["ids"], x["lps"], x["roots"], x["prefix"], 64)
+    spec = x["spec"]
+    tree = ops.tree_build(spec, x["ids"], x["lps"], x["roots"], x["prefix"], 64)
     q_lens = torch.full_like(x["prefix"], x["q_nope"].shape[1])
-    out, lse = ops.tree_verify(SPEC, x["q_nope"], x["q_pe"], kv, x["table"], x["prefix"], q_lens, tree[6], 0.07, "auto")
+    out, lse = ops.tree_verify(spec, x["q_nope"], x["q_pe"], kv, x["table"], x["prefix"], q_lens, tree[6], 0.07, "auto",
+                               x["kv_scale"])
     # the target "chooses" the drafted tokens of the first children where it can: a non-trivial walk
     target = torch.where(tree[7] >= 0, torch.gather(tree[1], 1, tree[7].clamp(min=0).long()), x["target"])
-    acc = ops.tree_accept(SPEC, tree[0], tree[1], tree[7], tree[8], target, x["prefix"], kv, x["table"])
-    walk = ops.tree_walk(SPEC, tree[0], tree[1], tree[7], tree[8], target, x["prefix"])
-    ops.kv_commit(SPEC, walk[0], walk[1], x["prefix"], kv_layers, x["table"])
+    acc = ops.tree_accept(spec, tree[0], tree[1], tree[7], tree[8], target, x["prefix"], kv, x["table"])
+    walk = ops.tree_walk(spec, tree[0], tree[1], tree[7], tree[8], target, x["prefix"])
+    ops.kv_commit(spec, walk[0], walk[1], x["prefix"], kv_layers, x["table"])
     return (*tree, out, lse, *acc, *walk)
 
 
-def test_torch_compile_fullgraph_matches_eager(ks):
+def _load(name):
+    import ddtree_gen
+    return ddtree_gen.load(name)
+
+
+@pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
+def test_torch_compile_fullgraph_matches_eager(spec_name):
     torch = _need_gpus(1)
     import ddtree_gen.torch_ops  # noqa: F401
-    x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
+    x = _step_inputs(_load(spec_name).spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_compiled = x["kv"].clone(), x["kv"].clone()
     layers_eager, layers_compiled = [x["kv"].clone() for _ in range(2)], [x["kv"].clone() for _ in range(2)]
     want = _step(x, kv_eager, layers_eager)
@@ -235,18 +249,19 @@ def test_torch_compile_fullgraph_matches_eager(ks):
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point else g,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)
-    assert torch.equal(kv_compiled.view(torch.int16), kv_eager.view(torch.int16))   # the same entries moved
+    assert torch.equal(kv_compiled.view(torch.uint8), kv_eager.view(torch.uint8))   # the same entries moved
     for a, b in zip(layers_compiled + layers_eager, [kv_eager] * 4):   # walk + kv_commit == tree_accept's commit
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     for a, b in zip(want[-8:-4], want[-4:]):
         assert torch.equal(a, b)   # the walk's outputs are tree_accept's
     assert int(want[-8].max()) > 0   # some request accepted drafts: the commit really ran
 
 
-def test_torch_ops_capture_in_a_cuda_graph(ks):
+@pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
+def test_torch_ops_capture_in_a_cuda_graph(spec_name):
     torch = _need_gpus(1)
     import ddtree_gen.torch_ops  # noqa: F401
-    x = _step_inputs(ks.spec, torch, np.random.default_rng(fresh_seed()))
+    x = _step_inputs(_load(spec_name).spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_graph = x["kv"].clone(), x["kv"].clone()
     layers_graph = [x["kv"].clone() for _ in range(3)]
     want = _step(x, kv_eager, [x["kv"].clone()])
@@ -268,9 +283,9 @@ def test_torch_ops_capture_in_a_cuda_graph(ks):
     for a, w in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)
-    assert torch.equal(kv_graph.view(torch.int16), kv_eager.view(torch.int16))
+    assert torch.equal(kv_graph.view(torch.uint8), kv_eager.view(torch.uint8))
     for layer in layers_graph:
-        assert torch.equal(layer.view(torch.int16), kv_eager.view(torch.int16))
+        assert torch.equal(layer.view(torch.uint8), kv_eager.view(torch.uint8))
 
 
 def test_profiler_shows_our_kernels(ks):

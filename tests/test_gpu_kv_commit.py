@@ -1,6 +1,7 @@
 """The walk once, the commit of every layer in one launch (tree_accept without a cache, then
 kv_commit), bit-exact against the numpy reference on every layer's whole cache (moved entries and
-untouched ones), for the sequence and the stacked layouts, in a CUDA graph too."""
+untouched ones), for the sequence and the stacked layouts, in a CUDA graph too; an fp8 spec's caches are
+e4m3 bytes (R+P bytes per entry), also passed as torch.float8_e4m3fn tensors."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import pytest
 
 from ddtree_gen import reference
 from ddtree_gen.types import TreeAcceptOutput
-from verify_cases import fresh_seed, random_bf16_normal
+from verify_cases import fresh_seed, kv_np_dtype, kv_torch, random_cache_bits
 
 pytestmark = pytest.mark.gpu
 LAYERS = 5
@@ -42,7 +43,7 @@ def _cache_case(spec, rng, b):
     for i in range(b):
         table[i, :per[i]] = perm[k:k + per[i]]
         k += per[i]
-    caches = [random_bf16_normal(rng, (num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
+    caches = [random_cache_bits(rng, spec, (num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
               for _ in range(LAYERS)]
     return prefix, table, caches
 
@@ -108,3 +109,32 @@ def test_commit_of_given_paths(spec, kset, accept):
         assert np.array_equal(cupy.asnumpy(seq[k]), want[k]), f"layer {k}"
     if accept == "full":
         assert all(not np.array_equal(w, c) for w, c in zip(want, caches))   # the moves were real
+
+
+def test_commit_torch_tensors(spec, kset):
+    """The layer caches as the torch tensors an engine holds (torch.bfloat16, or torch.float8_e4m3fn for an
+    fp8 spec), in a list and stacked: the same bytes as the reference."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(fresh_seed())
+    b, d, n = 5, spec.max_depth, spec.max_tree_size
+    prefix, table, caches = _cache_case(spec, rng, b)
+    lens = rng.integers(0, d + 1, b).astype(np.int32)
+    nodes = np.full((b, d + 1), -1, np.int32)
+    nodes[:, 0] = 0
+    for i in range(b):
+        nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
+    want = [c.copy() for c in caches]
+    reference.kv_commit(SimpleNamespace(accept_lens=lens, accepted_nodes=nodes), prefix, want, table)
+    tt = lambda a: torch.from_numpy(a).cuda()   # noqa: E731
+    acc = SimpleNamespace(accept_lens=tt(lens), accepted_nodes=tt(nodes))
+    layers = [kv_torch(spec, c) for c in caches]
+    stacked = kv_torch(spec, np.stack(caches))
+    kset.kv_commit(acc, tt(prefix), layers, tt(table))
+    kset.kv_commit(acc, tt(prefix), stacked, tt(table))
+    torch.cuda.synchronize()
+    host = lambda t: t.view(torch.uint8).cpu().numpy().view(kv_np_dtype(spec))   # noqa: E731
+    for k in range(LAYERS):
+        assert np.array_equal(host(layers[k]), want[k]), f"layer {k} (list)"
+        assert np.array_equal(host(stacked[k]), want[k]), f"layer {k} (stacked)"

@@ -1,7 +1,8 @@
 """tree_accept on the GPU against reference.tree_accept, bit for bit, the whole kv_cache included.
 
 Trees come from the GPU tree_build; target tokens are chosen to accept nothing, part of a path, or
-a full depth-D path (a random child at each step). The cache holds random bf16 bits; each request's
+a full depth-D path (a random child at each step). The cache holds random bits of the spec's kv_dtype
+(bf16, or e4m3 bytes for an fp8 spec: the commit moves R+P bytes per entry then); each request's
 pages are a random permutation of the pool, and its tree spans a page boundary. Malformed trees
 (backward links, cycles, out-of-range links, num_nodes 0 or > N) and block tables with holes must
 give the reference's result. Outputs are poisoned before every launch. Fresh random inputs each
@@ -17,6 +18,7 @@ import pytest
 from ddtree_gen import reference as ref
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.types import TreeAcceptOutput, TreeBuildOutput
+from verify_cases import kv_np_dtype, kv_torch, random_cache_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -107,7 +109,7 @@ def plan_targets(rng, tree, want_lens, max_depth, deepest=False):
 # ------------------------------------------------------------------------------------- cache
 
 def make_cache(rng, spec, prefix, b, spare_pages=7, table_kind="permutation"):
-    """(kv_cache bits [num_pages, page, R+P] uint16, block_table [B, max_pages] int32).
+    """(kv_cache bits [num_pages, page, R+P] (uint16 bf16 bits, uint8 e4m3 bytes), block_table [B, max_pages] int32).
 
     Each request's pages around its tree (positions prefix .. prefix + N - 1) are distinct pages of a
     random permutation of the pool; the other block-table entries are junk the kernel must not use."""
@@ -118,7 +120,7 @@ def make_cache(rng, spec, prefix, b, spare_pages=7, table_kind="permutation"):
     need = int((last - first + 1).sum())
     num_pages = need + spare_pages
     max_pages = int(last.max()) + 1 + int(rng.integers(0, 3))
-    kv = rng.integers(0, 1 << 16, (num_pages, page, width), dtype=np.uint16)
+    kv = random_cache_bits(rng, spec, (num_pages, page, width))
     # junk outside the windows: valid pages of other requests, negatives, too large
     table = rng.integers(-3, num_pages + 3, (b, max_pages)).astype(np.int32)
     perm = rng.permutation(num_pages).astype(np.int32)
@@ -285,11 +287,11 @@ def test_tree_accept_no_pages_at_all(ks, spec, seed):
     target, _ = plan_targets(rng, tree, np.full(b, d), d)
     prefix = random_prefixes(rng, b, spec.page_size)
     width = spec.kv_lora_rank + spec.qk_rope_head_dim
-    kv = np.zeros((0, spec.page_size, width), np.uint16)
+    kv = np.zeros((0, spec.page_size, width), kv_np_dtype(spec))
     table = np.zeros((b, 0), np.int32)
     run_accept(ks, seed, tree_dev, tree, target, prefix, kv, table, f"{spec.name} no pages")
     # pages exist, but the block table names none of them
-    kv = rng.integers(0, 1 << 16, (3, spec.page_size, width), dtype=np.uint16)
+    kv = random_cache_bits(rng, spec, (3, spec.page_size, width))
     run_accept(ks, seed, tree_dev, tree, target, prefix, kv, table, f"{spec.name} empty table")
 
 
@@ -365,7 +367,7 @@ def test_tree_accept_malformed_trees(ks, spec, seed):
 
 
 def test_tree_accept_unaligned_cache(ks, spec, seed):
-    """A kv_cache view that is not 16-byte aligned takes the 2-byte path: same result."""
+    """A kv_cache view that is not 16-byte aligned takes the element path (2 bytes, e4m3: 1): same result."""
     import cupy
     rng = np.random.default_rng(seed)
     b, d = 16, spec.max_depth
@@ -373,11 +375,12 @@ def test_tree_accept_unaligned_cache(ks, spec, seed):
     target, _ = plan_targets(rng, tree, rng.integers(0, d + 1, b), d)
     prefix = random_prefixes(rng, b, spec.page_size)
     kv, table = make_cache(rng, spec, prefix, b)
-    for shift in (1, 4, 8):  # 2-, 8- and 16-byte aligned starts (a 256-byte aligned allocation + 2 * shift)
-        flat = cupy.zeros(kv.size + shift, cupy.uint16)
+    item = np.dtype(kv_np_dtype(spec)).itemsize
+    for shift in ((1, 4, 8) if item == 2 else (1, 2, 8, 16)):  # starts 2/8/16 (e4m3: 1/2/8/16) bytes past 256-aligned
+        flat = cupy.zeros(kv.size + shift, kv_np_dtype(spec))
         kv_dev = flat[shift:].reshape(kv.shape)
-        assert kv_dev.flags.c_contiguous and kv_dev.data.ptr % 16 == (2 * shift) % 16
-        run_accept(ks, seed, tree_dev, tree, target, prefix, kv, table, f"{spec.name} kv offset {2 * shift} B",
+        assert kv_dev.flags.c_contiguous and kv_dev.data.ptr % 16 == (item * shift) % 16
+        run_accept(ks, seed, tree_dev, tree, target, prefix, kv, table, f"{spec.name} kv offset {item * shift} B",
                    kv_dev=kv_dev)
         assert (flat[:shift] == 0).all(), f"bytes before the cache were written, {where(seed)}"
 
@@ -392,7 +395,7 @@ def test_tree_accept_repeated_steps(ks, spec, seed):
     page, width = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
     end = prefix.astype(np.int64) + 3 * (n + 1)
     num_pages = int(((end // page) - (prefix // page) + 1).sum()) + 3
-    kv = rng.integers(0, 1 << 16, (num_pages, page, width), dtype=np.uint16)
+    kv = random_cache_bits(rng, spec, (num_pages, page, width))
     table = np.full((b, int(end.max()) // page + 1), -1, np.int32)
     perm, at = rng.permutation(num_pages), 0
     for r in range(b):
@@ -478,7 +481,7 @@ def test_tree_accept_negative_prefix_touches_nothing_outside(ks, spec, seed):
     prefix = -rng.integers(1, 3 * n, b).astype(np.int32)
     prefix[0] = -2**31
     width = spec.kv_lora_rank + spec.qk_rope_head_dim
-    kv = rng.integers(0, 1 << 16, (4, spec.page_size, width), dtype=np.uint16)
+    kv = random_cache_bits(rng, spec, (4, spec.page_size, width))
     table = rng.integers(0, 4, (b, 4)).astype(np.int32)
     kv_dev = cupy.asarray(kv)
     got = ks.tree_accept(tree_dev, cupy.asarray(target), cupy.asarray(prefix), kv_dev, cupy.asarray(table),
@@ -516,18 +519,18 @@ def test_tree_accept_torch(ks, spec, seed):
     want = ref.tree_accept(tree, target, prefix, kv_want, table, d)
     tt = lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda()  # noqa: E731
     tree_t = SimpleNamespace(**{k: tt(getattr(tree, k)) for k in TREE_FIELDS})
-    kv_t = tt(kv.view(np.int16)).view(torch.bfloat16)
+    kv_t = kv_torch(spec, kv)     # torch.bfloat16, or torch.float8_e4m3fn for an fp8 spec
+    host_kv = lambda: kv_t.view(torch.uint8).cpu().numpy().view(kv_np_dtype(spec))  # noqa: E731
     got = ks.tree_accept(tree_t, tt(target), tt(prefix), kv_t, tt(table))
     torch.cuda.synchronize()
     assert all(isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.int32 for x in got)
     host = TreeAcceptOutput(*(x.cpu().numpy() for x in got))
-    check_equal(host, want, f"{spec.name} torch, {where(seed)}",
-                kv_t.view(torch.int16).cpu().numpy().view(np.uint16), kv_want)
+    check_equal(host, want, f"{spec.name} torch, {where(seed)}", host_kv(), kv_want)
     # torch out=, poisoned
     out = TreeAcceptOutput(*(torch.full(tuple(x.shape), POISON, dtype=torch.int32, device=x.device) for x in got))
-    kv_t.copy_(tt(kv.view(np.int16)).view(torch.bfloat16))
+    kv_t.copy_(kv_torch(spec, kv))
     again = ks.tree_accept(tree_t, tt(target), tt(prefix), kv_t, tt(table), out=out)
     torch.cuda.synchronize()
     assert all(a.data_ptr() == o.data_ptr() for a, o in zip(again, out))
     check_equal(TreeAcceptOutput(*(x.cpu().numpy() for x in again)), want, f"{spec.name} torch out=, {where(seed)}",
-                kv_t.view(torch.int16).cpu().numpy().view(np.uint16), kv_want)
+                host_kv(), kv_want)

@@ -23,6 +23,12 @@ and as the launcher picks it, against one reference per case.
 The references compute in float64 with numpy einsum (about 1 GMAC/s), so long-prefix cases are
 checked on a few heads (always the first and the last, the others random); the whole output
 is still checked for NaN, written rows and untouched rows.
+
+The fp8 specs (kv_dtype "fp8_e4m3") run every test: their caches are e4m3 bytes of normal samples with
+a random kv_scale in [0.01, 2] (verify_cases.make_inputs), held to the same bar against the reference
+on the dequantized cache; their mma.sync kernels are not built (those tests skip, saying so, and
+test_impl_auto checks the ArgumentErrors). test_fp8_matches_bf16_twin: with a power-of-two kv_scale the
+dequantized cache is exact in bf16, and the fp8 kernels give the bits of the bf16 spec's kernels on it.
 """
 from __future__ import annotations
 
@@ -34,10 +40,10 @@ import numpy as np
 import pytest
 
 from conftest import skip_unless_runs
-from ddtree_gen import bf16, reference
+from ddtree_gen import artifacts, bf16, fp8, reference
 from ddtree_gen.errors import ArgumentError
-from verify_cases import (VerifyInputs, bf16_nan, fresh_seed, make_inputs, random_bf16_bounded, random_bf16_normal,
-                          to_device, to_host)
+from verify_cases import (VerifyInputs, bf16_nan, fresh_seed, kv_torch, make_inputs, random_bf16_bounded,
+                          random_bf16_normal, to_device, to_host)
 
 pytestmark = pytest.mark.gpu
 
@@ -404,8 +410,11 @@ def test_impl_auto(spec, launcher):
     runs = [kind for kind in ("wgmma", "mma") if full.unavailable(f"{launcher}_{kind}", device) is None]
     for kind in ("wgmma", "mma"):
         if kind not in runs:   # e.g. wgmma under DDTREE_GEN_ARCH=sm_80: a clear error, nothing launched
+            # (mma.sync for an fp8 spec: not built for its kv_dtype, on any device)
+            why = (f"{launcher}_{kind}: not built for kv_dtype 'fp8_e4m3'" if spec.kv_fp8 and kind == "mma" else
+                   f"{launcher}_{kind}: not available on device {device}")
             for fn, kw in ((getattr(full, f"{launcher}_{kind}"), {}), (getattr(full, launcher), {"impl": kind})):
-                with pytest.raises(ArgumentError, match=f"{launcher}_{kind}: not available on device {device}"):
+                with pytest.raises(ArgumentError, match=why):
                     launch(fn, **kw)
     direct = {kind: launch(getattr(full, f"{launcher}_{kind}")) for kind in runs}
     direct["simple"] = launch(getattr(full, launcher), impl="simple")
@@ -494,7 +503,8 @@ def test_device_values_are_clamped(spec, group):
             if (prefix[b] + j) // page == bp:
                 mask[b, :, j // 32] &= ~np.uint32(1 << (j % 32))
     heads = heads_to_check(spec.num_heads, rng, 4)
-    good = VerifyInputs(**{k: v if k == "kv_cache" else v[:2] for k, v in inp.host(tree_mask=mask).items()})
+    good = VerifyInputs(**{k: v if k in ("kv_cache", "kv_scale") else v[:2]
+                           for k, v in inp.host(tree_mask=mask).items()})
     for launcher in LAUNCHERS:
         ref = reference_for(launcher, good, scale, heads)
         for impl in group:
@@ -585,6 +595,60 @@ def test_argument_errors(spec, impl):
         full(**inp.device(q_nope=inp.q_nope.astype(np.float32)), softmax_scale=1.0)
     with pytest.raises(ArgumentError, match="tree_mask"):
         tail(**inp.device(tree_mask=inp.tree_mask[:, :, :1].copy()), softmax_scale=1.0)
+    # the cache's dtype and kv_scale follow the spec's kv_dtype
+    other = inp.kv_cache.astype(np.uint16) if spec.kv_fp8 else inp.kv_cache.view(np.uint8)[..., ::2].copy()
+    with pytest.raises(ArgumentError, match=f"kv_cache: dtype .* for kv_dtype '{spec.kv_dtype}'"):
+        full(**inp.device(kv_cache=other), softmax_scale=1.0)
+    bad_scale = None if spec.kv_fp8 else 0.5
+    with pytest.raises(ArgumentError, match="kv_scale"):
+        tail(**inp.device(kv_scale=bad_scale), softmax_scale=1.0)
+
+
+# --------------------------------------------------------------------------------- fp8
+
+def bf16_twin(spec):
+    """The shipped bf16 spec whose every other field is the fp8 spec's (kimi-k2.6-tp8 for kimi-k2.6-tp8-fp8)."""
+    import dataclasses
+    want = dataclasses.replace(spec, kv_dtype="bf16")
+    for s in artifacts.all_specs():
+        if dataclasses.replace(s, name=spec.name) == want:
+            return s
+    pytest.skip(f"no shipped bf16 spec equals {spec.name!r} but for its kv_dtype")
+
+
+@pytest.mark.parametrize("impl", (SIMPLE, WGMMA), ids=str)
+def test_fp8_matches_bf16_twin(spec, impl):
+    """An fp8 spec's kernels on e4m3 bytes with kv_scale = 2^k give the bits of its bf16 twin's kernels on the
+    dequantized cache (exact in bf16): the conversion is exact, the scale folded into the scores' factor and
+    the output factor changes no rounding (a power of two), and nothing else differs. Fixed split counts (the
+    automatic ones may differ between the two specs' tuning)."""
+    if not spec.kv_fp8:
+        pytest.skip(f"spec {spec.name!r} has a bf16 cache")
+    import ddtree_gen
+    twin = bf16_twin(spec)
+    ks = impl.load(spec)
+    ks_twin = ddtree_gen.load(twin, kernels=impl.kernels)
+    skip_unless_runs(ks_twin, *impl.own)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    n = spec.max_tree_size
+    inp = make_inputs(spec, rng, [0, 70, 1000, 4100], [n, 33, 2, n], ["random", "binary", "chain", "star"], seed=seed,
+                      bf16=impl.bf16, junk_bits=True)
+    kv_scale = 2.0 ** int(rng.integers(-4, 2))
+    # NaN bytes would compare unequal: make_inputs' caches have none, subnormal bytes included
+    assert not np.isin(inp.kv_cache, fp8.NAN_BYTES).any()
+    # every e4m3 subnormal (and +-0, the smallest normals) in the root's entry of request 0, seen by all its rows
+    inp.kv_cache[inp.block_table[0, 0], 0, :32] = np.concatenate([np.arange(16), 0x80 + np.arange(16)])
+    dequant = bf16.to_bits(fp8.dequantize(inp.kv_cache, kv_scale))
+    assert np.array_equal(bf16.from_bits(dequant), fp8.dequantize(inp.kv_cache, kv_scale)), "not exact in bf16"
+    for launcher in LAUNCHERS:
+        for splits in ((1, 5) if impl.split_kv else (None,)):
+            tag = f"{impl} {launcher} {spec.name} vs {twin.name} kv_scale={kv_scale} splits={splits} seed={seed}"
+            got = run(ks, impl, launcher, inp, SCALES["mla"], splits, kv_scale=kv_scale)
+            want = run(ks_twin, impl, launcher, inp, SCALES["mla"], splits, kv_cache=dequant, kv_scale=None)
+            check_rows_written(*got, inp.q_lens, tag)
+            assert (got[0] == want[0]).all(), f"{tag}: out differs from the bf16 twin's"
+            assert (got[1].view(np.uint32) == want[1].view(np.uint32)).all(), f"{tag}: lse differs"
 
 
 # ---------------------------------------------------------------------------- merge_states
@@ -660,14 +724,18 @@ def test_torch_tensors(spec):
     want_o, want_l = run(ks, SIMPLE, "tree_verify", inp, scale)
     check_rows_written(want_o, want_l, inp.q_lens, f"{spec.name} torch seed={seed}")
 
-    def t(x):
+    def t(k, x):
+        if k == "kv_cache":   # torch.bfloat16, or torch.float8_e4m3fn for an fp8 spec
+            return kv_torch(spec, x)
+        if not isinstance(x, np.ndarray):   # kv_scale
+            return x
         if x.dtype == np.uint16:
             return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
         if x.dtype == np.uint32:
             return torch.from_numpy(x.view(np.int32)).view(torch.uint32).cuda()
         return torch.from_numpy(x).cuda()
 
-    res = ks.tree_verify(**{k: t(v) for k, v in inp.host().items()}, softmax_scale=scale, impl="simple")
+    res = ks.tree_verify(**{k: t(k, v) for k, v in inp.host().items()}, softmax_scale=scale, impl="simple")
     assert isinstance(res.out, torch.Tensor) and res.out.dtype == torch.bfloat16
     assert isinstance(res.lse, torch.Tensor) and res.lse.dtype == torch.float32
     got_o = res.out.view(torch.int16).cpu().numpy().view(np.uint16)

@@ -29,20 +29,26 @@ def _w(spec):
     return spec.kv_lora_rank + spec.qk_rope_head_dim
 
 
+def kvd(spec):
+    """The spec's cache dtype on the CuPy side: uint16 bf16 bits, uint8 e4m3 bytes (an fp8 spec)."""
+    return np.uint8 if spec.kv_fp8 else np.uint16
+
+
 def commit_args(spec, layers=3, stacked=False, b=B):
     d1 = spec.max_depth + 1
     acc = SimpleNamespace(accept_lens=FakeCudaArray((b,), np.int32), accepted_nodes=FakeCudaArray((b, d1), np.int32))
     shape = (PAGES, spec.page_size, _w(spec))
-    step = PAGES * spec.page_size * _w(spec) * 2
-    caches = (FakeCudaArray((layers, *shape), np.uint16, ptr=1 << 32) if stacked else
-              [FakeCudaArray(shape, np.uint16, ptr=(1 << 32) + k * step) for k in range(layers)])
+    step = PAGES * spec.page_size * _w(spec) * spec.kv_itemsize
+    caches = (FakeCudaArray((layers, *shape), kvd(spec), ptr=1 << 32) if stacked else
+              [FakeCudaArray(shape, kvd(spec), ptr=(1 << 32) + k * step) for k in range(layers)])
     return dict(accepted=acc, prefix_lens=FakeCudaArray((b,), np.int32), kv_caches=caches,
                 block_table=FakeCudaArray((b, MAX_PAGES), np.int32))
 
 
 def test_sequence_and_stacked_launch_the_same_pointers(spec, fake_device):
-    """One launch, grid (B, layers); the layers' pointers by value, padded to MAX_LAYERS with 0."""
-    step = PAGES * spec.page_size * _w(spec) * 2
+    """One launch, grid (B, layers); the layers' pointers by value, padded to MAX_LAYERS with 0 (a stacked
+    tensor's layers are R+P elements of kv_dtype apart per entry: 2 bytes each for bf16, 1 for e4m3)."""
+    step = PAGES * spec.page_size * _w(spec) * spec.kv_itemsize
     got = {}
     for stacked in (False, True):
         kset = Recorder(spec)
@@ -58,19 +64,24 @@ def test_sequence_and_stacked_launch_the_same_pointers(spec, fake_device):
 
 
 def _bad_layer_shape(a, spec):
-    a["kv_caches"][2] = FakeCudaArray((PAGES + 1, spec.page_size, _w(spec)), np.uint16, ptr=1 << 36)
+    a["kv_caches"][2] = FakeCudaArray((PAGES + 1, spec.page_size, _w(spec)), kvd(spec), ptr=1 << 36)
 
 
 def _bad_layer_dtype(a, spec):
     a["kv_caches"][1] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), np.float32, ptr=1 << 36)
 
 
+def _other_kv_dtype_layer(a, spec):   # bf16 bits in an fp8 spec's call, e4m3 bytes in a bf16 one's
+    other = np.uint16 if spec.kv_fp8 else np.uint8
+    a["kv_caches"][1] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), other, ptr=1 << 36)
+
+
 def _layer_on_device1(a, spec):
-    a["kv_caches"][1] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), np.uint16, ptr=DEV1)
+    a["kv_caches"][1] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), kvd(spec), ptr=DEV1)
 
 
 def _misaligned_layer(a, spec):
-    a["kv_caches"][2] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), np.uint16, ptr=(1 << 36) + 8)
+    a["kv_caches"][2] = FakeCudaArray((PAGES, spec.page_size, _w(spec)), kvd(spec), ptr=(1 << 36) + 8)
 
 
 def _too_many_layers(a, spec):
@@ -80,15 +91,16 @@ def _too_many_layers(a, spec):
 CASES = [
     ("layer-shape", _bad_layer_shape, "kv_caches[2]: shape"),
     ("layer-dtype", _bad_layer_dtype, "kv_caches[1]: dtype"),
+    ("layer-kv-dtype", _other_kv_dtype_layer, "kv_dtype"),
     ("layer-device", _layer_on_device1, "kv_caches[1]: on device 1"),
     ("layer-misaligned", _misaligned_layer, "kv_caches[2]: data pointer"),
     ("too-many-layers", _too_many_layers, f"[1, {MAX_LAYERS}]"),
     ("no-layers", lambda a, s: a.update(kv_caches=[]), "empty sequence"),
-    ("page-size", lambda a, s: a.update(kv_caches=[FakeCudaArray((PAGES, s.page_size * 2, _w(s)), np.uint16)]),
+    ("page-size", lambda a, s: a.update(kv_caches=[FakeCudaArray((PAGES, s.page_size * 2, _w(s)), kvd(s))]),
      "page_size"),
-    ("width", lambda a, s: a.update(kv_caches=[FakeCudaArray((PAGES, s.page_size, _w(s) + 8), np.uint16)]),
+    ("width", lambda a, s: a.update(kv_caches=[FakeCudaArray((PAGES, s.page_size, _w(s) + 8), kvd(s))]),
      "entry width"),
-    ("stacked-rank", lambda a, s: a.update(kv_caches=FakeCudaArray((2, PAGES, s.page_size), np.uint16)),
+    ("stacked-rank", lambda a, s: a.update(kv_caches=FakeCudaArray((2, PAGES, s.page_size), kvd(s))),
      "kv_caches: 3 dimensions"),
     ("accepted-missing", lambda a, s: a.update(accepted=SimpleNamespace(accept_lens=a["accepted"].accept_lens)),
      "accepted_nodes"),
@@ -124,7 +136,7 @@ def test_walk_only_tree_accept_passes_no_cache(spec, fake_device):
     assert int(a[6]) == 0 and int(a[7]) == 0 and [int(x) for x in a[8:11]] == [0, 0, 0]
     with pytest.raises(ArgumentError, match="^block_table: required with the other"):
         tree_accept(FakeKernelSet(spec), tree, FakeCudaArray((B, n), np.int32), FakeCudaArray((B,), np.int32),
-                    FakeCudaArray((PAGES, spec.page_size, _w(spec)), np.uint16), out=out)
+                    FakeCudaArray((PAGES, spec.page_size, _w(spec)), kvd(spec)), out=out)
 
 
 # ------------------------------------------------------------------------------ reference

@@ -19,19 +19,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------ shipped specs
 
-SHIPPED = {
-    "kimi-k2.6-tp8": 8,
-    "deepseek-v3-tp8": 16,
-    "kimi-k2.6": 64,
-    "deepseek-v3": 128,
+SHIPPED = {   # name -> (H, kv_dtype)
+    "kimi-k2.6-tp8": (8, "bf16"),
+    "deepseek-v3-tp8": (16, "bf16"),
+    "kimi-k2.6": (64, "bf16"),
+    "deepseek-v3": (128, "bf16"),
+    "kimi-k2.6-tp8-fp8": (8, "fp8_e4m3"),
+    "deepseek-v3-fp8": (128, "fp8_e4m3"),
 }
 
 
-@pytest.mark.parametrize("name,heads", sorted(SHIPPED.items()), ids=sorted(SHIPPED))
-def test_shipped_spec_values(name, heads):
+@pytest.mark.parametrize("name,heads_dtype", sorted(SHIPPED.items()), ids=sorted(SHIPPED))
+def test_shipped_spec_values(name, heads_dtype):
+    heads, kv_dtype = heads_dtype
     spec = load_spec(paths.specs_dir() / f"{name}.toml")
     assert spec == Spec(name=name, num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64,
-                        page_size=64, max_tree_size=65, max_depth=15)
+                        page_size=64, max_tree_size=65, max_depth=15, kv_dtype=kv_dtype)
+    assert spec.kv_fp8 == (kv_dtype == "fp8_e4m3") and spec.kv_itemsize == (1 if spec.kv_fp8 else 2)
     assert spec.mask_words == 3  # ceil(65 / 32)
     assert isinstance(spec.num_heads, int) and not isinstance(spec.num_heads, bool)
 

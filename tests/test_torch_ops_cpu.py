@@ -19,6 +19,8 @@ def test_ops_are_registered_with_the_kv_cache_mutation():
     schema = str(ops.tree_accept.default._schema)
     assert "Tensor(a!) kv_cache" in schema and schema.count("!") == 1, schema   # the one tensor it writes
     assert "!" not in str(ops.tree_verify.default._schema)
+    for op in (ops.tree_verify, ops.tree_verify_tail):   # an fp8 spec's scale; optional, after impl
+        assert str(op.default._schema).endswith('str impl="auto", float? kv_scale=None) -> (Tensor, Tensor)')
 
 
 def test_fake_shapes_follow_the_spec(spec):
@@ -33,12 +35,16 @@ def test_fake_shapes_follow_the_spec(spec):
         assert tree[5].dtype == torch.float32 and tree[6].dtype == torch.uint32
         q = torch.empty(b, n, h, r, dtype=torch.bfloat16)
         qp = torch.empty(b, n, h, p, dtype=torch.bfloat16)
-        kv = torch.empty(10, spec.page_size, r + p, dtype=torch.bfloat16)
+        # the cache of the spec's kv_dtype: torch.bfloat16, or torch.float8_e4m3fn with a kv_scale
+        kv = torch.empty(10, spec.page_size, r + p, dtype=torch.float8_e4m3fn if spec.kv_fp8 else torch.bfloat16)
+        scale = (0.5,) if spec.kv_fp8 else ()
         table = torch.empty(b, 4, dtype=torch.int32)
         for op in (torch.ops.ddtree.tree_verify, torch.ops.ddtree.tree_verify_tail):
-            out, lse = op(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, "auto")
+            out, lse = op(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, "auto", *scale)
             assert out.shape == q.shape and out.dtype == torch.bfloat16
             assert lse.shape == (b, n, h) and lse.dtype == torch.float32
+            out, lse = op(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, kv_scale=scale[0] if scale else None)
+            assert out.shape == q.shape and lse.shape == (b, n, h)
         out, lse = torch.ops.ddtree.merge_states(spec.name, q, lse, q, lse)
         assert out.shape == q.shape and lse.shape == (b, n, h)
         acc = torch.ops.ddtree.tree_accept(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec, kv, table)

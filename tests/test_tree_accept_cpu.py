@@ -2,6 +2,7 @@
 
 Fake CUDA arrays (conftest.FakeCudaArray) go through the real launchers with a FakeKernelSet:
 every bad argument must raise ArgumentError naming it, and a valid call must reach the launch.
+The cache is of the spec's kv_dtype: uint16 bf16 bits, or uint8 e4m3 bytes for an fp8 spec.
 """
 from types import SimpleNamespace
 
@@ -22,6 +23,11 @@ DEV1 = 1 << 40  # conftest.fake_device: a pointer >= 1 << 40 lives on device 1
 
 def fake(shape, dtype, **kw):
     return FakeCudaArray(shape, dtype, **kw)
+
+
+def kvd(spec):
+    """The spec's cache dtype on the CuPy side: uint16 (bf16 bits) or uint8 (e4m3 bytes)."""
+    return np.uint8 if spec.kv_fp8 else np.uint16
 
 
 def fortran(shape, dtype):
@@ -51,7 +57,7 @@ def accept_args(spec, b=B, num_pages=10, max_pages=4):
     tree = SimpleNamespace(num_nodes=fake((b,), np.int32), tokens=fake((b, n), np.int32),
                            first_child=fake((b, n), np.int32), next_sibling=fake((b, n), np.int32))
     return {"tree": tree, "target_tokens": fake((b, n), np.int32), "prefix_lens": fake((b,), np.int32),
-            "kv_cache": fake((num_pages, spec.page_size, width), np.uint16),
+            "kv_cache": fake((num_pages, spec.page_size, width), kvd(spec)),
             "block_table": fake((b, max_pages), np.int32)}
 
 
@@ -133,13 +139,16 @@ ACCEPT_CASES = [
     # kv_cache
     ("kv-dtype-f16", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), np.float16)), "kv_cache"),
     ("kv-dtype-f32", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), np.float32)), "kv_cache"),
-    ("kv-rank", _arg("kv_cache", lambda s: fake((10 * s.page_size, _w(s)), np.uint16)), "kv_cache"),
-    ("kv-page_size", _arg("kv_cache", lambda s: fake((10, s.page_size + 1, _w(s)), np.uint16)), "kv_cache"),
-    ("kv-width", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s) - 64), np.uint16)), "kv_cache"),
-    ("kv-noncontig", _arg("kv_cache", lambda s: strided((10, s.page_size, _w(s)), np.uint16)), "kv_cache"),
-    ("kv-host", _arg("kv_cache", lambda s: np.zeros((2, s.page_size, _w(s)), np.uint16)), "kv_cache"),
-    ("kv-device", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), np.uint16, ptr=DEV1)), "devices"),
-    ("kv-odd-pointer", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), np.uint16, ptr=0x10001)),
+    ("kv-other-kv-dtype", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), np.uint16 if s.kv_fp8 else
+                                                           np.uint8)), "kv_dtype"),
+    ("kv-rank", _arg("kv_cache", lambda s: fake((10 * s.page_size, _w(s)), kvd(s))), "kv_cache"),
+    ("kv-page_size", _arg("kv_cache", lambda s: fake((10, s.page_size + 1, _w(s)), kvd(s))), "kv_cache"),
+    ("kv-width", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s) - 64), kvd(s))), "kv_cache"),
+    ("kv-noncontig", _arg("kv_cache", lambda s: strided((10, s.page_size, _w(s)), kvd(s))), "kv_cache"),
+    ("kv-host", _arg("kv_cache", lambda s: np.zeros((2, s.page_size, _w(s)), kvd(s))), "kv_cache"),
+    ("kv-device", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), kvd(s), ptr=DEV1)), "devices"),
+    # (bf16 only: an e4m3 cache may start at any byte, test_fp8_cpu.py)
+    ("kv-odd-pointer", _arg("kv_cache", lambda s: fake((10, s.page_size, _w(s)), kvd(s), ptr=0x10001)),
      "kv_cache"),
     # block_table
     ("table-dtype", _arg("block_table", lambda s: fake((B, 4), np.int64)), "block_table"),
@@ -151,8 +160,15 @@ ACCEPT_CASES = [
 ]
 
 
+def accept_cases(spec) -> list:
+    """ACCEPT_CASES that are errors for `spec` (an e4m3 cache at an odd address is not one)."""
+    return [c for c in ACCEPT_CASES if not (spec.kv_fp8 and c[0] == "kv-odd-pointer")]
+
+
 @pytest.mark.parametrize("case,change,name", ACCEPT_CASES, ids=[c[0] for c in ACCEPT_CASES])
 def test_tree_accept_argument_errors(spec, fake_device, case, change, name):
+    if case not in {c[0] for c in accept_cases(spec)}:
+        pytest.skip(f"not an error for kv_dtype {spec.kv_dtype!r} (test_fp8_cpu.py)")
     args = accept_args(spec)
     change(args, spec)
     with pytest.raises(ArgumentError) as e:
@@ -201,7 +217,7 @@ def test_tree_accept_launch_arguments(spec, fake_device, ptr):
             seen.update(kw, name=name)
 
     args = accept_args(spec, num_pages=7, max_pages=5)
-    args["kv_cache"] = fake((7, spec.page_size, _w(spec)), np.uint16, ptr=ptr)
+    args["kv_cache"] = fake((7, spec.page_size, _w(spec)), kvd(spec), ptr=ptr)
     tree_accept(Recorder(spec), **args, out=accept_out(spec))
     assert seen["name"] == "tree_accept" and seen["grid"] == (B,)
     a = seen["args"]
@@ -394,10 +410,11 @@ def test_tree_accept_plan(spec):
     plan.check_fits()
     c = plan.template_constants()
     width = spec.kv_lora_rank + spec.qk_rope_head_dim
-    assert c["ENTRY"] == width and c["CHUNKS"] * 8 == width
+    item = spec.kv_itemsize     # bytes per element: bf16 2, e4m3 1
+    assert c["ENTRY"] == width and c["CHUNKS"] * 16 == width * item
     assert c["THREADS"] % 32 == 0 and c["CHUNKS"] <= c["THREADS"] < c["CHUNKS"] + 32
     # the staging buffer holds D whole entries
-    assert c["STATIC_SMEM"] >= 2 * spec.max_depth * width
+    assert c["STATIC_SMEM"] >= item * spec.max_depth * width
     assert c["STATIC_SMEM"] % 16 == 0
     # the block-table window covers every position a commit touches, [L+1, L+N-1], for any L
     n, page = spec.max_tree_size, spec.page_size

@@ -6,6 +6,10 @@ checks are shared by both implementations: every case runs with impl="simple" (t
 kernel) and impl="mma" (the tensor-core kernel, on a stand-in kernel set that has it), and the
 impl dispatch itself (auto / mma / simple, workspace and num_splits) is tested at the end.
 validate=True needs host copies of device arrays: it is tested in test_gpu_tree_verify.py.
+
+An fp8 spec (kv_dtype "fp8_e4m3") has no mma.sync kernels: there the tensor-core implementation of these
+tests (tc(spec)) is wgmma, its cache is uint8 e4m3 bytes and every call passes a kv_scale; the fp8 rules
+themselves (kv_scale, the cache's dtype, impl="mma" refused) are tested in test_fp8_cpu.py.
 """
 from __future__ import annotations
 
@@ -36,19 +40,42 @@ class RecordingKernelSet(FakeKernelSet):
 
 MMA_NAMES = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
 WGMMA_NAMES = ("tree_verify_wgmma", "tree_verify_tail_wgmma")
+KV_SCALE = 0.5     # the kv_scale of every call on an fp8 spec
+
+
+def tc(spec) -> str:
+    """The tensor-core family these tests drive for `spec`: mma.sync, or wgmma for an fp8 spec (no mma.sync)."""
+    return "wgmma" if spec.kv_fp8 else "mma"
+
+
+def tc_names(spec) -> tuple:
+    """The loaded tensor-core kernels of tc(spec), with the combine kernel."""
+    return MMA_NAMES if not spec.kv_fp8 else (*WGMMA_NAMES, "tree_verify_mma_combine")
+
+
+def kv_dtype(spec):
+    """The host dtype of the spec's cache: uint16 (bf16 bits), uint8 (e4m3 bytes)."""
+    return np.uint8 if spec.kv_fp8 else np.uint16
 
 
 class MmaKernelSet(RecordingKernelSet):
-    """A stand-in with `kernels` (as KernelSet has): the loaded kernel names, by default all of them."""
+    """A stand-in with `kernels` (as KernelSet has): the loaded kernel names, by default the CUDA-core ones and
+    the tensor-core family of the spec (tc_names)."""
 
-    def __init__(self, spec, kernels=("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES)):
+    def __init__(self, spec, kernels=None):
         super().__init__(spec)
-        self.kernels = list(kernels)
+        self.kernels = list(kernels if kernels is not None else
+                            ("tree_verify", "tree_verify_tail", "merge_states", *tc_names(spec)))
 
 
 def kset_for(impl, spec):
-    """A recording kernel set on which `impl` is available."""
+    """A recording kernel set on which `impl` ("simple" or "mma": the tensor-core family of the spec) is available."""
     return MmaKernelSet(spec) if impl == "mma" else RecordingKernelSet(spec)
+
+
+def impl_of(impl, spec):
+    """The impl= value of a test's impl parameter for `spec` ("mma": tc(spec))."""
+    return tc(spec) if impl == "mma" else impl
 
 
 class Arrays:
@@ -81,17 +108,21 @@ def reversed_strides(shape, itemsize):
 def verify_args(spec, new):
     h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
                            spec.mask_words, spec.page_size)
-    return dict(
+    args = dict(
         q_nope=new((B, n, h, r), np.uint16), q_pe=new((B, n, h, p), np.uint16),
-        kv_cache=new((PAGES, page, r + p), np.uint16), block_table=new((B, MAX_PAGES), np.int32),
+        kv_cache=new((PAGES, page, r + p), kv_dtype(spec)), block_table=new((B, MAX_PAGES), np.int32),
         prefix_lens=new((B,), np.int32), q_lens=new((B,), np.int32), tree_mask=new((B, n, w), np.uint32),
         softmax_scale=192 ** -0.5, out=new((B, n, h, r), np.uint16), lse=new((B, n, h), np.float32))
+    if spec.kv_fp8:
+        args["kv_scale"] = KV_SCALE
+    return args
 
 
 def verify_cases(spec):
     """(id, mutate(args, new, spec), word the message must contain)."""
     h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
                            spec.mask_words, spec.page_size)
+    kv, item = kv_dtype(spec), np.dtype(kv_dtype(spec)).itemsize
 
     def set_(**kw):
         return lambda a, new: a.update({k: v(new) if callable(v) else v for k, v in kw.items()})
@@ -148,13 +179,13 @@ def verify_cases(spec):
         ("q_pe-host", set_(q_pe=np.zeros((B, n, h, p), np.uint16)), "q_pe"),
         # kv_cache
         ("kv-dtype", set_(kv_cache=lambda new: new((PAGES, page, r + p), np.float32)), "kv_cache"),
-        ("kv-rank", set_(kv_cache=lambda new: new((PAGES * page, r + p), np.uint16)), "kv_cache"),
-        ("kv-page_size", set_(kv_cache=lambda new: new((PAGES, page + 1, r + p), np.uint16)), "page_size"),
-        ("kv-row", set_(kv_cache=lambda new: new((PAGES, page, r), np.uint16)), "kv_cache"),
-        ("kv-strides", set_(kv_cache=lambda new: new((PAGES, page, r + p), np.uint16,
-                                                     strides=reversed_strides((PAGES, page, r + p), 2))),
+        ("kv-rank", set_(kv_cache=lambda new: new((PAGES * page, r + p), kv)), "kv_cache"),
+        ("kv-page_size", set_(kv_cache=lambda new: new((PAGES, page + 1, r + p), kv)), "page_size"),
+        ("kv-row", set_(kv_cache=lambda new: new((PAGES, page, r), kv)), "kv_cache"),
+        ("kv-strides", set_(kv_cache=lambda new: new((PAGES, page, r + p), kv,
+                                                     strides=reversed_strides((PAGES, page, r + p), item))),
          "kv_cache"),
-        ("kv-host", set_(kv_cache=np.zeros((PAGES, page, r + p), np.uint16)), "kv_cache"),
+        ("kv-host", set_(kv_cache=np.zeros((PAGES, page, r + p), kv)), "kv_cache"),
         ("kv-misaligned", misaligned("kv_cache", 8), "kv_cache"),
         # block_table
         ("table-dtype", set_(block_table=lambda new: new((B, MAX_PAGES), np.int64)), "block_table"),
@@ -211,7 +242,8 @@ def verify_cases(spec):
 
 LAUNCHERS = [("tree_verify", tv.tree_verify), ("tree_verify_tail", tv.tree_verify_tail)]
 CASE_IDS = [c[0] for c in verify_cases(type("S", (), dict(num_heads=8, kv_lora_rank=512, qk_rope_head_dim=64,
-                                                             max_tree_size=65, mask_words=3, page_size=64))())]
+                                                             max_tree_size=65, mask_words=3, page_size=64,
+                                                             kv_fp8=False))())]
 
 
 @pytest.mark.parametrize("impl", ["simple", "mma"])
@@ -224,7 +256,7 @@ def test_verify_argument_errors(spec, launcher, case, impl, fake_device):
     mutate(args, new)
     kset = kset_for(impl, spec)
     with pytest.raises(ArgumentError) as e:
-        launcher(kset, **args, impl=impl)
+        launcher(kset, **args, impl=impl_of(impl, spec))
     assert word in str(e.value), str(e.value)
     assert not hasattr(kset, "launched")
 
@@ -246,13 +278,15 @@ def test_verify_valid_call_reaches_launch(spec, name, launcher, nq, fake_device)
     groups = plan.value(plan.consts["HEAD_GROUPS"])
     assert got == name and kw["grid"] == (groups * n * B,)
     a = kw["args"]
-    assert len(a) == 13
+    assert len(a) == 14
     assert a[:7] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                                "prefix_lens", "q_lens", "tree_mask")]
-    assert a[7] == np.float32(args["softmax_scale"] * math.log2(math.e)) and a[7].dtype == np.float32
-    assert (int(a[8]), int(a[9]), int(a[10])) == (n, MAX_PAGES, PAGES)
-    assert all(x.dtype == np.int32 for x in a[8:11])
-    assert (a[11], a[12]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+    kv_scale = args.get("kv_scale", 1.0)   # v_scale: kv_scale for an fp8 spec, 1 for bf16
+    assert a[7] == np.float32(args["softmax_scale"] * kv_scale * math.log2(math.e)) and a[7].dtype == np.float32
+    assert a[8] == np.float32(kv_scale) and a[8].dtype == np.float32
+    assert (int(a[9]), int(a[10]), int(a[11])) == (n, MAX_PAGES, PAGES)
+    assert all(x.dtype == np.int32 for x in a[9:12])
+    assert (a[12], a[13]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
 
 
 def test_verify_int32_scale_and_zero_batch(spec, fake_device):
@@ -395,14 +429,15 @@ def launched(launcher, kset, **args):
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
 def test_impl_auto_picks_mma_when_loaded(spec, name, launcher, fake_device):
+    """auto on a set with the spec's tensor-core family (mma.sync; fp8: wgmma) loaded picks it."""
     args = verify_args(spec, Arrays())
     for kw in ({}, {"impl": "auto"}):
         got, k = launched(launcher, MmaKernelSet(spec), **args, num_splits=1, **kw)
-        assert got == f"{name}_mma"
+        assert got == f"{name}_{tc(spec)}"
         a = k["args"]
-        assert len(a) == 17   # the tensor-core kernel's arguments (see test_impl_mma_launch_args)
-    got, _ = launched(launcher, MmaKernelSet(spec), **args, impl="mma", num_splits=1)
-    assert got == f"{name}_mma"
+        assert len(a) == 18   # the tensor-core kernel's arguments (see test_impl_mma_launch_args)
+    got, _ = launched(launcher, MmaKernelSet(spec), **args, impl=tc(spec), num_splits=1)
+    assert got == f"{name}_{tc(spec)}"
 
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
@@ -415,16 +450,18 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
     args = verify_args(spec, new)
     ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
     launches = {}
-    for kw, want in (({}, "wgmma"), ({"impl": "auto"}, "wgmma"), ({"impl": "wgmma"}, "wgmma"), ({"impl": "mma"}, "mma")):
+    cases = (({}, "wgmma"), ({"impl": "auto"}, "wgmma"), ({"impl": "wgmma"}, "wgmma"), ({"impl": "mma"}, "mma"))
+    for kw, want in cases[:3] if spec.kv_fp8 else cases:   # an fp8 spec has no mma.sync (test_fp8_cpu.py)
         got, k = launched(launcher, MmaKernelSet(spec, full), **args, workspace=ws, num_splits=3, **kw)
         assert got == f"{name}_{want}", (kw, got)
         launches[want] = list(k["args"])
-    assert len(launches["wgmma"]) == 17 and launches["wgmma"] == launches["mma"]
+    assert len(launches["wgmma"]) == 18 and launches["wgmma"] == launches.get("mma", launches["wgmma"])
     no_combine = [k for k in full if k != "tree_verify_mma_combine"]
     got, _ = launched(launcher, MmaKernelSet(spec, no_combine), **args)
     assert got == name
     with pytest.raises(ArgumentError, match="impl: 'wgmma' needs") as e:
-        launcher(MmaKernelSet(spec), **args, impl="wgmma")
+        launcher(MmaKernelSet(spec, ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES)), **args,
+                 impl="wgmma")
     assert f"{name}_wgmma" in str(e.value)
     from ddtree_gen.kernels import tree_verify_wgmma as wg
     direct = wg.tree_verify_tail if name == "tree_verify_tail" else wg.tree_verify
@@ -436,20 +473,21 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
 @pytest.mark.parametrize("loaded", ["none", "simple-only", "no-combine", "no-this-one"])
 def test_impl_auto_picks_simple_when_mma_missing(spec, name, launcher, loaded, fake_device):
     """auto: the CUDA-core kernel unless both the tensor-core kernel and its combine kernel are loaded;
-    impl="mma" on such a set is an ArgumentError naming impl and what is missing."""
-    other = "tree_verify_tail_mma" if name == "tree_verify" else "tree_verify_mma"
+    impl="mma" (fp8: "wgmma") on such a set is an ArgumentError naming impl and what is missing."""
+    t = tc(spec)
+    other = f"tree_verify_tail_{t}" if name == "tree_verify" else f"tree_verify_{t}"
     kernels = {"simple-only": ("tree_verify", "tree_verify_tail", "merge_states"),
-               "no-combine": ("tree_verify", "tree_verify_tail", "tree_verify_mma", "tree_verify_tail_mma"),
+               "no-combine": ("tree_verify", "tree_verify_tail", f"tree_verify_{t}", f"tree_verify_tail_{t}"),
                "no-this-one": ("tree_verify", "tree_verify_tail", other, "tree_verify_mma_combine")}.get(loaded)
     make = (lambda: RecordingKernelSet(spec)) if kernels is None else (lambda: MmaKernelSet(spec, kernels))
     args = verify_args(spec, Arrays())
     got, k = launched(launcher, make(), **args)
-    assert got == name and len(k["args"]) == 13
+    assert got == name and len(k["args"]) == 14
     kset = make()
     with pytest.raises(ArgumentError, match="impl") as e:
-        launcher(kset, **args, impl="mma")
-    assert "mma" in str(e.value) and not hasattr(kset, "launched")
-    missing = f"{name}_mma" if loaded != "no-combine" else "tree_verify_mma_combine"
+        launcher(kset, **args, impl=t)
+    assert t in str(e.value) and not hasattr(kset, "launched")
+    missing = f"{name}_{t}" if loaded != "no-combine" else "tree_verify_mma_combine"
     assert missing in str(e.value), str(e.value)
 
 
@@ -466,13 +504,13 @@ def test_impl_auto_without_kernels_list_is_simple(spec, fake_device):
         got, _ = launched(launcher, AnyAttribute(spec), **verify_args(spec, Arrays()))
         assert got == name
         with pytest.raises(ArgumentError, match="impl"):
-            launcher(AnyAttribute(spec), **verify_args(spec, Arrays()), impl="mma")
+            launcher(AnyAttribute(spec), **verify_args(spec, Arrays()), impl=tc(spec))
 
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
 def test_impl_simple_forces_cuda_core(spec, name, launcher, fake_device):
     got, k = launched(launcher, MmaKernelSet(spec), **verify_args(spec, Arrays()), impl="simple")
-    assert got == name and len(k["args"]) == 13
+    assert got == name and len(k["args"]) == 14
 
 
 @pytest.mark.parametrize("launcher", [f for _, f in LAUNCHERS], ids=[n for n, _ in LAUNCHERS])
@@ -505,31 +543,37 @@ def test_impl_auto_fallback_ignores_mma_arguments(spec, name, launcher, fake_dev
     new = Arrays()
     got, k = launched(launcher, RecordingKernelSet(spec), **verify_args(spec, new),
                       workspace=new((1 << 20,), np.float32), num_splits=3)
-    assert got == name and len(k["args"]) == 13
+    assert got == name and len(k["args"]) == 14
 
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
 @pytest.mark.parametrize("impl", ["auto", "mma"])
 def test_impl_mma_launch_args(spec, name, launcher, impl, fake_device):
     """workspace and num_splits reach the tensor-core launcher; the launch is the one
-    tree_verify_mma.tree_verify makes itself."""
+    tree_verify_mma.tree_verify (fp8: tree_verify_wgmma.tree_verify) makes itself."""
+    from ddtree_gen.kernels import tree_verify_wgmma as wg
     new = Arrays()
     args = verify_args(spec, new)
+    impl = impl_of(impl, spec)
     b, n, h, r = B, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank
     need = mma_plans.workspace_elems(spec, b, n, 3)
     ws = new((need,), np.float32)
     got, k = launched(launcher, MmaKernelSet(spec), **args, impl=impl, workspace=ws, num_splits=3)
-    direct = mma.tree_verify_tail if name == "tree_verify_tail" else mma.tree_verify
+    module = wg if spec.kv_fp8 else mma
+    direct = module.tree_verify_tail if name == "tree_verify_tail" else module.tree_verify
     got2, k2 = launched(direct, MmaKernelSet(spec), **args, workspace=ws, num_splits=3)
-    assert got == got2 == f"{name}_mma"
+    assert got == got2 == f"{name}_{tc(spec)}"
     norm = list(k["args"])
     assert norm == list(k2["args"]) and k["grid"] == k2["grid"]
     a = k["args"]
     assert a[:7] == [ptr_of(args[f]) for f in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                                "prefix_lens", "q_lens", "tree_mask")]
-    assert (int(a[8]), int(a[9]), int(a[10]), int(a[11]), int(a[12])) == (n, MAX_PAGES, PAGES, 3, b * n * h)
-    assert (a[13], a[14]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
-    assert int(a[15]) == ptr_of(ws) and int(a[16]) == ptr_of(ws) + 3 * b * n * h * r * 4
+    kv_scale = args.get("kv_scale", 1.0)
+    assert a[7] == np.float32(args["softmax_scale"] * kv_scale * math.log2(math.e))
+    assert a[8] == np.float32(kv_scale) and a[8].dtype == np.float32      # v_scale
+    assert (int(a[9]), int(a[10]), int(a[11]), int(a[12]), int(a[13])) == (n, MAX_PAGES, PAGES, 3, b * n * h)
+    assert (a[14], a[15]) == (ptr_of(args["out"]), ptr_of(args["lse"]))
+    assert int(a[16]) == ptr_of(ws) and int(a[17]) == ptr_of(ws) + 3 * b * n * h * r * 4
     with pytest.raises(ArgumentError, match="workspace"):   # the mma launcher's own workspace check
         launcher(MmaKernelSet(spec), **args, impl=impl, workspace=new((need - 1,), np.float32), num_splits=3)
     with pytest.raises(ArgumentError, match="num_splits"):
@@ -549,7 +593,7 @@ def test_impl_per_kernel_limits(spec, launcher, fake_device):
     launched(launcher, MmaKernelSet(spec), **args, impl="simple")
     args = verify_args(spec, new)
     pages = 2**31 // spec.page_size + 1
-    args["kv_cache"] = new((pages, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim), np.uint16)
+    args["kv_cache"] = new((pages, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim), kv_dtype(spec))
     with pytest.raises(ArgumentError, match="32-bit row indices"):
         launcher(MmaKernelSet(spec), **args, num_splits=1)
     launched(launcher, MmaKernelSet(spec), **args, impl="simple")
@@ -567,4 +611,4 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
     args["tree_mask"] = new(cai["shape"], np.uint32, ptr=DEVICE1 + 4096)
     for impl in ("simple", "mma"):
         with pytest.raises(ArgumentError, match="^tree_mask: on device 1, but q_nope is on device 0"):
-            tv.tree_verify(kset_for(impl, spec), **args, impl=impl, num_splits=None)
+            tv.tree_verify(kset_for(impl, spec), **args, impl=impl_of(impl, spec), num_splits=None)
