@@ -516,3 +516,24 @@ def test_sanitizer_runs_every_kernel_with_cases():
     """kv_commit has cases of its own; the combine kernel is launched by the tensor-core ones."""
     names = {k.name for k in all_kernels()}
     assert names <= set(sanitize.CASES) | set(sanitize.LAUNCHED_BY)
+
+
+def test_bench_kv_dtype_specs():
+    """bench kv-dtype: the issue's six configs; each H and kv_dtype from a shipped spec with exactly those values
+    where there is one, else an unshipped variant that differs from the base only in name, H and kv_dtype."""
+    import dataclasses
+
+    from ddtree_gen import bench
+    assert bench.KV_DTYPE_CONFIGS == [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096),
+                                      (8, 128, 4096)]
+    assert "kv-dtype" in cli.BENCHES
+    shipped = {s.name for s in artifacts.all_specs()}
+    for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
+        for kv_dtype in KV_DTYPES:
+            s = bench.spec_variant(BF16, h, kv_dtype)
+            assert (s.num_heads, s.kv_dtype) == (h, kv_dtype)
+            assert dataclasses.replace(s, name=BF16.name, num_heads=8, kv_dtype="bf16") == BF16
+            want = {(8, "bf16"): BF16.name, (8, "fp8_e4m3"): FP8.name, (16, "bf16"): "deepseek-v3-tp8",
+                    (64, "bf16"): "kimi-k2.6", (128, "bf16"): "deepseek-v3", (128, "fp8_e4m3"): "deepseek-v3-fp8"}
+            assert s.name == want.get((h, kv_dtype), f"kimi-k2.6-tp8-h{h}-fp8"), (h, kv_dtype)
+            assert (s.name in shipped) == ((h, kv_dtype) in want)
