@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // kv_commit: after the walk (tree_accept without a cache), move the accepted nodes' KV entries to
 // contiguous positions in every layer's cache, in one launch. Block (b, layer) does request b in
 // layer `layer`: for k = 1..accept_len[b], the entry at prefix_len + path[k] moves to
@@ -41,16 +72,16 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 // Requires THREADS and BATCH to be defined.
 //
 // move_entries<T, PER_ENTRY>: `moves` cache entries of PER_ENTRY units of T (uint4: 16-byte chunks;
-// bf16_t: the unaligned fallback) move from element offset src[m] to dst[m] of kv (-1: that move
-// is skipped). A thread owns columns e = threadIdx.x + i * THREADS of every entry; it first reads
+// kv_t, one cache element (bf16, or an e4m3 byte): the unaligned fallback) move from element offset
+// src[m] to dst[m] of kv (offsets in kv_t elements; -1: that move is skipped). A thread owns columns e = threadIdx.x + i * THREADS of every entry; it first reads
 // every source into `stage` (BATCH loads in flight, held in registers, so the registers a thread
 // needs do not grow with the move count), then, after a barrier, writes every destination in move
 // order. The bytes a thread writes are only ever read or written by that thread, so the result is
 // "all reads, then the writes in move order" even when two positions share a slot.
 template <typename T, int PER_ENTRY>
 __device__ __forceinline__ void move_entries(uint4* stage_raw, const long long* src, const long long* dst,
-                                             bf16_t* kv_cache, int moves) {
-    constexpr int SCALE = sizeof(T) / sizeof(bf16_t);  // offsets are in bf16 elements
+                                             kv_t* kv_cache, int moves) {
+    constexpr int SCALE = sizeof(T) / sizeof(kv_t);  // offsets are in kv_t elements
     T* stage = reinterpret_cast<T*>(stage_raw);
     T* kv = reinterpret_cast<T*>(kv_cache);
     #pragma unroll 1
@@ -84,7 +115,7 @@ __device__ __forceinline__ void move_entries(uint4* stage_raw, const long long* 
     }
 }
 
-struct LayerCaches { bf16_t* layer[MAX_LAYERS]; };
+struct LayerCaches { kv_t* layer[MAX_LAYERS]; };
 
 // element offset of cache position `pos` of request b, or -1 when it maps outside the cache
 __device__ __forceinline__ long long commit_slot(const int* __restrict__ block_table, int b, long long pos,
@@ -109,7 +140,7 @@ ddtree_kv_commit(const int* __restrict__ accept_lens,       // [B]
     __shared__ long long src[MAX_D];
     __shared__ long long dst[MAX_D];
     const int b = blockIdx.x;
-    bf16_t* kv = caches.layer[blockIdx.y];
+    kv_t* kv = caches.layer[blockIdx.y];
     int a = accept_lens[b];
     a = a < 0 ? 0 : (a > MAX_D ? MAX_D : a);   // any device value is safe
     const long long L = prefix_lens[b];

@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // tree_verify: MLA tree attention for DDTree verification, CUDA-core version.
 // Spec deepseek-v3-tp8: H = 16 heads, R = 512 latent, P = 64 rope, page = 64 tokens,
 // N = 65 tree nodes, W = 3 mask words.
@@ -33,18 +64,17 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 // staged: a key that is masked, past the block table or on a page outside [0, num_pages) is
 // zero-filled (never read from global memory) and flagged, and scores -inf.
 //
-// Per warp and tile: lane l owns kv words l + 32k (two bf16 each), so it holds 18 q values per head
+// Per warp and tile: lane l owns kv words l + 32k (two bf16 each) of the bf16 key tile, so it holds 18 q values per head
 // and R/32 output accumulators per head. Each lane forms partial dot products for all
 // 2 x 16 = 32 (head, key) pairs, and a butterfly reduce-scatter leaves
 // the full score of pair l in lane l (31 shuffles for 32 sums). An online softmax in base 2
 // (scores pre-multiplied by log2 e) keeps a running max m and sum l per head; accumulators are
 // rescaled by 2^(m_old - m_new) when the max grows. Everything is fp32, no atomics: deterministic.
-
 #define TAIL 0
 #define NUM_HEADS 16
 #define RANK 512
 #define ROPE 64
-#define ROW (512 + 64)                  // bf16 values per kv row: latent then rope
+#define ROW (512 + 64)                  // elements per kv row: latent then rope
 #define PAGE 64
 #define MASK_WORDS 3
 #define THREADS 256
@@ -55,13 +85,14 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 #define TK 16                       // keys per tile; HPW * TK == 32
 #define RW 8             // latent 32-bit words per lane (ceil(R / 64))
 #define PW 1             // rope 32-bit words per lane (ceil(P / 64))
-#define CHUNKS ((512 + 64) / 8)         // 16-byte chunks per kv row
+#define CHUNK_ELEMS (16 / (int)sizeof(kv_t))    // kv elements per 16-byte chunk (8)
+#define CHUNKS (ROW / CHUNK_ELEMS)               // 16-byte chunks per kv row in the cache
 #define FULL 0xffffffffu
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
 static_assert(HPW * TK == 32, "the reduce-scatter gives one (head, key) score per lane");
-static_assert((ROW * 2) % 16 == 0, "kv rows are copied in 16-byte chunks");
+static_assert((ROW * (int)sizeof(kv_t)) % 16 == 0, "kv rows are copied in 16-byte chunks");
 
 struct __align__(16) VerifyShared {
     bf16_t k[2][TK][ROW];   // double-buffered key tile, rows as in the cache
@@ -141,12 +172,13 @@ __device__ __forceinline__ float partial_dot(const float (&qh)[2 * (RW + PW)], c
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 ddtree_tree_verify(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
-            const bf16_t* __restrict__ kv_cache,     // [num_pages, PAGE, R + P]
+            const kv_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] bf16
             const int* __restrict__ block_table,     // [B, max_pages]
             const int* __restrict__ prefix_lens,     // [B]
             const int* __restrict__ q_lens,          // [B]
             const uint32_t* __restrict__ tree_mask,  // [B, Nq, W]
-            float scale_log2,                        // softmax_scale * log2(e)
+            float scale_log2,                        // softmax_scale * kv_scale * log2(e)
+            float v_scale,                           // kv_scale (1 for a bf16 cache): output factor, in fp32
             int Nq, int max_pages, int num_pages,
             bf16_t* __restrict__ out,                // [B, Nq, H, R]
             float* __restrict__ lse)                 // [B, Nq, H]
@@ -181,13 +213,13 @@ ddtree_tree_verify(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const long long t = t0 + kk;
             // t >= t_begin >= 0; t < t_stop bounds t - prefix by q_len <= Nq <= 32 W
             bool ok = t < t_stop && (t < prefix || mask_bit(mask, (int)(t - prefix)));
-            const bf16_t* src = kv_cache;
+            const kv_t* src = kv_cache;
             if (ok) {
                 const int page = table[t / PAGE];    // t < t_cap: inside the block-table row
                 ok = page >= 0 && page < num_pages;
-                if (ok) src = kv_cache + ((size_t)page * PAGE + (size_t)(t % PAGE)) * ROW + part * 8;
+                if (ok) src = kv_cache + ((size_t)page * PAGE + (size_t)(t % PAGE)) * ROW + part * CHUNK_ELEMS;
             }
-            cp_async16(&s.k[buf][kk][part * 8], src, ok);
+            cp_async16(&s.k[buf][kk][part * CHUNK_ELEMS], src, ok);
             if (part == 0) s.ok[buf][kk] = ok;
         }
     };
@@ -306,16 +338,16 @@ ddtree_tree_verify(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
                 }
             }
         }
-        __syncthreads();   // every warp is done with buf before the next iteration refills it
+        __syncthreads();   // every warp is done with buf (and the bf16 tile) before the next iteration refills it
     }
 
-    // out = acc / l in bf16 (RNE); lse = ln 2 * (m + log2 l). No visible key: out 0, lse -inf.
+    // out = acc * v_scale / l in bf16 (RNE); lse = ln 2 * (m + log2 l). No visible key: out 0, lse -inf.
     #pragma unroll
     for (int hh = 0; hh < HPW; ++hh) {
         const int h = hg * HPB + warp * HPW + hh;
         if (h >= NUM_HEADS) continue;
         const bool empty = m_run[hh] == DDT_NEG_INF;
-        const float inv = empty ? 0.0f : 1.0f / l_run[hh];
+        const float inv = empty ? 0.0f : v_scale / l_run[hh];   // v_scale = 1 for bf16: 1 / l
         uint32_t* o = reinterpret_cast<uint32_t*>(out + ((size_t)row * NUM_HEADS + h) * RANK);
         #pragma unroll
         for (int k = 0; k < RW; ++k) {

@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // tree_verify_tail_mma: MLA tree attention for DDTree verification on the tensor cores
 // (mma.sync m16n8k16 bf16 -> fp32). Spec deepseek-v3-tp8: H = 16 heads, R = 512 latent,
 // P = 64 rope, page = 64 tokens, N = 65 tree nodes, W = 3 mask words.
@@ -159,12 +190,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_tail_mma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
-            const bf16_t* __restrict__ kv_cache,     // [num_pages, PAGE, R + P]
+            const kv_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] bf16 or e4m3 bytes
             const int* __restrict__ block_table,     // [B, max_pages]
             const int* __restrict__ prefix_lens,     // [B]
             const int* __restrict__ q_lens,          // [B]
             const uint32_t* __restrict__ tree_mask,  // [B, Nq, W]
-            float scale_log2,                        // softmax_scale * log2(e)
+            float scale_log2,                        // softmax_scale * kv_scale * log2(e)
+            float v_scale,                           // kv_scale (1 for a bf16 cache): output factor, in fp32
             int Nq, int max_pages, int num_pages, int splits, long long rows_total,
             bf16_t* __restrict__ out,                // [B, Nq, H, R]            (splits == 1)
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
@@ -457,7 +489,7 @@ ddtree_tree_verify_tail_mma(const bf16_t* __restrict__ q_nope,       // [B, Nq, 
             const float l = sMax[r] + sMax[BM + r];
             const float mx = sAlpha[r];
             const bool empty = mx == DDT_NEG_INF;                 // no visible key in this chunk
-            const float inv = empty ? 0.0f : 1.0f / l;            // l >= 1 otherwise
+            const float inv = empty ? 0.0f : v_scale / l;         // l >= 1 otherwise; v_scale: kv_scale (1 for bf16)
             const long long grow = row_base + m;
             const int col = warp * DVW + 2 * qd;
             if (splits == 1) {

@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // tree_accept: walk the draft tree with the target's tokens, emit the accepted path plus the
 // bonus token, and commit the accepted nodes' KV entries to contiguous cache positions.
 // One block of 96 threads per request. Spec kimi-k2.6-tp8: N = 65, D = 15,
@@ -42,7 +73,7 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 #define N_NODES 65
 #define MAX_D 15
 #define PAGE 64
-#define ENTRY 576          // bf16 per cache entry
+#define ENTRY 576          // kv_t elements per cache entry
 #define CHUNKS 72        // 16-byte chunks per cache entry
 #define NPAGES 2        // block-table entries that cover positions [L+1, L+N-1]
 #define THREADS 96
@@ -52,16 +83,16 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
 // Requires THREADS and BATCH to be defined.
 //
 // move_entries<T, PER_ENTRY>: `moves` cache entries of PER_ENTRY units of T (uint4: 16-byte chunks;
-// bf16_t: the unaligned fallback) move from element offset src[m] to dst[m] of kv (-1: that move
-// is skipped). A thread owns columns e = threadIdx.x + i * THREADS of every entry; it first reads
+// kv_t, one cache element (bf16, or an e4m3 byte): the unaligned fallback) move from element offset
+// src[m] to dst[m] of kv (offsets in kv_t elements; -1: that move is skipped). A thread owns columns e = threadIdx.x + i * THREADS of every entry; it first reads
 // every source into `stage` (BATCH loads in flight, held in registers, so the registers a thread
 // needs do not grow with the move count), then, after a barrier, writes every destination in move
 // order. The bytes a thread writes are only ever read or written by that thread, so the result is
 // "all reads, then the writes in move order" even when two positions share a slot.
 template <typename T, int PER_ENTRY>
 __device__ __forceinline__ void move_entries(uint4* stage_raw, const long long* src, const long long* dst,
-                                             bf16_t* kv_cache, int moves) {
-    constexpr int SCALE = sizeof(T) / sizeof(bf16_t);  // offsets are in bf16 elements
+                                             kv_t* kv_cache, int moves) {
+    constexpr int SCALE = sizeof(T) / sizeof(kv_t);  // offsets are in kv_t elements
     T* stage = reinterpret_cast<T*>(stage_raw);
     T* kv = reinterpret_cast<T*>(kv_cache);
     #pragma unroll 1
@@ -132,7 +163,7 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
             const int* __restrict__ next_sibling,    // [B, N]
             const int* __restrict__ target_tokens,   // [B, N]
             const int* __restrict__ prefix_lens,     // [B]
-            bf16_t* kv_cache,                        // [num_pages, PAGE, ENTRY], moved in place; null: walk only
+            kv_t* kv_cache,                          // [num_pages, PAGE, ENTRY], moved in place; null: walk only
             const int* __restrict__ block_table,     // [B, max_pages] (not read when kv_cache is null)
             int num_pages, int max_pages,
             int vec16,                               // kv_cache is 16-byte aligned
@@ -218,5 +249,5 @@ ddtree_tree_accept(const int* __restrict__ num_nodes,       // [B]
 
     // 4-5. the commit
     if (vec16) move_entries<uint4, CHUNKS>(s.stage, s.src, s.dst, kv_cache, a);
-    else move_entries<bf16_t, ENTRY>(s.stage, s.src, s.dst, kv_cache, a);
+    else move_entries<kv_t, ENTRY>(s.stage, s.src, s.dst, kv_cache, a);
 }

@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // tree_verify_wgmma: MLA tree attention for DDTree verification on Hopper's warpgroup tensor cores
 // (wgmma.mma_async, bf16 -> fp32; sm_90a). Spec kimi-k2.6-tp8: H = 8 heads, R = 512 latent,
 // P = 64 rope, page = 64 tokens, N = 65 tree nodes, W = 3 mask words.
@@ -83,11 +114,13 @@ static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
 // Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total. Every tile
 // starts on a 1024-byte boundary (the swizzle repeats every 8 rows of 128 bytes).
 #define SQ_OFF 0                                       // Q tile  [SLABS][BM][128 B], swizzled
-#define SK_OFF (SQ_OFF + TILE_BYTES)                   // K tiles [STAGES][SLABS][BN][128 B], swizzled
-#define SP_OFF (SK_OFF + STAGES * TILE_BYTES)          // P tile  [BM][BN] bf16 = one slab, swizzled
+#define BF16_TILES STAGES
+#define OK_SLOTS STAGES
+#define SK_OFF (SQ_OFF + TILE_BYTES)                   // K tiles [BF16_TILES][SLABS][BN][128 B], swizzled
+#define SP_OFF (SK_OFF + BF16_TILES * TILE_BYTES)      // P tile  [BM][BN] bf16 = one slab, swizzled
 #define SMAX_OFF (SP_OFF + BM * BN * 2)                // [2][BM] f32: tile row max per key half; at the end row sums
-#define SOK_OFF (SMAX_OFF + 2 * BM * 4)                // [STAGES][BN] int: key staged and in range
-#define SMEM_BYTES (SOK_OFF + STAGES * BN * 4)
+#define SOK_OFF (SMAX_OFF + 2 * BM * 4)                // [OK_SLOTS][BN] int: key staged and in range
+#define SMEM_BYTES (SOK_OFF + OK_SLOTS * BN * 4)
 static_assert(SMEM_BYTES == 230400, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
@@ -180,12 +213,13 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
-            const bf16_t* __restrict__ kv_cache,     // [num_pages, PAGE, R + P]
+            const kv_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] bf16 or e4m3 bytes
             const int* __restrict__ block_table,     // [B, max_pages]
             const int* __restrict__ prefix_lens,     // [B]
             const int* __restrict__ q_lens,          // [B]
             const uint32_t* __restrict__ tree_mask,  // [B, Nq, W]
-            float scale_log2,                        // softmax_scale * log2(e)
+            float scale_log2,                        // softmax_scale * kv_scale * log2(e)
+            float v_scale,                           // kv_scale (1 for a bf16 cache): output factor, in fp32
             int Nq, int max_pages, int num_pages, int splits, long long rows_total,
             bf16_t* __restrict__ out,                // [B, Nq, H, R]            (splits == 1)
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
@@ -260,9 +294,11 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             if (page < 0 || page >= num_pages) return -1;
             return page * PAGE + (int)(t % PAGE);
         };
-        auto stage_tile = [&](int stage, int src) {
+        // tile n -> stage n % STAGES (swizzled), its flags likewise
+        auto stage_tile = [&](int n, int src) {
+            const int stage = n % STAGES;
             const bool ok = src >= 0;
-            const bf16_t* const row = kv_cache + (long long)(ok ? src : 0) * ROW;
+            const kv_t* const row = kv_cache + (long long)(ok ? src : 0) * ROW;
             const uint32_t dst = smem_addr(sK + stage * TILE_BYTES);
             #pragma unroll
             for (int k = 0; k < CPT; ++k) {
@@ -299,13 +335,13 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         const uint64_t v_desc0 = desc_mnmajor(smem_addr(sK) + kh * (RANK / 128) * SLAB_BYTES);
 
         for (int n = 0; n < n_tiles; ++n) {
-            const int stage = n % STAGES;
+            const int stage = n % STAGES, slot = stage;
             cp_async_wait<STAGES - 2>();   // this thread's copies of tile n (and Q) have landed
             fence_proxy_async();           // ... and are visible to the tensor cores
             __syncthreads();               // everyone's have; everyone is done with tile n-1, P and the stats
             {
                 const int nn = n + STAGES - 1;                   // refill the stage tile n-1 used
-                if (nn < n_tiles) stage_tile(nn % STAGES, next_src);
+                if (nn < n_tiles) stage_tile(nn, next_src);
                 cp_async_commit();                               // (possibly empty: keeps the group count)
                 next_src = key_src(nn + 1);
             }
@@ -341,7 +377,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             #pragma unroll
             for (int j = 0; j < NS / 4; ++j) {
                 const int col = kh * KW + 8 * j + 2 * qd;
-                const int2 ok = *reinterpret_cast<const int2*>(sOk + stage * BN + col);
+                const int2 ok = *reinterpret_cast<const int2*>(sOk + slot * BN + col);
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const bool staged = e == 0 ? ok.x != 0 : ok.y != 0;
@@ -432,7 +468,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         const float l = sMax[r] + sMax[BM + r];
         const float mx = m_run[half];
         const bool empty = mx == DDT_NEG_INF;                 // no visible key in this chunk
-        const float inv = empty ? 0.0f : 1.0f / l;            // l >= 1 otherwise
+        const float inv = empty ? 0.0f : v_scale / l;         // l >= 1 otherwise; v_scale: kv_scale (1 for bf16)
         const long long grow = row_base + m;
         const int col = kh * (RANK / 2) + 2 * qd;
         if (splits == 1) {

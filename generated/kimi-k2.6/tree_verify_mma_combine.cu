@@ -20,6 +20,37 @@ __device__ __forceinline__ bf16_t float_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// KV-cache elements: bf16, or e4m3 bytes (spec kv_dtype = "fp8_e4m3", dequantized value = byte * kv_scale)
+typedef unsigned char fp8_t;
+typedef bf16_t kv_t;
+
+// Two e4m3 bytes, each at bits 8..15 of a 16-bit half of t, -> bf16x2, exactly, for bytes that are not
+// NaN: the e4m3 fields are moved into bf16's (sign to bit 15, exponent and mantissa to bits 4..10) and a
+// multiply by 2^120 rebiases the exponent (7 -> 127) and normalises the subnormals, exactly (bf16 keeps
+// its subnormals). A NaN byte (s.1111.111) would come out as +-480.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2_finite(uint32_t t) {
+    const uint32_t r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+    uint32_t y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return y;
+}
+// The same for any byte: a NaN byte becomes a bf16 NaN.
+__device__ __forceinline__ uint32_t fp8x2_hi_to_bf16x2(uint32_t t) {
+    return fp8x2_hi_to_bf16x2_finite(t) | (__vcmpeq2(t & 0x7f007f00u, 0x7f007f00u) & 0x7fc07fc0u);
+}
+// Four e4m3 bytes (element i in byte i) -> four bf16: .x holds elements 0, 1 and .y elements 2, 3.
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x1404)), fp8x2_hi_to_bf16x2(__byte_perm(x, 0u, 0x3424)));
+}
+__device__ __forceinline__ uint2 fp8x4_to_bf16x4_finite(uint32_t x) {
+    return make_uint2(fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x1404)),
+                      fp8x2_hi_to_bf16x2_finite(__byte_perm(x, 0u, 0x3424)));
+}
+// Nonzero iff some byte of x is an e4m3 NaN (0x7f or 0xff): its low 7 bits + 1 carry into bit 7.
+__device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
+    return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 // tree_verify_mma_combine: the split-KV combine of tree_verify_mma / tree_verify_tail_mma.
 // Spec kimi-k2.6: H = 64, R = 512. One warp per (request, node, head) row,
 // 8 rows per block. Chunk c of a row left (o_c normalised, lse_c in base 2; an empty
