@@ -27,3 +27,61 @@ print("budget  us/step")
 for b, t in rows:
     print(f"{b:6d}  {t:7.2f}")
 print(f"empty kernel in the same graph: {base:.2f} us; fit: {icept:.2f} us + {slope * 1e3:.0f} ns per pop")
+
+# Cycles of the pop loop, read inside the kernel: the rendered source with clock64() / %globaltimer around
+# the loop and a printf of block 0's counts, compiled by CuPy with the build's options (a probe, not a build).
+from ddtree_gen.compile import OPTIONS
+from ddtree_gen.plans import by_name
+from ddtree_gen.render import render
+
+kdef = by_name("tree_build")
+src = render(spec, kdef)
+LOOP = "while (nodes <= budget && w >= 0) {"
+probe = ("long long ddt_c0 = clock64(); unsigned long long ddt_t0; "
+         "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ddt_t0));\n        " + LOOP)
+done = ("if (lane == 0) s.nodes = nodes;\n"
+        "        { unsigned long long t1; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t1));\n"
+        "          if (lane == 0 && blockIdx.x == 0) printf(\"pops %d: %lld cycles, %llu ns\\n\", nodes - 1,"
+        " clock64() - ddt_c0, t1 - ddt_t0); }")
+assert src.count(LOOP) == 1 and src.count("if (lane == 0) s.nodes = nodes;") == 1
+src = src.replace(LOOP, probe).replace("if (lane == 0) s.nodes = nodes;", done)
+fn = cupy.RawModule(code=src, options=tuple(o for o in OPTIONS if not o.startswith("--gpu-architecture")),
+                    backend="nvrtc").get_function(kdef.entry)
+n = spec.max_tree_size
+outs = [cupy.empty((64,), cupy.int32)] + [cupy.empty((64, n), t) for t in
+                                          (cupy.int32, cupy.int32, cupy.int32, cupy.int32, cupy.float32)]
+outs.append(cupy.empty((64, n, spec.mask_words), cupy.uint32))
+outs += [cupy.empty((64, n), cupy.int32), cupy.empty((64, n), cupy.int32)]
+d, k = dev[0].shape[1], dev[0].shape[2]
+for _ in range(3):   # the first launch warms up
+    fn((1,), (int(ks.constants("tree_build")["THREADS"]),),
+       (*dev, np.int32(d), np.int32(k), np.int32(64), *outs))
+    cupy.cuda.Device().synchronize()
+
+# Latencies (cycles) of the warp operations on a pop's chain, each measured as a chain of 256 dependent ones
+LAT_SRC = r"""
+extern "C" __global__ void lat(unsigned* out, unsigned seed) {
+    const unsigned lane = threadIdx.x;
+    __shared__ unsigned sh[64];
+    sh[lane] = lane * 2654435761u; sh[lane + 32] = lane;
+    __syncwarp();
+    unsigned x = seed + lane, y;
+    long long t0, t1;
+#define CHAIN(name, op) t0 = clock64(); _Pragma("unroll 1") for (int i = 0; i < 256; ++i) { op; } \
+    t1 = clock64(); if (lane == 0) printf("%-28s %6.1f cycles\n", name, (double)(t1 - t0) / 256.0);
+    CHAIN("iadd (loop overhead incl.)", x = x + lane)
+    CHAIN("redux.max", x = __reduce_max_sync(0xffffffffu, x) + lane)
+    CHAIN("redux.min", x = __reduce_min_sync(0xffffffffu, x) ^ lane)
+    CHAIN("ballot + ffs", x = __ffs(__ballot_sync(0xffffffffu, (x & 1u) != 0u)) + lane)
+    CHAIN("shfl.idx", x = __shfl_sync(0xffffffffu, x, x & 31u) + 1u)
+    CHAIN("lds (dependent address)", x = sh[x & 63u])
+    CHAIN("fadd", x = __float_as_uint(__uint_as_float(x) + 1.0f))
+    y = x;
+    out[lane] = y;
+}
+"""
+lat = cupy.RawModule(code=LAT_SRC, options=("--std=c++17",), backend="nvrtc").get_function("lat")
+o = cupy.zeros(32, cupy.uint32)
+for _ in range(2):
+    lat((1,), (32,), (o, np.uint32(7)))
+    cupy.cuda.Device().synchronize()

@@ -51,40 +51,41 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
     return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
 }
 
-// tree_build: DDTree best-first draft-tree expansion, one warp (one block) per request.
+// tree_build: DDTree best-first draft-tree expansion, one block per request: all 4 warps stage
+// the request's top-k table, warp 0 alone runs the pops (a sequential chain), then all warps write the
+// nodes, links and mask rows.
 // Spec deepseek-v3: N = 65 nodes (root included), D = 15, W = 3 mask words.
 //
 // Candidates are numbered in creation order, so "earliest created" is "smallest number".
 // At most 1 + 2 * (N - 1) = 129 are ever created (the root's first child, then at
 // most a sibling and a child per pop). Candidate c lives in registers of lane c % 32, slot
-// c / 32: a pop is a register scan per lane plus two warp reductions (__reduce_max/min_sync),
-// with no shared-memory round trip on the critical path.
+// c / 32 (its key, the only part a scan reads; the rest in shared memory). The winner of each pop is
+// found during the previous pop (see the loop), so a pop's chain is one warp reduction pair over the
+// other candidates in parallel with one shared-memory read of the winner and two adds; each candidate
+// carries the two log-probs its pop will add, read from the staged table one pop ahead.
+// docs/perf.md has the timing.
 
 #define N_NODES 65
 #define MAX_D 15
 #define MASK_WORDS 3
+#define CANDIDATES 129
 #define PER_LANE 5
-#define NODE_ROUNDS 3
-#define STAGE_BATCH 16
-#define POPPED 0x7fffffff
+#define NODE_ROUNDS 1             // nodes per thread in the epilogue
+#define THREADS 128
+#define STAGE_BATCH 8
 #define FULL 0xffffffffu
 
-struct TreeBuildShared {
+struct TreeBuildShared {                 // 16-byte members first: no padding inside
+    float4 cand[CANDIDATES];           // candidate: score, parent's score, lp of its next sibling, of its first child
+    int4 node[N_NODES];                // node: score bits, rank in its top-k row (the root: its token), parent, depth
     float lp[MAX_D * (N_NODES - 1)];   // this request's log-probs, NaN already -inf
     int ids[MAX_D * (N_NODES - 1)];
-    float node_score[N_NODES];
-    int node_token[N_NODES];
-    int node_parent[N_NODES];
-    int node_depth[N_NODES];
+    int cand_meta[CANDIDATES];         // candidate: parent | depth << 8 | rank << 16
+    int nodes;                         // node count, from warp 0 to the epilogue
 };
 
 // a NaN log-prob counts as -inf, and so does a NaN sum (+inf + -inf)
 __device__ __forceinline__ float clean(float x) { return x != x ? DDT_NEG_INF : x; }
-
-// (score, number) a beats b: higher score, then smaller number (created first)
-__device__ __forceinline__ bool beats(float sa, int ia, float sb, int ib) {
-    return sa > sb || (sa == sb && ia < ib);
-}
 
 // A uint32 whose unsigned order is the float order of non-NaN scores (+0 and -0 equal).
 __device__ __forceinline__ unsigned order_key(float f) {
@@ -92,20 +93,7 @@ __device__ __forceinline__ unsigned order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Store candidate c in its owner's registers. Every slot is rewritten through a select: a
-// guarded single store would be folded into a dynamically indexed one, i.e. local memory.
-__device__ __forceinline__ void put(float (&cs)[PER_LANE], float (&cp)[PER_LANE], int (&cm)[PER_LANE],
-                                    int lane, int c, float score, float pscore, int meta) {
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        const bool mine = lane == (c & 31) && k == (c >> 5);
-        cs[k] = mine ? score : cs[k];
-        cp[k] = mine ? pscore : cp[k];
-        cm[k] = mine ? meta : cm[k];
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(32, 16)
+extern "C" __global__ void __launch_bounds__(128, 4)
 ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             const float* __restrict__ topk_logprobs,   // [B, Dp, Kp]
             const int* __restrict__ root_tokens,       // [B]
@@ -123,7 +111,7 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
 {
     __shared__ TreeBuildShared s;
     const int b = blockIdx.x;
-    const int lane = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31;
 
     const int pl = prefix_lens[b];  // loaded early: its latency hides behind the staging
     // Stage the request's top-k table: every pop reads it. Loads go out in batches of
@@ -131,102 +119,149 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
     const int total = Dp * Kp;
     const float* glp = topk_logprobs + (size_t)b * total;
     const int* gid = topk_ids + (size_t)b * total;
-    for (int base = 0; base < total; base += 32 * STAGE_BATCH) {
+    for (int base = 0; base < total; base += THREADS * STAGE_BATCH) {
         float v[STAGE_BATCH];
         int t[STAGE_BATCH];
         #pragma unroll
         for (int u = 0; u < STAGE_BATCH; ++u) {
-            const int i = base + lane + 32 * u;
+            const int i = base + tid + THREADS * u;
             v[u] = i < total ? glp[i] : 0.0f;
             t[u] = i < total ? gid[i] : 0;
         }
         #pragma unroll
         for (int u = 0; u < STAGE_BATCH; ++u) {
-            const int i = base + lane + 32 * u;
+            const int i = base + tid + THREADS * u;
             if (i < total) { s.lp[i] = clean(v[u]); s.ids[i] = t[u]; }
         }
     }
-    if (lane == 0) {
-        s.node_score[0] = 0.0f; s.node_token[0] = root_tokens[b]; s.node_parent[0] = -1; s.node_depth[0] = 0;
+    if (tid == 0) {
+        s.node[0] = make_int4(__float_as_int(0.0f), root_tokens[b], -1, 0);
     }
-    __syncwarp();
+    __syncthreads();
 
-    // candidate registers: score, parent's score, meta = parent | depth << 8 | rank << 16
-    float cs[PER_LANE], cp[PER_LANE];
-    int cm[PER_LANE];
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) { cs[k] = DDT_NEG_INF; cp[k] = 0.0f; cm[k] = POPPED; }
-    // the root's first child scores root.score + lp = 0 + lp (a -0.0 log-prob gives +0.0, as a sum does)
-    if (budget >= 1) put(cs, cp, cm, lane, 0, __fadd_rn(0.0f, s.lp[0]), 0.0f, 0 | (1 << 8));
-    int created = budget >= 1 ? 1 : 0;
-    int nodes = 1;
+    if (tid < 32) {   // warp 0: the pops
+        // Candidate c: its key order_key(score) (0: none or popped) in register slot c / 32 of lane c % 32,
+        // the only part the scan reads; the rest in shared memory: score, parent's score, the two
+        // log-probs its pop will add (its next sibling's, its first child's), meta = parent | depth << 8 |
+        // rank << 16. Every lane stores the same value to shared memory, so each lane's own later read
+        // sees it with no warp barrier.
+        unsigned ck[PER_LANE];
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) ck[k] = 0u;
+        // log-prob at (row, rank) of the table, 0 where the table has none (never used then)
+        auto lp_at = [&](int row, int rank) -> float {
+            return (row < Dp && rank < Kp) ? s.lp[row * Kp + rank] : 0.0f;
+        };
+        // The key of candidate c into its owner's slot. Every slot is rewritten through a select: a
+        // guarded single store would be folded into a dynamically indexed one, i.e. local memory.
+        auto put_key = [&](int c, unsigned key) {
+            #pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) ck[k] = (lane == (c & 31) && k == (c >> 5)) ? key : ck[k];
+        };
+        // the root's first child scores root.score + lp = 0 + lp (a -0.0 log-prob gives +0.0, as a sum does)
+        if (budget >= 1) {
+            const float v = __fadd_rn(0.0f, s.lp[0]);
+            s.cand[0] = make_float4(v, 0.0f, lp_at(0, 1), lp_at(1, 0));
+            s.cand_meta[0] = 0 | (1 << 8);
+            put_key(0, order_key(v));
+        }
+        int created = budget >= 1 ? 1 : 0;
+        int nodes = 1;
+        // log-probs of the previous pop's candidates still to be stored (their table reads complete
+        // meanwhile): the sibling's lp_sib, the child's lp_sib and lp_child; -1: none
+        int pend_sib = -1, pend_child = -1;
+        float pend_sib_lp = 0.0f;
+        float2 pend_child_lp = make_float2(0.0f, 0.0f);
+        // The next winner is known one pop ahead. Popping w leaves the others plus w's new sibling and
+        // child, so the next winner is the best of {the best of the others, sibling, child}: the warp
+        // reduction over the others (A) runs while w's fields are read and its new candidates scored (B),
+        // and the two meet in three scalar compares. The new candidates were created after every other,
+        // so a tied score goes to the other, and between them to the sibling.
+        int w = budget >= 1 ? 0 : -1;
 
-    while (nodes <= budget) {
-        float bs = DDT_NEG_INF;
-        int bi = POPPED;
-        #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            if (cm[k] != POPPED && beats(cs[k], lane + 32 * k, bs, bi)) { bs = cs[k]; bi = lane + 32 * k; }
+        while (nodes <= budget && w >= 0) {
+            // (A) w leaves the slots; the best of the rest: highest key, then the earliest created
+            #pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) ck[k] = (lane == (w & 31) && k == (w >> 5)) ? 0u : ck[k];
+            unsigned bk[PER_LANE];
+            int bslot[PER_LANE];
+            #pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) { bk[k] = ck[k]; bslot[k] = k; }
+            #pragma unroll
+            for (int stride = 1; stride < PER_LANE; stride *= 2) {   // a tree of compares, not a chain
+                #pragma unroll
+                for (int k = 0; k + stride < PER_LANE; k += 2 * stride) {
+                    const bool right = bk[k + stride] > bk[k];
+                    bk[k] = right ? bk[k + stride] : bk[k];
+                    bslot[k] = right ? bslot[k + stride] : bslot[k];
+                }
+            }
+            const unsigned top = __reduce_max_sync(FULL, bk[0]);   // 0: no other candidate
+            const unsigned other = __reduce_min_sync(FULL, bk[0] == top ? (unsigned)(lane + 32 * bslot[0]) : 0xffffffffu);
+
+            // (B) the previous pop's pending log-probs (before w's fields are read: w may be one of them)
+            if (pend_sib >= 0) s.cand[pend_sib].z = pend_sib_lp;
+            if (pend_child >= 0) *reinterpret_cast<float2*>(&s.cand[pend_child].z) = pend_child_lp;
+            const float4 f = s.cand[w];   // score, parent's score, lp of the next sibling, of the first child
+            const int meta = s.cand_meta[w];
+            const float score = f.x, pscore = f.y;
+            const int parent = meta & 0xff, depth = (meta >> 8) & 0xff, rank = meta >> 16;
+            const int i = nodes;
+            s.node[i] = make_int4(__float_as_int(score), rank, parent, depth);   // read after the loop only
+            pend_sib = -1; pend_child = -1;
+            int next = top != 0u ? (int)other : -1;
+            unsigned next_key = top;
+            if (rank + 1 < Kp) {  // its next sibling: same depth, rank + 1
+                const float v = clean(__fadd_rn(pscore, f.z));
+                const unsigned key = order_key(v);
+                s.cand[created] = make_float4(v, pscore, 0.0f, f.w);   // its lp_sib: pending
+                s.cand_meta[created] = parent | (depth << 8) | ((rank + 1) << 16);
+                put_key(created, key);
+                pend_sib = created; pend_sib_lp = lp_at(depth - 1, rank + 2);
+                if (key > next_key) { next = created; next_key = key; }
+                ++created;
+            }
+            if (depth < Dp) {     // then its first child: depth + 1, rank 0
+                const float v = clean(__fadd_rn(score, f.w));
+                const unsigned key = order_key(v);
+                s.cand[created] = make_float4(v, score, 0.0f, 0.0f);    // its log-probs: pending
+                s.cand_meta[created] = i | ((depth + 1) << 8);
+                put_key(created, key);
+                pend_child = created; pend_child_lp = make_float2(lp_at(depth, 1), lp_at(depth + 1, 0));
+                if (key > next_key) { next = created; next_key = key; }
+                ++created;
+            }
+            w = next;
+            ++nodes;
         }
-        const unsigned key = order_key(bs);
-        const unsigned top = __reduce_max_sync(FULL, key);
-        const int w = (int)__reduce_min_sync(FULL, key == top ? (unsigned)bi : 0xffffffffu);
-        if (w == POPPED) break;  // no candidate left
-        const int owner = w & 31, slot = w >> 5;
-        int my_meta = 0;
-        float my_p = 0.0f;
-        #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) { my_meta = k == slot ? cm[k] : my_meta; my_p = k == slot ? cp[k] : my_p; }
-        const int meta = __shfl_sync(FULL, my_meta, owner);
-        const float pscore = __shfl_sync(FULL, my_p, owner);
-        const float score = __shfl_sync(FULL, bs, owner);
-        #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) cm[k] = (lane == owner && k == slot) ? POPPED : cm[k];
-        const int parent = meta & 0xff, depth = (meta >> 8) & 0xff, rank = meta >> 16;
-        const int i = nodes;
-        if (lane == 0) {
-            s.node_score[i] = score;
-            s.node_token[i] = s.ids[(depth - 1) * Kp + rank];
-            s.node_parent[i] = parent;
-            s.node_depth[i] = depth;
-        }
-        if (rank + 1 < Kp) {  // its next sibling
-            const float v = clean(__fadd_rn(pscore, s.lp[(depth - 1) * Kp + rank + 1]));
-            put(cs, cp, cm, lane, created, v, pscore, parent | (depth << 8) | ((rank + 1) << 16));
-            ++created;
-        }
-        if (depth < Dp) {     // then its first child
-            const float v = clean(__fadd_rn(score, s.lp[depth * Kp]));
-            put(cs, cp, cm, lane, created, v, score, i | ((depth + 1) << 8));
-            ++created;
-        }
-        ++nodes;
+        if (lane == 0) s.nodes = nodes;
     }
-    __syncwarp();
+    __syncthreads();
+    const int nodes = s.nodes;
 
     // Links: first_child[j] = smallest k with parent k == j; next_sibling[j] = smallest k > j with
     // the same parent. All lanes scan k in step, so each parent read is a shared-memory broadcast.
     int fc[NODE_ROUNDS], ns[NODE_ROUNDS], pj[NODE_ROUNDS];
     #pragma unroll
     for (int r = 0; r < NODE_ROUNDS; ++r) {
-        const int j = lane + 32 * r;
+        const int j = tid + THREADS * r;
         fc[r] = -1; ns[r] = -1;
-        pj[r] = j < nodes ? s.node_parent[j] : -2;
+        pj[r] = j < nodes ? s.node[j].z : -2;
     }
     for (int k = nodes - 1; k >= 1; --k) {  // descending, so the last hit is the smallest k
-        const int pk = s.node_parent[k];
+        const int pk = s.node[k].z;
         #pragma unroll
         for (int r = 0; r < NODE_ROUNDS; ++r) {
-            const int j = lane + 32 * r;
+            const int j = tid + THREADS * r;
             if (pk == j) fc[r] = k;
             if (pk == pj[r] && k > j) ns[r] = k;
         }
     }
 
-    if (lane == 0) num_nodes[b] = nodes;
+    if (tid == 0) num_nodes[b] = nodes;
     #pragma unroll
     for (int r = 0; r < NODE_ROUNDS; ++r) {
-        const int j = lane + 32 * r;
+        const int j = tid + THREADS * r;
         if (j >= N_NODES) continue;  // static bound: unrolled, no dynamic register indexing
         const size_t o = (size_t)b * N_NODES + j;
         const bool live = j < nodes;
@@ -234,17 +269,18 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
         uint32_t m[MASK_WORDS];
         #pragma unroll
         for (int q = 0; q < MASK_WORDS; ++q) m[q] = 0u;
-        for (int a = live ? j : -1; a >= 0; a = s.node_parent[a]) {
+        for (int a = live ? j : -1; a >= 0; a = s.node[a].z) {
             #pragma unroll
             for (int q = 0; q < MASK_WORDS; ++q) if (q == (a >> 5)) m[q] |= 1u << (a & 31);
         }
         #pragma unroll
         for (int q = 0; q < MASK_WORDS; ++q) tree_mask[o * MASK_WORDS + q] = m[q];
-        tokens[o] = live ? s.node_token[j] : -1;
-        parents[o] = live ? s.node_parent[j] : -1;
-        depths[o] = live ? s.node_depth[j] : -1;
-        positions[o] = live ? pl + s.node_depth[j] : -1;
-        scores[o] = live ? s.node_score[j] : DDT_NEG_INF;
+        const int4 nd = live ? s.node[j] : make_int4(0, 0, -1, 0);
+        tokens[o] = !live ? -1 : nd.w == 0 ? nd.y : s.ids[(nd.w - 1) * Kp + nd.y];
+        parents[o] = live ? nd.z : -1;
+        depths[o] = live ? nd.w : -1;
+        positions[o] = live ? pl + nd.w : -1;
+        scores[o] = live ? __int_as_float(nd.x) : DDT_NEG_INF;
         first_child[o] = live ? fc[r] : -1;
         next_sibling[o] = live ? ns[r] : -1;
     }
