@@ -12,8 +12,8 @@ THREADS = 128           # 4 warps stage the table and write the outputs; warp 0 
 
 def plan(spec) -> Plan:
     table = D * (N - 1)  # staged top-k table: D' <= D rows of K' <= N-1
-    # candidates (float4 + meta) + nodes (int4) + top-k table + the node count, padded to 16 bytes
-    static_smem = 16 * sympy.ceiling(((16 + 4) * CANDIDATES + 16 * N + (4 + 4) * table + 4) / 16)
+    # candidates (float4 + meta, one spare) + nodes (int4) + top-k table + the node count, padded to 16 bytes
+    static_smem = 16 * sympy.ceiling(((16 + 4) * (CANDIDATES + 1) + 16 * N + (4 + 4) * table + 4) / 16)
     return Plan(kernel="tree_build", spec=spec, threads=sympy.Integer(THREADS), min_blocks=4,
                 static_smem=static_smem,
                 consts={"CANDIDATES": CANDIDATES, "CANDIDATES_PER_LANE": sympy.ceiling(CANDIDATES / 32),

@@ -75,12 +75,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define STAGE_BATCH 8
 #define FULL 0xffffffffu
 
-struct TreeBuildShared {                 // 16-byte members first: no padding inside
-    float4 cand[CANDIDATES];           // candidate: score, parent's score, lp of its next sibling, of its first child
+struct TreeBuildShared {                 // widest members first: no padding inside
     int4 node[N_NODES];                // node: score bits, rank in its top-k row (the root: its token), parent, depth
+    float2 cand_sp[CANDIDATES + 1];    // candidate: score, parent's score (+1: the last pop may write one unused entry)
+    float2 cand_lp[CANDIDATES + 1];    // candidate: lp of its next sibling, of its first child (written one pop late)
     float lp[MAX_D * (N_NODES - 1)];   // this request's log-probs, NaN already -inf
     int ids[MAX_D * (N_NODES - 1)];
-    int cand_meta[CANDIDATES];         // candidate: parent | depth << 8 | rank << 16
+    int cand_meta[CANDIDATES + 1];     // candidate: parent | depth << 8 | rank << 16
     int nodes;                         // node count, from warp 0 to the epilogue
 };
 
@@ -143,8 +144,7 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
         // Candidate c: its key order_key(score) (0: none or popped) in register slot c / 32 of lane c % 32,
         // the only part the scan reads; the rest in shared memory: score, parent's score, the two
         // log-probs its pop will add (its next sibling's, its first child's), meta = parent | depth << 8 |
-        // rank << 16. Every lane stores the same value to shared memory, so each lane's own later read
-        // sees it with no warp barrier.
+        // rank << 16. Lane 0 writes shared memory; a __syncwarp() per pop orders it before the next pop's reads.
         unsigned ck[PER_LANE];
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) ck[k] = 0u;
@@ -161,17 +161,20 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
         // the root's first child scores root.score + lp = 0 + lp (a -0.0 log-prob gives +0.0, as a sum does)
         if (budget >= 1) {
             const float v = __fadd_rn(0.0f, s.lp[0]);
-            s.cand[0] = make_float4(v, 0.0f, lp_at(0, 1), lp_at(1, 0));
-            s.cand_meta[0] = 0 | (1 << 8);
+            if (lane == 0) {
+                s.cand_sp[0] = make_float2(v, 0.0f);
+                s.cand_lp[0] = make_float2(lp_at(0, 1), lp_at(1, 0));
+                s.cand_meta[0] = 0 | (1 << 8);
+            }
             put_key(0, order_key(v));
         }
+        __syncwarp();
         int created = budget >= 1 ? 1 : 0;
         int nodes = 1;
         // log-probs of the previous pop's candidates still to be stored (their table reads complete
         // meanwhile): the sibling's lp_sib, the child's lp_sib and lp_child; -1: none
         int pend_sib = -1, pend_child = -1;
-        float pend_sib_lp = 0.0f;
-        float2 pend_child_lp = make_float2(0.0f, 0.0f);
+        float2 pend_sib_lp = make_float2(0.0f, 0.0f), pend_child_lp = make_float2(0.0f, 0.0f);
         // The next winner is known one pop ahead. Popping w leaves the others plus w's new sibling and
         // child, so the next winner is the best of {the best of the others, sibling, child}: the warp
         // reduction over the others (A) runs while w's fields are read and its new candidates scored (B),
@@ -196,42 +199,57 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
                     bslot[k] = right ? bslot[k + stride] : bslot[k];
                 }
             }
-            const unsigned top = __reduce_max_sync(FULL, bk[0]);   // 0: no other candidate
+            const unsigned top = __reduce_max_sync(FULL, bk[0]);   // the best other's key; 0: none
             const unsigned other = __reduce_min_sync(FULL, bk[0] == top ? (unsigned)(lane + 32 * bslot[0]) : 0xffffffffu);
 
-            // (B) the previous pop's pending log-probs (before w's fields are read: w may be one of them)
-            if (pend_sib >= 0) s.cand[pend_sib].z = pend_sib_lp;
-            if (pend_child >= 0) *reinterpret_cast<float2*>(&s.cand[pend_child].z) = pend_child_lp;
-            const float4 f = s.cand[w];   // score, parent's score, lp of the next sibling, of the first child
+            // (B) w's fields: score, parent's score, lp of its next sibling, of its first child. The log-probs
+            // of the previous pop's candidates are still in registers: taken from there when w is one of them
+            // (then its shared-memory entry is not read), and stored now by lane 0 for the later pops. Reads
+            // and writes of one pop never touch the same entry; writes reach other lanes through the
+            // __syncwarp() at the end of the pop.
+            const float2 sp = s.cand_sp[w];
             const int meta = s.cand_meta[w];
+            float2 lp;
+            if (w == pend_sib) lp = pend_sib_lp;
+            else if (w == pend_child) lp = pend_child_lp;
+            else lp = s.cand_lp[w];
+            if (lane == 0) {
+                if (pend_sib >= 0) s.cand_lp[pend_sib] = pend_sib_lp;
+                if (pend_child >= 0) s.cand_lp[pend_child] = pend_child_lp;
+            }
+            const float4 f = make_float4(sp.x, sp.y, lp.x, lp.y);
             const float score = f.x, pscore = f.y;
             const int parent = meta & 0xff, depth = (meta >> 8) & 0xff, rank = meta >> 16;
             const int i = nodes;
-            s.node[i] = make_int4(__float_as_int(score), rank, parent, depth);   // read after the loop only
-            pend_sib = -1; pend_child = -1;
+            if (lane == 0) s.node[i] = make_int4(__float_as_int(score), rank, parent, depth);   // read after the loop
+
+            // its next sibling (same depth, rank + 1) and first child (depth + 1, rank 0), without branches:
+            // a candidate that does not exist gets key 0 (never popped) and its number is reused or unused
+            const bool has_sib = rank + 1 < Kp, has_child = depth < Dp;
+            const int c1 = created, c2 = created + (has_sib ? 1 : 0);
+            const float v1 = clean(__fadd_rn(pscore, f.z)), v2 = clean(__fadd_rn(score, f.w));
+            const unsigned k1 = has_sib ? order_key(v1) : 0u, k2 = has_child ? order_key(v2) : 0u;
+            if (lane == 0) {   // (c2 overwrites c1 when there is no sibling; their log-probs: pending)
+                s.cand_sp[c1] = make_float2(v1, pscore);
+                s.cand_meta[c1] = parent | (depth << 8) | ((rank + 1) << 16);
+                s.cand_sp[c2] = make_float2(v2, score);
+                s.cand_meta[c2] = i | ((depth + 1) << 8);
+            }
+            put_key(c1, k1);
+            put_key(c2, k2);
+            pend_sib = has_sib ? c1 : -1;
+            pend_sib_lp = make_float2(lp_at(depth - 1, rank + 2), f.w);   // the sibling's child: same row
+            pend_child = has_child ? c2 : -1;
+            pend_child_lp = make_float2(lp_at(depth, 1), lp_at(depth + 1, 0));
+            created = c2 + (has_child ? 1 : 0);
+            // the next winner: the best other unless a new candidate beats it (ties: the earlier created);
+            // the reductions' result is used last, so their latency overlaps the work above
             int next = top != 0u ? (int)other : -1;
             unsigned next_key = top;
-            if (rank + 1 < Kp) {  // its next sibling: same depth, rank + 1
-                const float v = clean(__fadd_rn(pscore, f.z));
-                const unsigned key = order_key(v);
-                s.cand[created] = make_float4(v, pscore, 0.0f, f.w);   // its lp_sib: pending
-                s.cand_meta[created] = parent | (depth << 8) | ((rank + 1) << 16);
-                put_key(created, key);
-                pend_sib = created; pend_sib_lp = lp_at(depth - 1, rank + 2);
-                if (key > next_key) { next = created; next_key = key; }
-                ++created;
-            }
-            if (depth < Dp) {     // then its first child: depth + 1, rank 0
-                const float v = clean(__fadd_rn(score, f.w));
-                const unsigned key = order_key(v);
-                s.cand[created] = make_float4(v, score, 0.0f, 0.0f);    // its log-probs: pending
-                s.cand_meta[created] = i | ((depth + 1) << 8);
-                put_key(created, key);
-                pend_child = created; pend_child_lp = make_float2(lp_at(depth, 1), lp_at(depth + 1, 0));
-                if (key > next_key) { next = created; next_key = key; }
-                ++created;
-            }
+            if (k1 > next_key) { next = c1; next_key = k1; }
+            if (k2 > next_key) { next = c2; }
             w = next;
+            __syncwarp();   // lane 0's shared-memory writes of this pop -> every lane's reads in the next
             ++nodes;
         }
         if (lane == 0) s.nodes = nodes;
