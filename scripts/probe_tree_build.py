@@ -1,7 +1,10 @@
 """Where tree_build's time goes: graph-replayed time per step against the budget (pops).
 
 The slope is the cost of one pop, the intercept the fixed cost (launch, staging, epilogue).
-`ddtree-gen bench tree_build` times the full budget only; this sweep splits the time.
+`ddtree-gen bench tree_build` times the full budget only; this sweep splits the time. Then: the pop
+loop's cycles and nanoseconds read inside the kernel (clock64, %globaltimer; the rendered source with
+a printf added, as built and without the per-pop __syncwarp), and the latencies of the warp
+operations on a pop's chain (redux, ballot, shfl, lds, fadd), each as a chain of dependent ones.
 When: on a GPU after changing the pop loop of templates/tree_build.cu.j2, to compare with the
 probe numbers in docs/perf.md ("tree_build").
 Run: PYTHONPATH=. python scripts/probe_tree_build.py
