@@ -76,7 +76,6 @@ extern "C" __global__ void lat(unsigned* out, unsigned seed) {
     long long t0, t1;
 #define CHAIN(name, op) t0 = clock64(); _Pragma("unroll 1") for (int i = 0; i < 256; ++i) { op; } \
     t1 = clock64(); if (lane == 0) printf("%-28s %6.1f cycles\n", name, (double)(t1 - t0) / 256.0);
-    CHAIN("iadd (loop overhead incl.)", x = x + lane)
     CHAIN("redux.max", x = __reduce_max_sync(0xffffffffu, x) + lane)
     CHAIN("redux.min", x = __reduce_min_sync(0xffffffffu, x) ^ lane)
     CHAIN("ballot + ffs", x = __ffs(__ballot_sync(0xffffffffu, (x & 1u) != 0u)) + lane)

@@ -258,7 +258,7 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
     const int nodes = s.nodes;
 
     // Links: first_child[j] = smallest k with parent k == j; next_sibling[j] = smallest k > j with
-    // the same parent. All lanes scan k in step, so each parent read is a shared-memory broadcast.
+    // the same parent. All threads scan k in step, so each parent read is a shared-memory broadcast.
     int fc[NODE_ROUNDS], ns[NODE_ROUNDS], pj[NODE_ROUNDS];
     #pragma unroll
     for (int r = 0; r < NODE_ROUNDS; ++r) {
