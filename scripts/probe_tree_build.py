@@ -3,7 +3,7 @@
 The slope is the cost of one pop, the intercept the fixed cost (launch, staging, epilogue).
 `ddtree-gen bench tree_build` times the full budget only; this sweep splits the time. Then: the pop
 loop's cycles and nanoseconds read inside the kernel (clock64, %globaltimer; the rendered source with
-a printf added, as built and without the per-pop __syncwarp), and the latencies of the warp
+a printf added), and the latencies of the warp
 operations on a pop's chain (redux, ballot, shfl, lds, fadd), each as a chain of dependent ones.
 When: on a GPU after changing the pop loop of templates/tree_build.cu.j2, to compare with the
 probe numbers in docs/perf.md ("tree_build").
@@ -48,22 +48,21 @@ done = ("if (lane == 0) s.nodes = nodes;\n"
         " clock64() - ddt_c0, t1 - ddt_t0); }")
 assert src.count(LOOP) == 1 and src.count("if (lane == 0) s.nodes = nodes;") == 1
 src = src.replace(LOOP, probe).replace("if (lane == 0) s.nodes = nodes;", done)
-SYNC = "__syncwarp();   // lane 0's shared-memory writes of this pop -> every lane's reads in the next"
-assert src.count(SYNC) == 1
 n = spec.max_tree_size
 outs = [cupy.empty((64,), cupy.int32)] + [cupy.empty((64, n), t) for t in
                                           (cupy.int32, cupy.int32, cupy.int32, cupy.int32, cupy.float32)]
 outs.append(cupy.empty((64, n, spec.mask_words), cupy.uint32))
 outs += [cupy.empty((64, n), cupy.int32), cupy.empty((64, n), cupy.int32)]
 d, k = dev[0].shape[1], dev[0].shape[2]
-# as built, and without the per-pop __syncwarp (racecheck then reports the lanes' shared-memory hazards)
-for label, text in (("as built", src), ("without the per-pop __syncwarp", src.replace(SYNC, ""))):
-    print(label)
-    fn = cupy.RawModule(code=text, options=tuple(o for o in OPTIONS if not o.startswith("--gpu-architecture")),
-                        backend="nvrtc").get_function(kdef.entry)
-    for _ in range(3):   # the first launch warms up
-        fn((1,), (int(ks.constants("tree_build")["THREADS"]),), (*dev, np.int32(d), np.int32(k), np.int32(64), *outs))
-        cupy.cuda.Device().synchronize()
+consts = ks.constants("tree_build")
+smem = int(consts["DYNAMIC_SMEM"])
+print("as built (block 0):")
+fn = cupy.RawModule(code=src, options=tuple(o for o in OPTIONS if not o.startswith("--gpu-architecture")),
+                    backend="nvrtc").get_function(kdef.entry)
+fn.max_dynamic_shared_size_bytes = smem
+for _ in range(3):   # the first launch warms up
+    fn((1,), (int(consts["THREADS"]),), (*dev, np.int32(d), np.int32(k), np.int32(64), *outs), shared_mem=smem)
+    cupy.cuda.Device().synchronize()
 
 # Latencies (cycles) of the warp operations on a pop's chain, each measured as a chain of 256 dependent ones
 LAT_SRC = r"""

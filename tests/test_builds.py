@@ -499,28 +499,20 @@ def test_list_shows_targets_per_kernel(concurrent_build, session_cache, tmp_path
 # ------------------------------------------------------------------ (f) resource model
 
 VARIANTS = [(s, k, a) for s in SPEC_NAMES for k, a in _variants(s)]
-# What ptxas for sm_80 builds differently from the model, known and accepted (docs/decisions.md, "Build
-# targets"): a 12-byte local array of tree_build stays in local memory (a 16-byte stack frame) where
-# ptxas for sm_90a (and sm_100, sm_120) keeps it in registers. Anything else is a failure.
-SM80_KNOWN = {"tree_build": ("stack frame of 16 B",)}
-
-
 @pytest.mark.parametrize("spec_name,kdef,arch", VARIANTS, ids=[f"{s}-{k.name}-{a}" for s, k, a in VARIANTS])
 def test_resource_model_matches_ptxas(spec_name, kdef, arch, in_session, session_root):
     spec = load_spec(session_root / "specs" / f"{spec_name}.toml")
     plan = kdef.plan_for(spec, arch)
     plan.check_fits()
     built = artifacts.compile_variant(spec, kdef, arch=arch)
-    problems = resources.compare(plan, built.report)
-    known = SM80_KNOWN.get(kdef.name, ()) if arch == "sm_80" else ()
-    unexpected = [p for p in problems if not p.startswith(known)] if known else problems
-    assert unexpected == [], (
+    problems = resources.compare(plan, built.report)   # the same bar for sm_80 as for sm_90a: no exceptions
+    assert problems == [], (
         f"{spec_name}/{kdef.name} ({arch}): ptxas {built.report.as_dict()}, model smem "
         f"{plan.value(plan.static_smem)} budget {plan.register_budget}")
     r = built.report
     assert r.registers <= plan.register_budget and r.smem == plan.value(plan.static_smem)
     assert r.spill_stores == r.spill_loads == 0
-    assert r.stack == 0 or known
+    assert r.stack == 0
 
 
 @pytest.mark.parametrize("spec_name,kdef", [(s, k) for s, k, a in VARIANTS if a == "sm_80"],

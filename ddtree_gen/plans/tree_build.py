@@ -8,14 +8,16 @@ from .kernel_def import KernelDef
 
 CANDIDATES = 2 * N - 1  # the root's first child, then at most a sibling and a child per pop
 THREADS = 128           # 4 warps stage the table and write the outputs; warp 0 runs the pops
+COPIES = 32             # the pop loop keeps one private copy of the candidate fields per lane (no shared words)
 
 
 def plan(spec) -> Plan:
     table = D * (N - 1)  # staged top-k table: D' <= D rows of K' <= N-1
-    # candidates (float4 + meta, one spare) + nodes (int4) + top-k table + the node count, padded to 16 bytes
-    static_smem = 16 * sympy.ceiling(((16 + 4) * (CANDIDATES + 1) + 16 * N + (4 + 4) * table + 4) / 16)
-    return Plan(kernel="tree_build", spec=spec, threads=sympy.Integer(THREADS), min_blocks=4,
-                static_smem=static_smem,
+    # candidates (float4 + meta, one spare, a copy per lane) + nodes (int4) + top-k table + the node count,
+    # padded to 16 bytes; dynamic shared memory (above 48 KB for N = 64)
+    smem = 16 * sympy.ceiling(((16 + 4) * (CANDIDATES + 1) * COPIES + 16 * N + (4 + 4) * table + 4) / 16)
+    return Plan(kernel="tree_build", spec=spec, threads=sympy.Integer(THREADS), min_blocks=2,
+                static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"CANDIDATES": CANDIDATES, "CANDIDATES_PER_LANE": sympy.ceiling(CANDIDATES / 32),
                         "NODE_ROUNDS": sympy.ceiling(N / THREADS),
                         # loads in flight per thread while staging the table (one batch for D=15, N=65)

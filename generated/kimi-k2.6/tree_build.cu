@@ -58,11 +58,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //
 // Candidates are numbered in creation order, so "earliest created" is "smallest number".
 // At most 1 + 2 * (N - 1) = 129 are ever created (the root's first child, then at
-// most a sibling and a child per pop). Candidate c lives in registers of lane c % 32, slot
-// c / 32 (its key, the only part a scan reads; the rest in shared memory). The winner of each pop is
-// found during the previous pop (see the loop), so a pop's chain is one warp reduction pair over the
-// other candidates in parallel with one shared-memory read of the winner and two adds; each candidate
-// carries the two log-probs its pop will add, read from the staged table one pop ahead.
+// most a sibling and a child per pop). Candidate c's key (the only part a scan reads) lives in
+// register slot c / 32 of lane c % 32. Its other fields are in shared memory, one private copy per
+// lane ([c][lane]): every lane writes and reads only its own copy, so the pop loop shares no
+// shared-memory word between lanes and needs no barrier (racecheck-clean without a __syncwarp), and
+// a lane reading back its own store is ordered by program order. The winner of each pop is found
+// during the previous pop (see the loop), so a pop's chain is one warp reduction pair over the
+// other candidates in parallel with one shared-memory read of the winner and two adds.
 // docs/perf.md has the timing.
 
 #define N_NODES 65
@@ -75,13 +77,15 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define STAGE_BATCH 8
 #define FULL 0xffffffffu
 
-struct TreeBuildShared {                 // widest members first: no padding inside
+#define COPIES 32                        // one private copy of the candidate fields per lane
+
+struct TreeBuildShared {                 // widest members first: no padding inside; dynamic shared memory
     int4 node[N_NODES];                // node: score bits, rank in its top-k row (the root: its token), parent, depth
-    float2 cand_sp[CANDIDATES + 1];    // candidate: score, parent's score (+1: the last pop may write one unused entry)
-    float2 cand_lp[CANDIDATES + 1];    // candidate: lp of its next sibling, of its first child (written one pop late)
+    float2 cand_sp[(CANDIDATES + 1) * COPIES];   // [c][lane] candidate: score, parent's score (+1: a spare entry)
+    float2 cand_lp[(CANDIDATES + 1) * COPIES];   // [c][lane] candidate: lp of its next sibling, of its first child
     float lp[MAX_D * (N_NODES - 1)];   // this request's log-probs, NaN already -inf
     int ids[MAX_D * (N_NODES - 1)];
-    int cand_meta[CANDIDATES + 1];     // candidate: parent | depth << 8 | rank << 16
+    int cand_meta[(CANDIDATES + 1) * COPIES];    // [c][lane] candidate: parent | depth << 8 | rank << 16
     int nodes;                         // node count, from warp 0 to the epilogue
 };
 
@@ -94,7 +98,7 @@ __device__ __forceinline__ unsigned order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-extern "C" __global__ void __launch_bounds__(128, 4)
+extern "C" __global__ void __launch_bounds__(128, 2)
 ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             const float* __restrict__ topk_logprobs,   // [B, Dp, Kp]
             const int* __restrict__ root_tokens,       // [B]
@@ -110,7 +114,8 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             int* __restrict__ first_child,             // [B, N]
             int* __restrict__ next_sibling)            // [B, N]
 {
-    __shared__ TreeBuildShared s;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    TreeBuildShared& s = *reinterpret_cast<TreeBuildShared*>(smem_raw);
     const int b = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31;
 
@@ -142,39 +147,35 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
 
     if (tid < 32) {   // warp 0: the pops
         // Candidate c: its key order_key(score) (0: none or popped) in register slot c / 32 of lane c % 32,
-        // the only part the scan reads; the rest in shared memory: score, parent's score, the two
-        // log-probs its pop will add (its next sibling's, its first child's), meta = parent | depth << 8 |
-        // rank << 16. Lane 0 writes shared memory; a __syncwarp() per pop orders it before the next pop's reads.
+        // the only part the scan reads; the rest in this lane's private copy in shared memory (F(c)):
+        // score, parent's score, the two log-probs its pop will add (its next sibling's, its first
+        // child's, read from the table when it is created), meta = parent | depth << 8 | rank << 16.
         unsigned ck[PER_LANE];
         #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) ck[k] = 0u;
+#define F(c) ((c) * COPIES + lane)
         // log-prob at (row, rank) of the table, 0 where the table has none (never used then)
         auto lp_at = [&](int row, int rank) -> float {
             return (row < Dp && rank < Kp) ? s.lp[row * Kp + rank] : 0.0f;
         };
         // The key of candidate c into its owner's slot. Every slot is rewritten through a select: a
         // guarded single store would be folded into a dynamically indexed one, i.e. local memory.
+        // (The slot is chosen through a bit mask, which the compiler does not turn into an indexed store.)
         auto put_key = [&](int c, unsigned key) {
+            const unsigned hit = lane == (c & 31) ? 1u << (c >> 5) : 0u;
             #pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) ck[k] = (lane == (c & 31) && k == (c >> 5)) ? key : ck[k];
+            for (int k = 0; k < PER_LANE; ++k) ck[k] = (hit >> k) & 1u ? key : ck[k];
         };
         // the root's first child scores root.score + lp = 0 + lp (a -0.0 log-prob gives +0.0, as a sum does)
         if (budget >= 1) {
             const float v = __fadd_rn(0.0f, s.lp[0]);
-            if (lane == 0) {
-                s.cand_sp[0] = make_float2(v, 0.0f);
-                s.cand_lp[0] = make_float2(lp_at(0, 1), lp_at(1, 0));
-                s.cand_meta[0] = 0 | (1 << 8);
-            }
+            s.cand_sp[F(0)] = make_float2(v, 0.0f);
+            s.cand_lp[F(0)] = make_float2(lp_at(0, 1), lp_at(1, 0));
+            s.cand_meta[F(0)] = 0 | (1 << 8);
             put_key(0, order_key(v));
         }
-        __syncwarp();
         int created = budget >= 1 ? 1 : 0;
         int nodes = 1;
-        // log-probs of the previous pop's candidates still to be stored (their table reads complete
-        // meanwhile): the sibling's lp_sib, the child's lp_sib and lp_child; -1: none
-        int pend_sib = -1, pend_child = -1;
-        float2 pend_sib_lp = make_float2(0.0f, 0.0f), pend_child_lp = make_float2(0.0f, 0.0f);
         // The next winner is known one pop ahead. Popping w leaves the others plus w's new sibling and
         // child, so the next winner is the best of {the best of the others, sibling, child}: the warp
         // reduction over the others (A) runs while w's fields are read and its new candidates scored (B),
@@ -184,8 +185,7 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
 
         while (nodes <= budget && w >= 0) {
             // (A) w leaves the slots; the best of the rest: highest key, then the earliest created
-            #pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) ck[k] = (lane == (w & 31) && k == (w >> 5)) ? 0u : ck[k];
+            put_key(w, 0u);
             unsigned bk[PER_LANE];
             int bslot[PER_LANE];
             #pragma unroll
@@ -202,23 +202,11 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             const unsigned top = __reduce_max_sync(FULL, bk[0]);   // the best other's key; 0: none
             const unsigned other = __reduce_min_sync(FULL, bk[0] == top ? (unsigned)(lane + 32 * bslot[0]) : 0xffffffffu);
 
-            // (B) w's fields: score, parent's score, lp of its next sibling, of its first child. The log-probs
-            // of the previous pop's candidates are still in registers: taken from there when w is one of them
-            // (then its shared-memory entry is not read), and stored now by lane 0 for the later pops. Reads
-            // and writes of one pop never touch the same entry; writes reach other lanes through the
-            // __syncwarp() at the end of the pop.
-            const float2 sp = s.cand_sp[w];
-            const int meta = s.cand_meta[w];
-            float2 lp;
-            if (w == pend_sib) lp = pend_sib_lp;
-            else if (w == pend_child) lp = pend_child_lp;
-            else lp = s.cand_lp[w];
-            if (lane == 0) {
-                if (pend_sib >= 0) s.cand_lp[pend_sib] = pend_sib_lp;
-                if (pend_child >= 0) s.cand_lp[pend_child] = pend_child_lp;
-            }
-            const float4 f = make_float4(sp.x, sp.y, lp.x, lp.y);
-            const float score = f.x, pscore = f.y;
+            // (B) w's fields from this lane's copy: score, parent's score, lp of its next sibling, of its first child
+            const float2 sp = s.cand_sp[F(w)];
+            const float2 lp = s.cand_lp[F(w)];
+            const int meta = s.cand_meta[F(w)];
+            const float score = sp.x, pscore = sp.y;
             const int parent = meta & 0xff, depth = (meta >> 8) & 0xff, rank = meta >> 16;
             const int i = nodes;
             if (lane == 0) s.node[i] = make_int4(__float_as_int(score), rank, parent, depth);   // read after the loop
@@ -227,20 +215,17 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             // a candidate that does not exist gets key 0 (never popped) and its number is reused or unused
             const bool has_sib = rank + 1 < Kp, has_child = depth < Dp;
             const int c1 = created, c2 = created + (has_sib ? 1 : 0);
-            const float v1 = clean(__fadd_rn(pscore, f.z)), v2 = clean(__fadd_rn(score, f.w));
+            const float v1 = clean(__fadd_rn(pscore, lp.x)), v2 = clean(__fadd_rn(score, lp.y));
             const unsigned k1 = has_sib ? order_key(v1) : 0u, k2 = has_child ? order_key(v2) : 0u;
-            if (lane == 0) {   // (c2 overwrites c1 when there is no sibling; their log-probs: pending)
-                s.cand_sp[c1] = make_float2(v1, pscore);
-                s.cand_meta[c1] = parent | (depth << 8) | ((rank + 1) << 16);
-                s.cand_sp[c2] = make_float2(v2, score);
-                s.cand_meta[c2] = i | ((depth + 1) << 8);
-            }
+            // (c2 overwrites c1 when there is no sibling)
+            s.cand_sp[F(c1)] = make_float2(v1, pscore);
+            s.cand_meta[F(c1)] = parent | (depth << 8) | ((rank + 1) << 16);
+            s.cand_lp[F(c1)] = make_float2(lp_at(depth - 1, rank + 2), lp.y);   // the sibling's child: same row
+            s.cand_sp[F(c2)] = make_float2(v2, score);
+            s.cand_meta[F(c2)] = i | ((depth + 1) << 8);
+            s.cand_lp[F(c2)] = make_float2(lp_at(depth, 1), lp_at(depth + 1, 0));
             put_key(c1, k1);
             put_key(c2, k2);
-            pend_sib = has_sib ? c1 : -1;
-            pend_sib_lp = make_float2(lp_at(depth - 1, rank + 2), f.w);   // the sibling's child: same row
-            pend_child = has_child ? c2 : -1;
-            pend_child_lp = make_float2(lp_at(depth, 1), lp_at(depth + 1, 0));
             created = c2 + (has_child ? 1 : 0);
             // the next winner: the best other unless a new candidate beats it (ties: the earlier created);
             // the reductions' result is used last, so their latency overlaps the work above
@@ -249,9 +234,9 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
             if (k1 > next_key) { next = c1; next_key = k1; }
             if (k2 > next_key) { next = c2; }
             w = next;
-            __syncwarp();   // lane 0's shared-memory writes of this pop -> every lane's reads in the next
             ++nodes;
         }
+#undef F
         if (lane == 0) s.nodes = nodes;
     }
     __syncthreads();
@@ -289,7 +274,10 @@ ddtree_tree_build(const int* __restrict__ topk_ids,          // [B, Dp, Kp]
         for (int q = 0; q < MASK_WORDS; ++q) m[q] = 0u;
         for (int a = live ? j : -1; a >= 0; a = s.node[a].z) {
             #pragma unroll
-            for (int q = 0; q < MASK_WORDS; ++q) if (q == (a >> 5)) m[q] |= 1u << (a & 31);
+            for (int q = 0; q < MASK_WORDS; ++q) {   // bit a - 32 q of word q (as a range test: no indexed store)
+                const unsigned bit = (unsigned)(a - 32 * q);
+                m[q] |= bit < 32u ? 1u << bit : 0u;
+            }
         }
         #pragma unroll
         for (int q = 0; q < MASK_WORDS; ++q) tree_mask[o * MASK_WORDS + q] = m[q];
