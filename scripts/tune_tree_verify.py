@@ -263,7 +263,9 @@ def main(argv=None) -> int:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
-    data.setdefault("specs", {}).update(chosen)
+    specs = data.setdefault("specs", {})
+    for name, entry in chosen.items():   # the wgmma table (scripts/sweep_splits.py) is kept
+        specs[name] = {**entry, **({"wgmma": specs[name]["wgmma"]} if "wgmma" in specs.get(name, {}) else {})}
     data["about"] = ("written by scripts/tune_tree_verify.py; read by ddtree_gen/kernels/tree_verify_mma.py "
                      "(config: compiled BN/STAGES; splits: key chunks by shape class = B x row tiles rounded up "
                      "to a power of two)")

@@ -612,3 +612,46 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
     for impl in ("simple", "mma"):
         with pytest.raises(ArgumentError, match="^tree_mask: on device 1, but q_nope is on device 0"):
             tv.tree_verify(kset_for(impl, spec), **args, impl=impl_of(impl, spec), num_splits=None)
+
+
+# ------------------------------------------------------------------ split-KV tables per family
+
+def test_split_table_per_family(monkeypatch):
+    """choose_splits reads the wgmma family's own table ("wgmma" -> "splits") for the wgmma kernels and the
+    mma.sync table for the mma.sync ones; no table: the idle-SM rule; never past the useful chunks."""
+    from ddtree_gen.artifacts import find_spec
+    spec = find_spec("kimi-k2.6-tp8")
+    base = 32 * -(-65 * spec.num_heads // mma_plans.BM)          # 288 blocks: shape class "512"
+    fake = {spec.name: {"config": mma_plans.config_for(spec), "splits": {"512": 2}, "wgmma": {"splits": {"512": 5}}}}
+    monkeypatch.setattr(mma_plans, "_tuning", lambda: fake)
+    mma_plans.choose_splits.cache_clear()
+    try:
+        assert mma_plans.shape_class(base) == "512"
+        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == 5
+        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
+        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == 1   # no table off sm_90a
+        assert mma_plans.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
+        assert mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == 132 // 9 or \
+            mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == mma_plans.MAX_SPLITS
+    finally:
+        mma_plans.choose_splits.cache_clear()
+
+
+def test_launch_asks_its_family(spec, fake_device, monkeypatch):
+    """Without num_splits, the wgmma launch takes the wgmma table and the mma.sync launch the mma.sync one."""
+    seen = []
+    real = mma_plans.choose_splits
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(mma, "choose_splits", spy)
+    monkeypatch.setattr(mma, "sm_count", lambda device: 132)   # no GPU here
+    full = ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES, *WGMMA_NAMES)
+    new = Arrays()
+    args = verify_args(spec, new)
+    ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, mma_plans.MAX_SPLITS),), np.float32)
+    for impl in ("wgmma",) if spec.kv_fp8 else ("wgmma", "mma"):
+        seen.clear()
+        got, _ = launched(tv.tree_verify, MmaKernelSet(spec, full), **args, workspace=ws, impl=impl)
+        assert got == f"tree_verify_{impl}" and seen == [impl], (impl, got, seen)

@@ -87,7 +87,8 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     rows_total = b * nq * h
     if num_splits is None:
         max_keys = nq if tail else max_pages * spec.page_size
-        splits = choose_splits(spec, b, nq, max_keys, bn, sm_count(qn.device) if b else DEFAULT_SMS, arch)
+        splits = choose_splits(spec, b, nq, max_keys, bn, sm_count(qn.device) if b else DEFAULT_SMS, arch,
+                               "wgmma" if name.endswith("_wgmma") else "mma")
     else:
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
     loaded = inspect.getattr_static(kset, "kernels", None)   # (static: a test stand-in may answer any name)

@@ -181,20 +181,26 @@ def shape_class(base_blocks: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)   # on every launch: shapes only, so cached
-def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, arch: str = PRIMARY) -> int:
+def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, arch: str = PRIMARY,
+                  family: str = "mma") -> int:
     """Key chunks per (request, row tile), from shapes only.
 
-    The tuned table (by shape class; measured on an H200 with the sm_90a build) wins for the sm_90a
-    build of the tuned configuration; otherwise split only when B x row tiles leaves SMs
-    idle, into floor(SMs / blocks) chunks. Never more chunks than the largest possible key range
-    fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise)."""
+    Each family has its own tuned table (by shape class; measured on an H200): the mma.sync one
+    ("splits", scripts/tune_tree_verify.py) for the sm_90a build of the tuned configuration, the wgmma
+    one ("wgmma" -> "splits", scripts/sweep_splits.py --write). Without an entry: split only when
+    B x row tiles leaves SMs idle, into floor(SMs / blocks) chunks. Never more chunks than the largest
+    possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size
+    otherwise)."""
     base = b * -(-nq * spec.num_heads // BM)
     if base <= 0:
         return 1
     tuned = _tuning().get(spec.name, {})
-    table = (tuned.get("splits", {}) if arch == PRIMARY and tuned.get("config")
-             and _normalise(tuned["config"]) == config_for(spec) else {})
-    s = table.get(shape_class(base))
+    if family == "wgmma":
+        table = tuned.get("wgmma", {}).get("splits", {}) if arch == PRIMARY else {}
+    else:
+        table = (tuned.get("splits", {}) if arch == PRIMARY and tuned.get("config")
+                 and _normalise(tuned["config"]) == config_for(spec) else {})
+    s = table.get(shape_class(base)) if isinstance(table, dict) else None
     if not isinstance(s, int) or s < 1:
         s = 1 if base >= sms else max(1, sms // base)
     useful = max(1, -(-int(max_keys) // (2 * bn)))
