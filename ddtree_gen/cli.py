@@ -123,13 +123,13 @@ def cmd_refs(args) -> int:
     return refs.main(args)
 
 
-BENCHES = ("tree_build", "tree_verify", "kv-dtype", "tree_accept", "step", "launch")
+BENCHES = ("tree_build", "tree_verify", "kv-dtype", "arch", "tree_accept", "step", "launch")
 
 
 def cmd_bench(args) -> int:
-    from . import bench, bench_launch, bench_step
+    from . import bench, bench_arch, bench_launch, bench_step
     run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
-           "kv-dtype": bench.bench_kv_dtype,
+           "kv-dtype": bench.bench_kv_dtype, "arch": bench_arch.bench_arch,
            "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
            "launch": bench_launch.bench_launch}
     for name in args.kernels:

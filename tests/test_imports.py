@@ -24,7 +24,7 @@ LAYERS = [
     ["runtime"],                                                         # modules per device, launches
     ["kernels"],                                                         # launchers
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "bench_launch", "bench_step", "sanitize"],                       # users of kernel sets
+    ["torch_ops", "model", "bench", "bench_arch", "bench_launch", "bench_step", "sanitize"],         # users of kernel sets
     ["cli", "__main__", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -1,0 +1,67 @@
+"""`ddtree-gen bench arch` without a GPU: the command line knows it, its shapes, what it reports each kernel
+set ran (kernel sets on fake devices, as in test_archs.py), and the clear errors before any GPU work."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ddtree_gen import artifacts, bench_arch, cli
+from ddtree_gen.errors import DdtreeError
+from ddtree_gen.spec import parse_spec
+from test_archs import VALID, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
+
+
+def test_cli_knows_bench_arch(capsys):
+    assert "arch" in cli.BENCHES
+    args = cli.build_parser().parse_args(["bench", "arch", "--spec", "kimi-k2.6-tp8", "--out", "somewhere"])
+    assert args.func is cli.cmd_bench and args.kernels == ["arch"]
+    assert args.spec == ["kimi-k2.6-tp8"] and args.out == "somewhere"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--help"])
+    assert "arch" in capsys.readouterr().out
+
+
+def test_verify_shapes():
+    """The issue's shapes: B = 1 and 8 with the spec's H, B = 8 with H = 64; no repeats."""
+    assert bench_arch.verify_shapes(artifacts.find_spec("kimi-k2.6-tp8")) == [(1, 8), (8, 8), (8, 64)]
+    assert bench_arch.verify_shapes(artifacts.find_spec("kimi-k2.6")) == [(1, 64), (8, 64)]
+    assert bench_arch.verify_shapes(artifacts.find_spec("deepseek-v3")) == [(1, 128), (8, 128), (8, 64)]
+
+
+def test_what_each_set_ran(fake_devices):  # noqa: F811
+    """On an H200 (fake device 0): the default set runs wgmma (auto) and everything else as sm_90a cubins, the
+    set forced to sm_80 runs mma.sync (auto) and the sm_80 PTX; an fp8 spec forced to sm_80 has no mma.sync
+    kernels: auto is the CUDA-core kernel and impl="mma" is skipped, saying why."""
+    kimi = artifacts.find_spec("kimi-k2.6-tp8")
+    default, forced = fake_set(kimi), fake_set(kimi, arch="sm_80")
+    assert [bench_arch.ran(default, "tree_verify", 0, impl) for impl in ("auto", "mma")] == \
+        ["wgmma (sm_90a)", "mma (sm_90a)"]
+    assert [bench_arch.ran(forced, "tree_verify", 0, impl) for impl in ("auto", "mma")] == \
+        ["mma (sm_80)", "mma (sm_80)"]
+    assert [bench_arch.ran(ks, k, 0) for ks in (default, forced) for k in ("tree_build", "kv_commit")] == \
+        ["sm_90a", "sm_90a", "sm_80", "sm_80"]
+    assert all(bench_arch._why_not(ks, impl, 0) is None for ks in (default, forced) for impl in ("auto", "mma"))
+    fp8 = artifacts.find_spec("kimi-k2.6-tp8-fp8")
+    default8, forced8 = fake_set(fp8), fake_set(fp8, arch="sm_80")
+    assert bench_arch.ran(default8, "tree_verify", 0, "auto") == "wgmma (sm_90a)"
+    assert bench_arch.ran(forced8, "tree_verify", 0, "auto") == "simple (sm_80)"
+    assert "tree_verify_mma" in bench_arch._why_not(forced8, "mma", 0)
+
+
+def test_no_gpu_is_a_clear_error(monkeypatch):
+    """Without a usable GPU the bench stops with a DdtreeError (the CLI prints it, exit 2), not a traceback."""
+    import cupy
+
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_device)
+    with pytest.raises(DdtreeError, match="bench arch runs on a GPU.*cudaErrorNoDevice"):
+        bench_arch.bench_arch(SimpleNamespace(spec=None, out=None))
+
+
+def test_spec_without_sm80_is_refused_first(monkeypatch):
+    only90 = parse_spec(dict(VALID, archs=["sm_90a"]), "t.toml")
+    monkeypatch.setattr(artifacts, "find_spec", lambda name: only90)
+    with pytest.raises(DdtreeError, match="not built for sm_80"):
+        bench_arch.bench_arch(SimpleNamespace(spec=["t"], out=None))
