@@ -28,7 +28,8 @@ from . import archs
 from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
 from .errors import ArgumentError, BuildError
 
-__all__ = ["Step", "IsAligned", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo", "device_info"]
+__all__ = ["Step", "IsAligned", "TensorMap", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo",
+           "device_info"]
 
 
 # ----------------------------------------------------------------------------- one call
@@ -60,6 +61,59 @@ class IsAligned:
     alignment: int
 
 
+@dataclass(frozen=True)
+class TensorMap:
+    """A kernel parameter computed per call: the CUtensorMap (128 bytes, passed by value) of array `index`
+    viewed as a row-major [rows, cols] tensor of 2-byte elements, read in boxes of [box_rows, box_cols]
+    with the 128-byte swizzle (what TMA loads into a wgmma operand tile). Encoded on the host for the
+    call's pointer (cuTensorMapEncodeTiled, no device work) and remembered per pointer."""
+    index: int
+    rows: int
+    cols: int
+    box_rows: int
+    box_cols: int
+
+
+TENSOR_MAP_WORDS = 16   # sizeof(CUtensorMap) / 8
+_TENSOR_MAPS: dict = {}  # (pointer, TensorMap) -> its 16 words
+_ENCODE = []             # cuTensorMapEncodeTiled, looked up once
+
+
+def _encode_tiled():
+    if not _ENCODE:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _ENCODE.append(fn)
+    return _ENCODE[0]
+
+
+def tensor_map_words(ptr: int, tm: TensorMap) -> tuple:
+    """The 16 uint64 words of the CUtensorMap of `tm` at pointer `ptr` (memoized per pointer)."""
+    key = (ptr, tm)
+    words = _TENSOR_MAPS.get(key)
+    if words is None:
+        out = (ctypes.c_uint64 * TENSOR_MAP_WORDS)()
+        dims = (ctypes.c_uint64 * 2)(tm.cols, tm.rows)          # innermost first
+        strides = (ctypes.c_uint64 * 1)(tm.cols * 2)             # bytes between rows
+        box = (ctypes.c_uint32 * 2)(tm.box_cols, tm.box_rows)
+        step = (ctypes.c_uint32 * 2)(1, 1)
+        # UINT16 elements (bf16 bits moved as they are), no interleave, 128-byte swizzle, L2 promotion of
+        # 256 bytes, out-of-bound elements read as zeros
+        rc = _encode_tiled()(out, 1, 2, ctypes.c_void_p(ptr), dims, strides, box, step, 0, 3, 3, 0)
+        if rc != 0:
+            raise ArgumentError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for array {tm.index} at {ptr:#x}: "
+                                f"[{tm.rows}, {tm.cols}] in boxes of [{tm.box_rows}, {tm.box_cols}]")
+        words = tuple(out)
+        if len(_TENSOR_MAPS) > 4096:   # many short-lived caches: forget the old ones
+            _TENSOR_MAPS.clear()
+        _TENSOR_MAPS[key] = words
+    return words
+
+
 def _param_fmt(args) -> str:
     """Native struct format of a kernel's parameters (each aligned to its size, as CUDA lays them out);
     a ParamStruct's fields are bracketed: the driver takes one pointer per kernel parameter."""
@@ -67,6 +121,8 @@ def _param_fmt(args) -> str:
     for a in args:
         if isinstance(a, ParamStruct):
             codes.append("[" + _param_fmt(a.items)[1:] + "]")
+        elif isinstance(a, TensorMap):
+            codes.append("[" + "Q" * TENSOR_MAP_WORDS + "]")
         elif isinstance(a, (int, tuple)):
             codes.append("Q")
         elif isinstance(a, IsAligned):
@@ -183,6 +239,8 @@ def _values(args, ptrs) -> list:
             out.append(np.int32(ptrs[a.index] % a.alignment == 0))
         elif t is ParamStruct:
             out.extend(_values(a.items, ptrs))
+        elif t is TensorMap:
+            out.extend(tensor_map_words(ptrs[a.index], a))
         else:
             out.append(a)
     return out

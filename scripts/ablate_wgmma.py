@@ -3,6 +3,7 @@
 
 When: on a GPU after changing the tile loop of templates/tree_verify_wgmma.cu.j2, to redo the
 ablation table of docs/perf.md; each cut in CUTS must still occur in the rendered source (asserted).
+The cuts are written for the TMA build (bf16 cache, 64-key pages: every spec in specs/).
 Run: PYTHONPATH=. python scripts/ablate_wgmma.py
 """
 from __future__ import annotations
@@ -15,13 +16,21 @@ from ddtree_gen.kernel_set import KernelSet
 from ddtree_gen.plans import by_name
 from ddtree_gen.render import render
 
-REFILL = "if (nn < n_tiles) stage_tile(nn % STAGES, next_src);"
+REFILL = "if (nn < n_tiles) stage_tile(nn, next_src);"
+WAIT = "mbar_wait(sBar + 8 * stage, (uint32_t)(n / STAGES) & 1u);"
+S_MMA = "wgmma_s(s, q_desc + koff, k_desc0 + tile_off + koff, ks > 0);"
+PV_MMA = "wgmma_pv(o, p_desc + (uint64_t)((ks * 32) >> 4), v_desc0 + tile_off + (uint64_t)((ks * 16 * 128) >> 4));"
+NO_S = [(S_MMA, "if (ks == 0) { for (int i = 0; i < NS; ++i) s[i] = 0.0f; }")]
+NO_PV = [(PV_MMA, "")]
+# the TMA build (a page of 64 keys): each stage loaded once, its later phases not waited for
+NO_REFILL = [(REFILL, "if (nn < STAGES) stage_tile(nn, next_src);"), (WAIT, "if (n < STAGES) " + WAIT)]
 CUTS = {
     "base": [],
-    "half-refill": [(REFILL, "if (nn < n_tiles && ck < BN / 2) stage_tile(nn % STAGES, next_src);")],
-    "quarter-refill": [(REFILL, "if (nn < n_tiles && ck < BN / 4) stage_tile(nn % STAGES, next_src);")],
-    "no-refill": [(REFILL, "")],
-    "l2-256": [("cp.async.cg.shared.global [%0]", "cp.async.cg.shared.global.L2::256B [%0]")],
+    "no-S": NO_S,
+    "no-PV": NO_PV,
+    "no-refill": NO_REFILL,
+    "no-S-no-PV": NO_S + NO_PV,
+    "no-S-no-PV-no-refill": NO_S + NO_PV + NO_REFILL,
 }
 
 

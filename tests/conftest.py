@@ -91,8 +91,15 @@ class FakeKernelSet:
         return self.plan(name).template_constants()
 
 
+def fake_tensor_map(ptr, tm):
+    """Fake pointers get fake tensor maps (the driver, which encodes real ones, may be absent): the first of
+    the 16 words names the map, so a test can check which array and shape a launch's map describes."""
+    return (("tensor map", ptr, tm),) + (0,) * 15
+
+
 @pytest.fixture
 def fake_device(monkeypatch):
     """Every fake array lives on device 0 unless its pointer says otherwise (ptr >= 1<<40: device 1)."""
-    from ddtree_gen import arrays
+    from ddtree_gen import arrays, runtime
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
+    monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)

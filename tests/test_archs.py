@@ -200,9 +200,11 @@ DEVICES = {   # fake devices by number: name, compute capability, opt-in shared 
 @pytest.fixture
 def fake_devices(monkeypatch):
     """runtime.device_info answers from DEVICES; a fake array at pointer p lives on device p >> 40."""
+    from conftest import fake_tensor_map
     from ddtree_gen import arrays
     monkeypatch.setattr(runtime, "device_info", lambda device: DEVICES[device])
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: ptr >> 40)
+    monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)
 
 
 class RecordingSet(KernelSet):

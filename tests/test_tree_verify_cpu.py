@@ -427,6 +427,12 @@ def launched(launcher, kset, **args):
     return kset.launched
 
 
+def tma_words(spec, kernel: str) -> int:
+    """Words a launch of `kernel` adds for its tensor map: 16 for a TMA build (plans/tree_verify_wgmma)."""
+    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    return 16 if uses_tma(spec, kernel) else 0
+
+
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
 def test_impl_auto_picks_mma_when_loaded(spec, name, launcher, fake_device):
     """auto on a set with the spec's tensor-core family (mma.sync; fp8: wgmma) loaded picks it."""
@@ -435,7 +441,8 @@ def test_impl_auto_picks_mma_when_loaded(spec, name, launcher, fake_device):
         got, k = launched(launcher, MmaKernelSet(spec), **args, num_splits=1, **kw)
         assert got == f"{name}_{tc(spec)}"
         a = k["args"]
-        assert len(a) == 18   # the tensor-core kernel's arguments (see test_impl_mma_launch_args)
+        # the tensor-core kernel's arguments (see test_impl_mma_launch_args), + the cache's tensor map for TMA
+        assert len(a) == 18 + tma_words(spec, got)
     got, _ = launched(launcher, MmaKernelSet(spec), **args, impl=tc(spec), num_splits=1)
     assert got == f"{name}_{tc(spec)}"
 
@@ -455,7 +462,14 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
         got, k = launched(launcher, MmaKernelSet(spec, full), **args, workspace=ws, num_splits=3, **kw)
         assert got == f"{name}_{want}", (kw, got)
         launches[want] = list(k["args"])
-    assert len(launches["wgmma"]) == 18 and launches["wgmma"] == launches.get("mma", launches["wgmma"])
+    extra = tma_words(spec, f"{name}_wgmma")
+    assert len(launches["wgmma"]) == 18 + extra
+    assert launches["wgmma"][:18] == launches.get("mma", launches["wgmma"])[:18]
+    if extra:   # the full kernel of a bf16 spec with 64-key pages: the tensor map of kv_cache, [pages * PAGE, R + P]
+        (tag, ptr, tm), *rest = launches["wgmma"][18:]
+        assert tag == "tensor map" and rest == [0] * 15 and ptr == launches["wgmma"][2]   # kv_cache's pointer
+        assert (tm.index, tm.rows, tm.cols, tm.box_rows, tm.box_cols) == (
+            2, args["kv_cache"].__cuda_array_interface__["shape"][0] * spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim, 64, 64)
     no_combine = [k for k in full if k != "tree_verify_mma_combine"]
     got, _ = launched(launcher, MmaKernelSet(spec, no_combine), **args)
     assert got == name

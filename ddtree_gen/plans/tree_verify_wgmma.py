@@ -37,12 +37,23 @@ SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 
 V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 
 
+def uses_tma(spec, kernel: str) -> bool:
+    """Whether `kernel` of `spec` loads its key tiles with TMA: the full kernel (its tiles start on multiples
+    of BN) of a bf16 cache whose pages hold whole tiles (page_size % BN == 0), so that a tile is one
+    rectangle of the cache: 9 boxes of 64 keys x 64 columns. Otherwise cp.async (the tail kernel's tiles
+    start at prefix_len; an fp8 stage is converted by the threads anyway)."""
+    return kernel == "tree_verify_wgmma" and not spec.kv_fp8 and spec.page_size % BN == 0
+
+
 def verify_plan(spec, kernel="tree_verify_wgmma") -> Plan:
     mma.check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
+    tma = uses_tma(spec, kernel)
+    smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
-                static_smem=sympy.Integer(0), dynamic_smem=SMEM_FP8 if spec.kv_fp8 else SMEM,
+                static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"BM": sympy.Integer(mma.BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
-                        "SLABS": SLABS, **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
+                        "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
+                        **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
 def tail_plan(spec) -> Plan:

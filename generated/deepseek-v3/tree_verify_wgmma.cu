@@ -76,6 +76,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // the generic proxy, so each thread fences (fence.proxy.async) before the barrier that publishes them.
 // Online softmax in base 2, fp32 statistics; row sum from the fp32 p, the PV product from the bf16 p.
 // No atomics: deterministic.
+//
+// TMA key tiles (bf16 cache, page_size % BN == 0, the full kernel): a tile is BN keys of one page, i.e. one
+// rectangle of the cache viewed as [num_pages * PAGE, ROW]. Thread 0 loads it with 9 TMA boxes of
+// 64 keys x 64 columns (cp.async.bulk.tensor, the 128-byte swizzle of the slabs above, zeros past ROW)
+// completing on the stage's mbarrier; the other threads only wait. A tile on a page outside
+// [0, num_pages) is not loaded, and rows that are not keys of the chunk (past its end) are zeroed by
+// their threads after the tile lands, so that they are never read as values (as cp.async's zero fill).
 
 #define TAIL 0
 #define NUM_HEADS 128
@@ -88,6 +95,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define BM 64                      // query rows per block
 #define BN 64                      // keys per tile
 #define STAGES 2              // key tiles in flight
+#define USE_TMA 1            // key tiles by TMA (1) or cp.async (0)
 #define SLABS 9                // 64-column slabs per tile row: ceil(ROW / 64)
 #define SLAB_BYTES (64 * 128)            // one slab of a 64-row tile
 #define TILE_BYTES (SLABS * SLAB_BYTES)
@@ -120,8 +128,9 @@ static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
 #define SP_OFF (SK_OFF + BF16_TILES * TILE_BYTES)      // P tile  [BM][BN] bf16 = one slab, swizzled
 #define SMAX_OFF (SP_OFF + BM * BN * 2)                // [2][BM] f32: tile row max per key half; at the end row sums
 #define SOK_OFF (SMAX_OFF + 2 * BM * 4)                // [OK_SLOTS][BN] int: key staged and in range
-#define SMEM_BYTES (SOK_OFF + OK_SLOTS * BN * 4)
-static_assert(SMEM_BYTES == 230400, "template layout and resource plan disagree");
+#define BAR_OFF (SOK_OFF + OK_SLOTS * BN * 4)          // [STAGES] mbarriers (TMA only)
+#define SMEM_BYTES (BAR_OFF + (USE_TMA ? STAGES * 8 : 0))
+static_assert(SMEM_BYTES == 230416, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
 // Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
@@ -210,6 +219,34 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b)
 }
 
 
+// A CUtensorMap, passed by value (__grid_constant__: TMA reads it from the parameter space).
+struct __align__(64) TmaMap { unsigned long long words[16]; };
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// the initialised barriers -> the TMA unit (async proxy)
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// the arrival of the stage's one producer, expecting `bytes` from TMA before the phase completes
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// until the phase of parity `parity` has completed
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// box (column c0, row c1) of the tensor map -> shared memory at dst, completing on bar
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
@@ -224,7 +261,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             bf16_t* __restrict__ out,                // [B, Nq, H, R]            (splits == 1)
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
             float* __restrict__ part_o,              // [splits, rows_total, R]  (splits > 1)
-            float* __restrict__ part_lse)            // [splits, rows_total]     (splits > 1)
+            float* __restrict__ part_lse,
+            const __grid_constant__ TmaMap kv_map)   // [splits, rows_total] (splits > 1); TMA: kv_map
 {
     extern __shared__ __align__(1024) unsigned char smem[];
     // block -> (request, chunk, row tile), row tiles fastest: the blocks of one request and chunk
@@ -269,6 +307,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     unsigned char* const sP = smem + SP_OFF;
     float* const sMax = reinterpret_cast<float*>(smem + SMAX_OFF);
     int* const sOk = reinterpret_cast<int*>(smem + SOK_OFF);
+    const uint32_t sBar = smem_addr(smem + BAR_OFF);   // stage s's mbarrier at sBar + 8 s
 
     // online-softmax state of this thread's rows r0 = 16 g + grp and r0 + 8 (identical in the 4 lanes
     // of a quad and in both warpgroups); l is this thread's partial sum over its own key columns
@@ -294,18 +333,25 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             if (page < 0 || page >= num_pages) return -1;
             return page * PAGE + (int)(t % PAGE);
         };
-        // tile n -> stage n % STAGES (swizzled), its flags likewise
+        // tile n -> stage n % STAGES by thread 0 (whose key row 0 gives the page: src < 0 iff it is outside
+        // [0, num_pages)); its flags by the copying threads; `holes` bit stage: this thread's key row of the
+        // tile is not a key of the chunk (zeroed once the tile lands)
+        int holes = 0;
         auto stage_tile = [&](int n, int src) {
             const int stage = n % STAGES;
-            const bool ok = src >= 0;
-            const kv_t* const row = kv_cache + (long long)(ok ? src : 0) * ROW;
-            const uint32_t dst = smem_addr(sK + stage * TILE_BYTES);
-            #pragma unroll
-            for (int k = 0; k < CPT; ++k) {
-                const int c = csub + TPK * k;
-                if (CPR % TPK == 0 || c < CPR) cp_async16(dst + swz(ck, c), row + c * 8, ok);
+            if (tid == 0) {
+                const uint32_t bar = sBar + 8 * stage;
+                if (src >= 0) {
+                    mbar_expect_tx(bar, TILE_BYTES);
+                    const uint32_t dst = smem_addr(sK + stage * TILE_BYTES);
+                    #pragma unroll
+                    for (int sl = 0; sl < SLABS; ++sl) tma_load_2d(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar);
+                } else {
+                    mbar_arrive(bar);                     // nothing to load: the phase completes now
+                }
             }
-            if (csub == 0) sOk[stage * BN + ck] = ok ? 1 : 0;
+            if (csub == 0) sOk[stage * BN + ck] = src >= 0 ? 1 : 0;
+            holes = (holes & ~(1 << stage)) | ((src < 0 ? 1 : 0) << stage);
         };
 
         // ---- prologue: Q tile (group 0, with key tile 0), then tiles 1 .. STAGES-2
@@ -320,11 +366,16 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 cp_async16(dst + swz(r, c), src, ok);
             }
         }
-        #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_tiles) stage_tile(s, key_src(s));
-            cp_async_commit();
+        cp_async_commit();                              // Q
+        if (tid == 0) {
+            #pragma unroll
+            for (int s = 0; s < STAGES; ++s) mbar_init(sBar + 8 * s, 1);
+            mbar_init_fence();
         }
+        __syncthreads();                                // the barriers are initialised before anyone waits
+        #pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < n_tiles) stage_tile(s, key_src(s));
         int next_src = key_src(STAGES - 1);             // the page look-up runs one tile ahead
 
         // descriptors: Q (all 64 rows); this warpgroup's 32 keys of a K tile; P; this warpgroup's
@@ -336,13 +387,27 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
 
         for (int n = 0; n < n_tiles; ++n) {
             const int stage = n % STAGES, slot = stage;
-            cp_async_wait<STAGES - 2>();   // this thread's copies of tile n (and Q) have landed
-            fence_proxy_async();           // ... and are visible to the tensor cores
-            __syncthreads();               // everyone's have; everyone is done with tile n-1, P and the stats
+            if (n == 0) {
+                cp_async_wait<0>();        // this thread's copies of Q have landed
+                fence_proxy_async();       // ... and are visible to the tensor cores
+            }
+            mbar_wait(sBar + 8 * stage, (uint32_t)(n / STAGES) & 1u);   // tile n has landed
+            // everyone's Q copies have landed; everyone is done with tile n-1, P and the stats
+            if (__syncthreads_or((holes >> stage) & 1)) {   // rare: rows that are not keys -> zeros
+                if ((holes >> stage) & 1) {
+                    #pragma unroll
+                    for (int k = 0; k < CPT; ++k) {
+                        const int c = csub + TPK * k;
+                        if (CPR % TPK == 0 || c < CPR)
+                            *reinterpret_cast<uint4*>(sK + stage * TILE_BYTES + swz(ck, c)) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+                fence_proxy_async();
+                __syncthreads();
+            }
             {
                 const int nn = n + STAGES - 1;                   // refill the stage tile n-1 used
                 if (nn < n_tiles) stage_tile(nn, next_src);
-                cp_async_commit();                               // (possibly empty: keeps the group count)
                 next_src = key_src(nn + 1);
             }
             const uint64_t tile_off = (uint64_t)((stage * TILE_BYTES) >> 4);

@@ -94,6 +94,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define BM 64                      // query rows per block
 #define BN 64                      // keys per tile
 #define STAGES 2              // key tiles in flight
+#define USE_TMA 0            // key tiles by TMA (1) or cp.async (0)
 #define SLABS 9                // 64-column slabs per tile row: ceil(ROW / 64)
 #define SLAB_BYTES (64 * 128)            // one slab of a 64-row tile
 #define TILE_BYTES (SLABS * SLAB_BYTES)
@@ -129,7 +130,8 @@ static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
 #define S8_OFF (SP_OFF + BM * BN * 2)                  // e4m3 stages [STAGES][BN][ROW] bytes, row-major
 #define SMAX_OFF (S8_OFF + STAGES * BN * ROW)
 #define SOK_OFF (SMAX_OFF + 2 * BM * 4)                // [OK_SLOTS][BN] int: key staged and in range
-#define SMEM_BYTES (SOK_OFF + OK_SLOTS * BN * 4)
+#define BAR_OFF (SOK_OFF + OK_SLOTS * BN * 4)          // [STAGES] mbarriers (TMA only)
+#define SMEM_BYTES (BAR_OFF + (USE_TMA ? STAGES * 8 : 0))
 static_assert(SMEM_BYTES == 230656, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
@@ -219,6 +221,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b)
 }
 
 
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_tail_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
@@ -233,7 +236,7 @@ ddtree_tree_verify_tail_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq
             bf16_t* __restrict__ out,                // [B, Nq, H, R]            (splits == 1)
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
             float* __restrict__ part_o,              // [splits, rows_total, R]  (splits > 1)
-            float* __restrict__ part_lse)            // [splits, rows_total]     (splits > 1)
+            float* __restrict__ part_lse)   // [splits, rows_total] (splits > 1); TMA: kv_map
 {
     extern __shared__ __align__(1024) unsigned char smem[];
     // block -> (request, chunk, row tile), row tiles fastest: the blocks of one request and chunk

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""tree_verify_wgmma with TMA key tiles (the build) against the same kernel with cp.async key tiles (the
+plan's uses_tma switched off for one build), on the same inputs in one process: the outputs must be
+bit-identical (same math on the same tiles), then both are timed (CUDA-graph replay).
+When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf.md, "TMA key tiles").
+Run: PYTHONPATH=. python scripts/compare_tma.py
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree_gen import artifacts
+from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
+from ddtree_gen.kernel_set import KernelSet
+from ddtree_gen.plans import by_name
+from ddtree_gen.plans import tree_verify_wgmma as wg
+from ddtree_gen.plans.tree_verify_mma import COMBINE
+
+SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
+
+
+def cp_async_set(spec) -> KernelSet:
+    """A kernel set whose tree_verify_wgmma is the cp.async build (uses_tma off while it is made)."""
+    real = wg.uses_tma
+    wg.uses_tma = lambda spec, kernel: False
+    try:
+        built = artifacts.compile_variant(spec, by_name("tree_verify_wgmma"))
+        return KernelSet(spec, {"tree_verify_wgmma": built, **artifacts.ensure_built(spec, kernels=[COMBINE])})
+    finally:
+        wg.uses_tma = real
+
+
+def main() -> None:
+    import cupy
+    rows = []
+    for b, h, L in SHAPES:
+        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        tma = KernelSet(spec, artifacts.ensure_built(spec, kernels=["tree_verify_wgmma", COMBINE]))
+        assert tma.constants("tree_verify_wgmma")["USE_TMA"] == 1, "this spec's build does not use TMA"
+        cp = cp_async_set(spec)
+        assert cp.constants("tree_verify_wgmma")["USE_TMA"] == 0
+        x = verify_inputs(spec, b, np.full(b, L), 65)
+        times, outs = {}, {}
+        for name, ks in (("cp.async", cp), ("TMA", tma)):
+            o = ks.tree_verify_wgmma(**x)
+            outs[name] = (cupy.asnumpy(o.out), cupy.asnumpy(o.lse))
+            times[name] = graph_time_ms(lambda: ks.tree_verify_wgmma(**x, out=o.out, lse=o.lse), per_graph=5, reps=10)
+        same = (np.array_equal(outs["TMA"][0], outs["cp.async"][0])
+                and np.array_equal(outs["TMA"][1].view(np.uint32), outs["cp.async"][1].view(np.uint32)))
+        rows.append((f"B={b} H={h} L={L}", times["cp.async"], times["TMA"], same))
+        print(rows[-1], flush=True)
+    print(f"\n{'config':<20} {'cp.async ms':>11} {'TMA ms':>8} {'speed-up':>8} {'bits equal':>10}")
+    for cfg, a, t, same in rows:
+        print(f"{cfg:<20} {a:>11.3f} {t:>8.3f} {a / t:>7.2f}x {'yes' if same else 'NO':>10}")
+
+
+if __name__ == "__main__":
+    main()
