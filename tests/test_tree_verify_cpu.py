@@ -632,7 +632,7 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
 
 def test_split_table_per_family(monkeypatch):
     """choose_splits reads the wgmma family's own table ("wgmma" -> "splits") for the wgmma kernels and the
-    mma.sync table for the mma.sync ones; no table: the idle-SM rule; never past the useful chunks."""
+    mma.sync table for the mma.sync ones; no table: the wave model; never past the useful chunks."""
     from ddtree_gen.artifacts import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     base = 32 * -(-65 * spec.num_heads // mma_plans.BM)          # 288 blocks: shape class "512"
@@ -643,10 +643,10 @@ def test_split_table_per_family(monkeypatch):
         assert mma_plans.shape_class(base) == "512"
         assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == 5
         assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
-        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == 1   # no table off sm_90a
+        # no table off sm_90a: the wave model
+        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == mma_plans.wave_splits(base, 132, 32)
         assert mma_plans.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
-        assert mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == 132 // 9 or \
-            mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == mma_plans.MAX_SPLITS
+        assert mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == mma_plans.wave_splits(9, 132, 32)
     finally:
         mma_plans.choose_splits.cache_clear()
 
@@ -669,3 +669,16 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
         seen.clear()
         got, _ = launched(tv.tree_verify, MmaKernelSet(spec, full), **args, workspace=ws, impl=impl)
         assert got == f"tree_verify_{impl}" and seen == [impl], (impl, got, seen)
+
+
+def test_wave_model_of_untuned_shapes():
+    """Without a table entry the split count comes from the wave model: one wave of base x s blocks beats
+    two; never past `most`; no split at 4 waves of blocks or more; one chunk when nothing is gained."""
+    ws = mma_plans.wave_splits
+    assert ws(9, 132, 32) == 14            # 126 blocks: one wave; 16 would take two
+    assert ws(72, 132, 32) == 5 and ws(136, 132, 32) == 5
+    assert ws(9, 132, 4) == 4              # capped by the useful chunks
+    assert ws(4 * 132, 132, 32) == 1 and ws(10_000, 132, 32) == 1
+    for base in range(1, 4 * 132):
+        s = ws(base, 132, 32)
+        assert 1 <= s <= 32 and (s == 1 or -(-base * s // 132) / s < -(-base // 132))   # a split gains waves

@@ -187,8 +187,8 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
 
     Each family has its own tuned table (by shape class; measured on an H200): the mma.sync one
     ("splits", scripts/tune_tree_verify.py) for the sm_90a build of the tuned configuration, the wgmma
-    one ("wgmma" -> "splits", scripts/sweep_splits.py --write). Without an entry: split only when
-    B x row tiles leaves SMs idle, into floor(SMs / blocks) chunks. Never more chunks than the largest
+    one ("wgmma" -> "splits", scripts/sweep_splits.py --write). Without an entry: the wave model
+    (wave_splits). Never more chunks than the largest
     possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size
     otherwise)."""
     base = b * -(-nq * spec.num_heads // BM)
@@ -200,11 +200,29 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
     else:
         table = (tuned.get("splits", {}) if arch == PRIMARY and tuned.get("config")
                  and _normalise(tuned["config"]) == config_for(spec) else {})
+    useful = max(1, -(-int(max_keys) // (2 * bn)))
     s = table.get(shape_class(base)) if isinstance(table, dict) else None
     if not isinstance(s, int) or s < 1:
-        s = 1 if base >= sms else max(1, sms // base)
-    useful = max(1, -(-int(max_keys) // (2 * bn)))
+        s = wave_splits(base, sms, min(MAX_SPLITS, useful))
     return max(1, min(int(s), MAX_SPLITS, useful))
+
+
+# The wave model of an untuned shape (a spec of the user's, a bench variant): blocks run one per SM, so a
+# launch of base x s equal chunks takes ceil(base s / SMs) waves of 1/s of the keys each; the combine reads
+# s partials per row, COMBINE_COST of a wave's time per wave of partial blocks (fitted to the H200 sweep of
+# scripts/sweep_splits.py, docs/bench/sweep_splits_wgmma.txt: its choice runs within 8 % of the measured best on
+# every shape there, within 2 % on most).
+COMBINE_COST = 0.04
+WAVE_SPLIT_BASE = 4    # at base >= 4 waves of blocks, splitting gains less than the combine costs: 1
+
+
+def wave_splits(base: int, sms: int, most: int) -> int:
+    """The split count the wave model predicts fastest for `base` blocks on `sms` SMs (at most `most`)."""
+    if base >= WAVE_SPLIT_BASE * sms:
+        return 1
+    def cost(s):
+        return -(-base * s // sms) / s + (COMBINE_COST * base * s / sms if s > 1 else 0.0)
+    return min(range(1, max(1, most) + 1), key=lambda s: (cost(s), s))
 
 
 def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
