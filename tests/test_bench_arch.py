@@ -65,3 +65,17 @@ def test_spec_without_sm80_is_refused_first(monkeypatch):
     monkeypatch.setattr(artifacts, "find_spec", lambda name: only90)
     with pytest.raises(DdtreeError, match="not built for sm_80"):
         bench_arch.bench_arch(SimpleNamespace(spec=["t"], out=None))
+
+
+def test_graph_time_below_the_peak_is_refused(monkeypatch):
+    """A CUDA-graph time faster than the call's FLOPs at the measured peak is measured again, and a second
+    such time raises instead of becoming a table row (bench tree_verify / kv-dtype)."""
+    from ddtree_gen import bench
+    times = iter([0.001, 0.5])
+    monkeypatch.setattr(bench, "graph_time_ms", lambda fn, **kw: next(times))
+    assert bench.checked_graph_time_ms(None, "x", 0.1) == 0.5          # re-measured, plausible
+    times = iter([0.2])
+    assert bench.checked_graph_time_ms(None, "x", 0.1) == 0.2          # plausible at once
+    times = iter([0.001, 0.002])
+    with pytest.raises(RuntimeError, match="not a measurement"):
+        bench.checked_graph_time_ms(None, "x", 0.1)
