@@ -35,7 +35,7 @@ from ..errors import ArgumentError
 from ..plans import by_name
 from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.tree_verify_mma import workspace_elems
-from ..runtime import TensorMap, Prepared, Step, run_call, sm_count
+from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
                      given_outputs, validate_attention_values)
@@ -122,8 +122,9 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     if b:
         lse_part = splits * rows_total * r * 4     # byte offset of the partial lse in the workspace
         part_o, part_lse = ((WS, 0), (WS, lse_part)) if need else (np.uint64(0), np.uint64(0))
-        # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call
-        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, 64, 64),)
+        # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
+        # boxes of one key tile's rows by one 64-column (128-byte) slab
+        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64),)
                if kset.constants(name, qn.device).get("USE_TMA") else ())
         steps.append(Step(name, (b * splits * row_tiles,),
                           (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
