@@ -266,6 +266,28 @@ def test_matrix(spec, case, impl, launcher):
     assert (again[1].view(np.uint32) == results[splits][1].view(np.uint32)).all(), f"{tag}: lse not deterministic"
 
 
+PAGE16_CASES = [c for c in CASES if c.id in ("b1-L0-q1", "b7-small", "b64-mixed")]
+
+
+@pytest.mark.parametrize("case", PAGE16_CASES, ids=[c.id for c in PAGE16_CASES])
+def test_wgmma_cp_async_tiles(spec, case):
+    """The full wgmma kernel loads its key tiles by TMA only where a page holds whole 64-key tiles (every
+    spec in specs/); other page sizes take its cp.async path. A 16-token-page variant of each bf16 spec
+    runs that path through the matrix's checks (fp8 specs always take it: test_matrix)."""
+    from dataclasses import replace
+    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    if spec.kv_fp8:
+        pytest.skip(f"spec {spec.name!r}: an fp8 cache always loads by cp.async (test_matrix covers it)")
+    variant = replace(spec, name=f"{spec.name}-page16", page_size=16)
+    assert uses_tma(spec, "tree_verify_wgmma") and not uses_tma(variant, "tree_verify_wgmma")
+    ks = WGMMA.load(variant)
+    seed = fresh_seed()
+    inp, rng = build_case(variant, case, seed, WGMMA.bf16)
+    heads = heads_to_check(variant.num_heads, rng, case.heads)
+    verify_all_splits(ks, WGMMA, "tree_verify", inp, SCALES[case.scale], heads,
+                      f"wgmma tree_verify {variant.name} {case.id} seed={seed}")
+
+
 @pytest.mark.parametrize("group", GROUPS, ids=GROUP_IDS)
 def test_empty_rows(spec, group):
     """prefix_len 0 and mask rows without bits in [0, q_len): out exactly 0, lse -inf."""
