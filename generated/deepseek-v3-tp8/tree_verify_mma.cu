@@ -201,7 +201,7 @@ ddtree_tree_verify_mma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             bf16_t* __restrict__ out,                // [B, Nq, H, R]            (splits == 1)
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
             float* __restrict__ part_o,              // [splits, rows_total, R]  (splits > 1)
-            float* __restrict__ part_lse)   // [splits, rows_total] (splits > 1); TMA: kv_map
+            float* __restrict__ part_lse)            // [splits, rows_total]     (splits > 1)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     // block -> (request, chunk, row tile), row tiles fastest: the blocks of one request and chunk

@@ -262,7 +262,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             float* __restrict__ lse,                 // [B, Nq, H]               (splits == 1)
             float* __restrict__ part_o,              // [splits, rows_total, R]  (splits > 1)
             float* __restrict__ part_lse,
-            const __grid_constant__ TmaMap kv_map)   // [splits, rows_total] (splits > 1); TMA: kv_map
+            const __grid_constant__ TmaMap kv_map)            // [splits, rows_total]     (splits > 1)
 {
     extern __shared__ __align__(1024) unsigned char smem[];
     // block -> (request, chunk, row tile), row tiles fastest: the blocks of one request and chunk
