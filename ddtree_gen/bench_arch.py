@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import reference
-from .bench import (KV_DTYPE_KERNELS, _auto_impl, graph_time_ms, measured_peak_tflops, print_table, spec_variant,
+from .bench import (KV_DTYPE_KERNELS, _auto_impl, checked_graph_time_ms, graph_time_ms, measured_peak_tflops, print_table, spec_variant,
                     tree_build_inputs, verify_flops, verify_inputs)
 from .bench_step import LAYERS, accept_tree
 from .errors import DdtreeError
@@ -198,7 +198,7 @@ def _verify_rows(spec, sets, device, b, nq, peak, variant=False) -> list[list]:
             res = ks.tree_verify(**x, impl=impl)
             outs.append(res)
             fn = lambda ks=ks, res=res: ks.tree_verify(**x, out=res.out, lse=res.lse, impl=impl)  # noqa: E731
-            times.append(graph_time_ms(fn, per_graph=5, reps=10))
+            times.append(checked_graph_time_ms(fn, f"tree_verify {impl} at {shape}", flops / (peak * 1e12) * 1e3))
         agree = _agree_attention(*outs)   # after the timed replays: they rewrote the same outputs
         _progress(f"tree_verify {impl}", shape, sets, times)
         pct = [f"{100 * flops / (t * 1e-3) / 1e12 / peak:.1f}%" for t in times]
