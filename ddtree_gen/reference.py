@@ -14,10 +14,10 @@ import numpy as np
 
 from . import bf16, fp8
 from .errors import ArgumentError
-from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
+from .types import AttentionOutput, DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
 
 __all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
-           "merge_states", "tree_accept", "kv_commit"]
+           "merge_states", "tree_accept", "kv_commit", "draft_topk"]
 
 _I32_MAX = 2**31 - 1
 
@@ -544,3 +544,59 @@ def kv_commit(accepted, prefix_lens, kv_caches, block_table):
         for b in range(bsz):
             a = min(max(int(lens[b]), 0), d)
             _commit(kv, table[b], int(prefix[b]), [int(x) for x in nodes[b, :a + 1]])
+
+
+# ----------------------------------------------------------------------------- draft_topk
+
+MAX_VOCAB = 262144   # draft_topk: the largest vocabulary (the last dimension of logits)
+
+
+def temperature_arg(temperature) -> tuple[float, float]:
+    """(temperature, its float32 reciprocal) of draft_topk, or ArgumentError naming `temperature`: a real
+    number, finite and > 0, whose reciprocal rounded to float32 is a finite normal number (the kernels
+    scale by it)."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
+                                                                                   np.floating)):
+        raise ArgumentError(f"temperature: expected a float, got {type(temperature).__name__} {temperature!r}")
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ArgumentError(f"temperature: {t!r} must be finite and > 0")
+    with np.errstate(over="ignore"):
+        inv = float(np.float32(1.0 / t))
+    if not (math.isfinite(inv) and inv >= float(np.finfo(np.float32).tiny)):
+        raise ArgumentError(f"temperature: {t!r} is outside the float32 range (its reciprocal {1.0 / t!r} "
+                            f"must be a finite normal float32)")
+    return t, inv
+
+
+def draft_topk(logits, k, temperature=1.0):
+    """The drafter's top-k per depth, tree_build's input: logits [B, D', V] (float, ml_dtypes.bfloat16 or
+    uint16 bf16 bits) -> DraftTopkOutput(topk_ids [B, D', k] int32, topk_logprobs [B, D', k] float64).
+
+    Order: descending logit, equal logits lowest token id first (+0 and -0 equal); a NaN logit counts
+    as -inf. The log-probs are log_softmax(logits / temperature) over the whole row in float64. A row
+    whose largest logit is -inf (all -inf / NaN) gives -inf log-probs; a row with +inf logits gives each
+    +inf entry -log(count of +inf) and every other entry -inf (the limit of a large finite logit)."""
+    x = _float_array(logits, "logits", 3)
+    bsz, dp, v = x.shape
+    if not 1 <= v <= MAX_VOCAB:
+        raise ArgumentError(f"logits: V = {v} (dimension 2) must be in [1, {MAX_VOCAB}]")
+    k = _int_scalar(k, "k", 1, v)
+    t, _ = temperature_arg(temperature)
+    x = np.where(np.isnan(x), -np.inf, x)
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]          # stable: equal logits by ascending id
+    top = np.take_along_axis(x, order, axis=-1)
+    y = x / t
+    m = y.max(axis=-1, keepdims=True)
+    lp = np.full((bsz, dp, k), -np.inf)
+    finite = np.isfinite(m[..., 0])
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if finite.any():
+            ym = y[finite]
+            lse = m[finite] + np.log(np.exp(ym - m[finite]).sum(axis=-1, keepdims=True))
+            lp[finite] = top[finite] / t - lse
+        plus = m[..., 0] == np.inf
+        if plus.any():
+            count = (x[plus] == np.inf).sum(axis=-1, keepdims=True)
+            lp[plus] = np.where(top[plus] == np.inf, -np.log(count), -np.inf)
+    return DraftTopkOutput(order.astype(np.int32), lp)
