@@ -50,6 +50,16 @@ def find_spec(name) -> Spec:
     return load_spec(path)
 
 
+def shipped(spec: Spec) -> bool:
+    """Whether `spec` is one of the shipped specs (specs/<name>.toml with the same values): only those have
+    a folder in generated/. A spec given by path that is not one builds into the cache (or `build --out`)."""
+    path = paths.specs_dir() / f"{spec.name}.toml"
+    try:
+        return path.is_file() and load_spec(path) == spec
+    except SpecError:
+        return False
+
+
 def all_specs() -> list[Spec]:
     return [load_spec(p) for p in spec_paths(paths.specs_dir())]
 
@@ -201,15 +211,17 @@ def manifest_for(spec: Spec, built: list[Built]) -> dict:
             "kernels": kernels}
 
 
-def write_generated(spec: Spec, built: list[Built]) -> None:
-    """Write generated/<spec>/ atomically, file by file, the manifest last, under a lock; .cu files of the
-    folder that no build wrote any more (a kernel or a per-target source that is gone) are removed."""
-    out = paths.generated_dir() / spec.name
+def write_generated(spec: Spec, built: list[Built], root: Path | None = None) -> None:
+    """Write generated/<spec>/ (or <root>/<spec>/) atomically, file by file, the manifest last, under a lock;
+    .cu files of the folder that no build wrote any more (a kernel or a per-target source that is gone) are
+    removed."""
+    root = paths.generated_dir() if root is None else Path(root)
+    out = root / spec.name
     manifest = manifest_for(spec, built)
     by_kernel: dict = {}
     for b in built:
         by_kernel.setdefault(b.kernel, {})[b.arch] = b
-    with file_lock(paths.generated_dir() / ".lock"):
+    with file_lock(root / ".lock"):
         written = set()
         for name, entry in manifest["kernels"].items():
             for a, info in entry["builds"].items():
@@ -235,12 +247,18 @@ def expected_sources(spec: Spec) -> dict:
     return out
 
 
-def check_generated(specs: list[Spec]) -> list[str]:
-    """What in generated/ is out of date with specs/ and templates/ (empty list: up to date)."""
+def check_generated(specs: list[Spec], root: Path | None = None, strays: bool = True) -> list[str]:
+    """What in generated/ (or `root`) is out of date with specs/ and templates/ (empty list: up to date).
+    `strays`: also report folders of no spec among `specs` (a check of every spec, not of named ones).
+
+    Only what the specs and templates determine is compared (sources, hashes, targets and options); the
+    binary record (cache keys, sizes, hashes, ptxas reports) is that of the NVRTC the manifest names, and
+    another NVRTC of the allowed range neither fails the check nor rewrites it (docs/decisions.md)."""
     problems = []
     tdigest = templates_digest()
+    root = paths.generated_dir() if root is None else Path(root)
     for spec in specs:
-        out = paths.generated_dir() / spec.name
+        out = root / spec.name
         expected = expected_sources(spec)
         try:
             manifest = json.loads((out / MANIFEST).read_text())
@@ -297,16 +315,19 @@ def check_generated(specs: list[Spec]) -> list[str]:
                 continue
             if current != text:
                 problems.append(f"{path}: differs from what the template renders")
-    if paths.generated_dir().is_dir():
+    if strays and root.is_dir():
         names = {s.name for s in specs}
-        for d in sorted(paths.generated_dir().iterdir()):
+        for d in sorted(root.iterdir()):
             if d.is_dir() and d.name not in names:
                 problems.append(f"{d}: no spec specs/{d.name}.toml")
     return problems
 
 
 def generated_state(spec: Spec) -> dict:
-    """kernel -> {target: 'up to date' / 'stale' / 'missing'} (for `ddtree-gen list`)."""
+    """kernel -> {target: 'up to date' / 'stale' / 'missing' / 'not shipped'} (for `ddtree-gen list`; a spec
+    that is not a shipped one has no folder in generated/)."""
+    if not shipped(spec):
+        return {k.name: {a: "not shipped" for a in k.archs_for(spec)} for k in all_kernels()}
     out = paths.generated_dir() / spec.name
     try:
         manifest = json.loads((out / MANIFEST).read_text())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .errors import DdtreeError
 
@@ -12,26 +13,35 @@ def _specs(names):
     return [artifacts.find_spec(n) for n in names] if names else artifacts.all_specs()
 
 
+def _destination(spec, out):
+    """Where `build` writes the sources and manifest of `spec`: (folder or None, what it is). A shipped spec
+    goes to generated/ of a checkout; a spec given by path that is not a shipped one, or any spec of an
+    installed package, to the binary cache only, unless `--out DIR` names a folder (DIR/<spec>/)."""
+    from . import artifacts, paths
+    if out is not None:
+        return Path(out), f"{Path(out) / spec.name}/"
+    if not artifacts.shipped(spec):
+        return None, (f"not a shipped spec: its binaries are in the cache ({paths.cache_dir()}), generated/ is "
+                      f"untouched (`--out DIR` writes its sources and manifest to DIR/{spec.name}/)")
+    if paths.installed():
+        return None, (f"an installed package's generated/ is the shipped record: not written; the binaries are "
+                      f"in the cache ({paths.cache_dir()})")
+    return paths.generated_dir(), f"generated/{spec.name}/"
+
+
 def cmd_build(args) -> int:
     from . import artifacts
     specs = _specs(args.specs)
     if args.check:
-        problems = artifacts.check_generated(specs if args.specs else artifacts.all_specs())
-        for spec in specs:
-            print(_spec_summary(spec))
-        for p in problems:
-            print(f"out of date: {p}")
-        if problems:
-            print(f"generated/ is out of date ({len(problems)} problem(s)); run `ddtree-gen build`")
-            return 1
-        print(f"generated/ is up to date with specs/ and templates/ ({len(specs)} specs)")
-        return 0
+        return _check(args, specs)
     kdefs = artifacts.select_kernels(args.kernel)
     plan = [(spec, artifacts.variants(spec, kdefs)) for spec in specs]
     total = sum(len(v) for _, v in plan)
-    rows, failed, compiled, n = [], [], 0, 0
+    rows, failed, notes, compiled, n = [], [], [], 0, 0
     for spec, variants in plan:
         built = []
+        notes += [f"{spec.name}: {k.why_not_built(spec)}" for k in kdefs
+                  if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
         for kdef, arch in variants:
             n += 1
             try:
@@ -45,10 +55,20 @@ def cmd_build(args) -> int:
             print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
             rows.append((spec.name, kdef.name, arch, kdef.plan_for(spec, arch), b.report))
-        if len(built) == len(variants) and not args.kernel:
-            artifacts.write_generated(spec, built)   # only a complete, successful set replaces generated/
+        if len(built) == len(variants) and not args.kernel:   # only a complete, successful set is written
+            root, where = _destination(spec, args.out)
+            if root is None:
+                notes.append(f"{spec.name}: {where}")
+            elif args.refresh or artifacts.check_generated([spec], root, strays=False):
+                artifacts.write_generated(spec, built, root)
+                notes.append(f"{spec.name}: wrote {where}")
+            # else: up to date; a manifest's binary record is that of the NVRTC it names (check_generated)
     if rows:
         _resource_table(rows)
+    if notes:
+        print()
+        for note in notes:
+            print(note)
     for spec_name, kernel, arch, msg in failed:
         print(f"\nbuild of {spec_name}/{kernel} ({arch}) failed (previous artifacts left in place):\n{msg}",
               file=sys.stderr)
@@ -59,14 +79,42 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _check(args, specs) -> int:
+    """`build --check`: the named specs (all shipped ones by default) against generated/ (or --out DIR)."""
+    from . import artifacts, paths
+    if args.out is not None:
+        root, what, fix = Path(args.out), f"{args.out}", f"ddtree-gen build --out {args.out} SPEC"
+    else:
+        for spec in specs:
+            if not artifacts.shipped(spec):
+                raise DdtreeError(f"build --check {spec.name}: not a shipped spec (specs/{spec.name}.toml), so it "
+                                  f"has no folder in generated/ to check; `build --check --out DIR` checks the "
+                                  f"folder that `build --out DIR` wrote")
+        root, what = paths.generated_dir(), "generated/"
+        fix = ("reinstall the package: its shipped generated/ differs from its specs and templates"
+               if paths.installed() else "run `ddtree-gen build`")
+    problems = artifacts.check_generated(specs, root, strays=not args.specs and args.out is None)
+    for spec in specs:
+        print(_spec_summary(spec))
+    for p in problems:
+        print(f"out of date: {p}")
+    if problems:
+        print(f"{what} is out of date ({len(problems)} problem(s)); {fix}")
+        return 1
+    print(f"{what} is up to date with specs/ and templates/ ({len(specs)} specs)")
+    return 0
+
+
 def _spec_summary(spec) -> str:
     """One line per spec for `build --check`: its kv_dtype, targets and kernel count (and what it does not get)."""
     from .plans import all_kernels
     built = [k for k in all_kernels() if k.archs_for(spec)]
-    skipped = [k.name for k in all_kernels() if not k.builds_for(spec)]
+    skipped = [k.name for k in all_kernels() if spec.kv_dtype not in k.kv_dtypes]
+    unfit = [k.name for k in all_kernels() if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
     line = (f"{spec.name}: kv_dtype={spec.kv_dtype} targets={','.join(spec.archs)}, {len(built)} kernels, "
             f"{sum(len(k.archs_for(spec)) for k in built)} variants")
-    return line + (f" (not built for {spec.kv_dtype}: {', '.join(skipped)})" if skipped else "")
+    line += f" (not built for {spec.kv_dtype}: {', '.join(skipped)})" if skipped else ""
+    return line + (f" (not built for its shape: {', '.join(unfit)}; `ddtree-gen list` says why)" if unfit else "")
 
 
 def _resource_table(rows) -> None:
@@ -93,15 +141,15 @@ def cmd_list(args) -> int:
             order = kdef.archs_for(spec)
             if not order:
                 why = (f"it reads {', '.join(kdef.kv_dtypes)} caches, the spec's kv_dtype is {spec.kv_dtype}"
-                       if not kdef.builds_for(spec) else
+                       if spec.kv_dtype not in kdef.kv_dtypes else kdef.unfit(spec) if kdef.unfit(spec) else
                        f"its targets ({', '.join(kdef.archs)}) are not the spec's")
-                print(f"  {kdef.name:<24} {'-':<14} not built: {why}")
+                print(f"  {kdef.name:<24} {'-':<14}  not built: {why}")
                 continue
             for i, arch in enumerate(order):
                 cached = "cached" if _is_cached(spec, kdef, arch) else "not compiled here"
                 name = kdef.name if i == 0 else ""
-                print(f"  {name:<24} {arch:<6} ({_binary(arch):<5})  generated/: {state[kdef.name][arch]:<10}  "
-                      f"binary: {cached}")
+                print(f"  {name:<24} {arch:<6} {'(' + _binary(arch) + ')':<7}  generated/: "
+                      f"{state[kdef.name][arch]:<11}  binary: {cached}")
     return 0
 
 
@@ -141,12 +189,18 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = argparse.ArgumentParser(prog="ddtree-gen", description=__doc__)
+    p.add_argument("--version", action="version", version=f"ddtree-gen {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="render, compile and write generated/<spec>/ (all specs by default)")
     b.add_argument("specs", nargs="*", help="spec names (specs/<name>.toml) or paths")
     b.add_argument("--kernel", action="append", help="build only this kernel (repeatable; generated/ untouched)")
     b.add_argument("--check", action="store_true", help="exit 1 if generated/ is out of date; compiles nothing")
+    b.add_argument("--out", metavar="DIR", help="write (or --check) DIR/<spec>/ instead of generated/: the place "
+                                                "for a spec of your own")
+    b.add_argument("--refresh", action="store_true", help="rewrite generated/<spec>/ even when its sources are "
+                                                          "up to date (records this NVRTC's binaries)")
     b.set_defaults(func=cmd_build)
     ls = sub.add_parser("list", help="specs, kernels and their build state")
     ls.add_argument("specs", nargs="*")
@@ -174,3 +228,7 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # `ddtree-gen list | head`: the reader is gone; say nothing more
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit's flush)
+        return 0

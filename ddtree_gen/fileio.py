@@ -33,12 +33,28 @@ def atomic_write(path, data: bytes | str) -> None:
 
 @contextlib.contextmanager
 def file_lock(path):
-    """An exclusive advisory lock held while the block runs (the lock file stays, empty)."""
+    """An exclusive advisory lock held while the block runs; the lock file is removed when it is released.
+
+    Removal is safe against a waiter: a process that was waiting on the removed file finds, once it holds
+    the lock, that the path no longer names the file it locked, and locks the new one instead."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    while True:
+        f = open(path, "a+b")
         try:
-            yield
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:          # removed (and maybe re-created) while we waited: lock the current one
+                continue
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)   # under the lock: no one else holds this file
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            return
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            f.close()

@@ -1,13 +1,32 @@
-"""Where the project's folders are. DDTREE_GEN_ROOT and DDTREE_GEN_CACHE override them."""
+"""Where the project's folders are. DDTREE_GEN_ROOT and DDTREE_GEN_CACHE override them.
+
+Two layouts, one set of folder names (specs/, templates/, generated/, refs/):
+- a checkout (the repository, an editable install): the folders at the top of the repository, beside
+  the package;
+- an installed wheel: the copies that the wheel build puts inside the package, ddtree_gen/_data/
+  (setup.py maps templates/, specs/ and generated/ there; refs/ stays in the repository). They are the
+  shipped record: `ddtree-gen build` compiles into the binary cache there and writes no file of the
+  package (`installed()`).
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+PACKAGE = Path(__file__).resolve().parent
+DATA = PACKAGE / "_data"   # an installed wheel's specs/, templates/, generated/ (setup.py, build_py)
+
+
+def installed() -> bool:
+    """Whether the folders are an installed wheel's shipped data (no DDTREE_GEN_ROOT, no checkout)."""
+    return not os.environ.get("DDTREE_GEN_ROOT") and DATA.is_dir()
+
 
 def project_root() -> Path:
     env = os.environ.get("DDTREE_GEN_ROOT")
-    return Path(env) if env else Path(__file__).resolve().parent.parent
+    if env:
+        return Path(env)
+    return DATA if DATA.is_dir() else PACKAGE.parent
 
 
 def specs_dir() -> Path:

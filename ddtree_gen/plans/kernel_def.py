@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..archs import ARCHS, PRIMARY
+from ..errors import BuildError, SpecError
 from ..resources import Plan
 from ..spec import KV_DTYPES, Spec
 
@@ -30,8 +31,32 @@ class KernelDef:
         return self.plan(spec, arch=arch) if self.arch_plan else self.plan(spec)
 
     def builds_for(self, spec: Spec) -> bool:
-        """Whether `spec` gets this kernel at all: its kv_dtype is one the kernel reads."""
-        return spec.kv_dtype in self.kv_dtypes
+        """Whether `spec` gets this kernel at all: its kv_dtype is one the kernel reads, and the kernel's
+        resource plan serves the spec's shape on each of its targets (unfit)."""
+        return spec.kv_dtype in self.kv_dtypes and self.unfit(spec) is None
+
+    def unfit(self, spec: Spec) -> str | None:
+        """None if this kernel's plan serves `spec` on every target the spec asks of it, else why not: the
+        plan's refusal, naming the field or the limit (a kv_lora_rank the mma.sync and wgmma kernels cannot
+        split over their warps, more registers than the CUDA-core kernel holds, shared memory past sm_90's).
+        A spec the loader accepts gets every kernel that can be built for it; list, build and load say
+        which ones it does not get, and why (docs/decisions.md "Specs the build cannot fully serve")."""
+        cache = self.__dict__.get("_unfit_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_unfit_cache", cache)   # frozen: a cache beside the fields
+        if spec not in cache:
+            why = None
+            for arch in (a for a in ARCHS if a in self.archs and a in spec.archs):
+                try:
+                    self.plan_for(spec, arch).check_fits()
+                except (SpecError, BuildError) as e:
+                    why = str(e)
+                    prefix = f"spec {spec.name!r}, kernel {self.name}: "
+                    why = why[len(prefix):] if why.startswith(prefix) else why
+                    break
+            cache[spec] = why
+        return cache[spec]
 
     def archs_for(self, spec: Spec) -> tuple:
         """The targets this kernel is built for in `spec`: its own that the spec asks for, in preference order;
@@ -44,9 +69,11 @@ class KernelDef:
     def why_not_built(self, spec: Spec) -> str | None:
         """None if `spec` gets this kernel, else why not: a message naming the kernel, the spec and the reason
         (the ArgumentError of a launch, the BuildError of a build)."""
-        if not self.builds_for(spec):
+        if spec.kv_dtype not in self.kv_dtypes:
             return (f"{self.name}: not built for kv_dtype {spec.kv_dtype!r} of spec {spec.name!r} (it reads "
                     f"{', '.join(self.kv_dtypes)} caches only)")
+        if self.unfit(spec):
+            return f"{self.name}: not built for spec {spec.name!r}: {self.unfit(spec)}"
         if not self.archs_for(spec):
             return (f"{self.name}: not built for spec {spec.name!r}: its targets ({', '.join(self.archs)}) are "
                     f"not the spec's ({', '.join(spec.archs)})")

@@ -1,0 +1,234 @@
+"""A user's first hour (issue 19), CPU only: a spec of one's own never writes generated/, `build --check`
+with spec names checks those, another NVRTC leaves the manifests alone, the layout of an installed
+wheel, and the small things of the command line (--version, `list | head`, the list's columns, locks).
+
+Every build works on a copy of specs/, templates/ and generated/ under a temporary DDTREE_GEN_ROOT, so the
+repository is never written. (The wheel itself is built and used from a fresh venv by .ci/run.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ddtree_gen import artifacts, cli, fileio, paths
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = "kimi-k2.6-tp8"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch, cache) -> Path:
+    """A copy of the repository's specs/, templates/ and generated/ as DDTREE_GEN_ROOT."""
+    dest = tmp_path / "project"
+    for sub in ("specs", "templates", "generated"):
+        shutil.copytree(REPO / sub, dest / sub, ignore=shutil.ignore_patterns(".lock"))
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(dest))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+    return dest
+
+
+def _run(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _tree(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _user_spec(folder: Path, name: str = "my-spec") -> Path:
+    text = (REPO / "specs" / f"{SHIPPED}.toml").read_text().replace(f'name = "{SHIPPED}"', f'name = "{name}"')
+    assert f'name = "{name}"' in text
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_spec_by_path_builds_into_the_cache_or_out_never_generated(root, tmp_path, capsys):
+    before = _tree(root)
+    mine = _user_spec(tmp_path / "mine")
+    rc, out = _run(capsys, "build", str(mine))
+    assert rc == 0, out
+    assert "my-spec: not a shipped spec: its binaries are in the cache" in out, out
+    assert _tree(root) == before, "building a spec given by path changed specs/, templates/ or generated/"
+    rc, out = _run(capsys, "build", "--check")        # what failed after such a build before issue 19
+    assert rc == 0, out
+    # --out DIR: its sources and manifest there, and `--check --out DIR` checks them
+    rc, out = _run(capsys, "build", str(mine), "--out", str(tmp_path / "out"))
+    assert rc == 0 and f"my-spec: wrote {tmp_path / 'out' / 'my-spec'}/" in out, out
+    manifest = json.loads((tmp_path / "out" / "my-spec" / "manifest.json").read_text())
+    assert manifest["spec"] == "my-spec" and manifest["kernels"]
+    assert _tree(root) == before
+    rc, out = _run(capsys, "build", "--check", "--out", str(tmp_path / "out"), str(mine))
+    assert rc == 0 and "is up to date" in out, out
+    (tmp_path / "out" / "my-spec" / "tree_build.cu").write_text("// edited\n")
+    rc, out = _run(capsys, "build", "--check", "--out", str(tmp_path / "out"), str(mine))
+    assert rc == 1 and "tree_build.cu: differs from what the template renders" in out, out
+    assert f"ddtree-gen build --out {tmp_path / 'out'} SPEC" in out, out
+    # --check of a spec of one's own without --out: there is nothing in generated/ to check, and it says so
+    rc, out = _run(capsys, "build", "--check", str(mine))
+    assert rc == 2 and "my-spec: not a shipped spec" in out and "--check --out DIR" in out, out
+
+
+def test_list_of_a_spec_by_path_says_not_shipped(root, tmp_path, capsys):
+    rc, out = _run(capsys, "list", str(_user_spec(tmp_path / "mine")))
+    assert rc == 0 and "generated/: not shipped" in out and "generated/: up to date" not in out, out
+
+
+def test_a_shipped_spec_by_path_is_the_shipped_one(root):
+    assert artifacts.shipped(artifacts.find_spec(str(root / "specs" / f"{SHIPPED}.toml")))
+    assert artifacts.shipped(artifacts.find_spec(SHIPPED))
+
+
+def test_check_with_spec_names_checks_those_only(root, capsys):
+    (root / "generated" / "zz-not-a-spec").mkdir()
+    rc, out = _run(capsys, "build", "--check", SHIPPED)
+    assert rc == 0, out
+    assert out.splitlines()[0].startswith(f"{SHIPPED}: kv_dtype=") and "(1 specs)" in out, out
+    rc, out = _run(capsys, "build", "--check")           # all specs: the stray folder is reported
+    assert rc == 1 and "zz-not-a-spec: no spec specs/zz-not-a-spec.toml" in out, out
+    (root / "generated" / SHIPPED / "kv_commit.cu").write_text("// edited\n")
+    rc, out = _run(capsys, "build", "--check", SHIPPED)   # a named spec's own drift still fails
+    assert rc == 1 and "kv_commit.cu: differs" in out, out
+
+
+def test_another_nvrtc_leaves_the_manifest_alone(root, capsys):
+    """The manifest's binary record is that of the NVRTC it names: a build whose sources are up to date
+    keeps it (a fresh clone's first build leaves git clean whatever 13.x NVRTC pip chose), --refresh
+    rewrites it, and a changed source rewrites it with the NVRTC of that build."""
+    path = root / "generated" / SHIPPED / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["nvrtc_version"] = "13.0"                  # as written by an older NVRTC: other binaries
+    for entry in manifest["kernels"].values():
+        for b in entry["builds"].values():
+            b["binary_sha256"], b["binary_bytes"] = "0" * 64, 1
+    other = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    path.write_text(other)
+    rc, out = _run(capsys, "build", "--check", SHIPPED)
+    assert rc == 0, out
+    rc, out = _run(capsys, "build", SHIPPED)
+    assert rc == 0, out
+    assert path.read_text() == other, "a build with up-to-date sources rewrote the manifest"
+    rc, out = _run(capsys, "build", "--refresh", SHIPPED)
+    assert rc == 0 and f"{SHIPPED}: wrote generated/{SHIPPED}/" in out, out
+    assert path.read_bytes() == (REPO / "generated" / SHIPPED / "manifest.json").read_bytes()
+
+
+def test_installed_layout_is_the_package_data(tmp_path, monkeypatch):
+    """An installed wheel has specs/, templates/, generated/ under ddtree_gen/_data (setup.py's build_py)."""
+    monkeypatch.delenv("DDTREE_GEN_ROOT", raising=False)
+    assert paths.project_root() == REPO and not paths.installed()     # this checkout
+    monkeypatch.setattr(paths, "DATA", tmp_path / "_data")
+    (tmp_path / "_data").mkdir()
+    assert paths.installed() and paths.specs_dir() == tmp_path / "_data" / "specs"
+    assert paths.generated_dir() == tmp_path / "_data" / "generated"
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(REPO))
+    assert not paths.installed() and paths.project_root() == REPO
+
+
+def test_setup_maps_the_shipped_folders_into_the_wheel():
+    text = (REPO / "setup.py").read_text()
+    assert 'DATA_FOLDERS = ("templates", "specs", "generated")' in text
+    manifest_in = (REPO / "MANIFEST.in").read_text().split()
+    assert all(f in manifest_in for f in ("templates", "specs", "generated"))
+
+
+def test_version(capsys):
+    from ddtree_gen import __version__
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ddtree-gen {__version__}"
+
+
+def test_list_piped_into_head_ends_quietly(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    env.pop("DDTREE_GEN_ROOT", None)
+    r = subprocess.run(f"{sys.executable} -m ddtree_gen list | head -1", shell=True, capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stdout + r.stderr
+    assert r.stderr == "", r.stderr
+
+
+def test_list_columns_line_up(capsys):
+    rc, out = _run(capsys, "list", "deepseek-v3-fp8")   # built kernels and skipped ones
+    assert rc == 0, out
+    built = [ln.index("generated/:") for ln in out.splitlines() if "generated/:" in ln]
+    skipped = [ln.index("not built:") for ln in out.splitlines() if "not built:" in ln]
+    assert built and skipped, out
+    assert set(built) == set(skipped) and len(set(built)) == 1, out
+
+
+def test_file_lock_is_exclusive_and_leaves_no_file(tmp_path):
+    lock, counter = tmp_path / "x.lock", tmp_path / "n"
+    counter.write_text("0")
+
+    def work():
+        for _ in range(20):
+            with fileio.file_lock(lock):
+                n = int(counter.read_text())
+                time.sleep(0.0005)
+                counter.write_text(str(n + 1))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter.read_text() == "80"     # no lost update: the lock excluded the others every time
+    assert not lock.exists()
+
+
+def _shape_spec(folder: Path, name: str, rank: int) -> Path:
+    path = _user_spec(folder, name)
+    text = path.read_text()
+    lines = [f"kv_lora_rank = {rank}" if ln.startswith("kv_lora_rank") else ln for ln in text.splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp_path, capsys):
+    """kv_lora_rank 320 passes the loader; the mma.sync and wgmma kernels need a multiple of 128: the build
+    builds the others and says per kernel what it skipped and why, and so do list, --check and load()."""
+    import ddtree_gen
+    from ddtree_gen.plans import all_kernels, by_name
+    path = _shape_spec(tmp_path / "mine", "rank-320", 320)
+    spec = artifacts.find_spec(str(path))
+    skipped = {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma", "tree_verify_tail_wgmma"}
+    assert {k.name for k in all_kernels() if not k.builds_for(spec)} == skipped
+    assert all(by_name(k).archs_for(spec) == () for k in skipped)
+    rc, out = _run(capsys, "build", str(path))
+    assert rc == 0, out
+    for k in skipped:
+        assert (f"rank-320: {k}: not built for spec 'rank-320': field 'kv_lora_rank' = 320 must be a multiple "
+                f"of 128") in out, out
+    assert "FAILED" not in out
+    rc, out = _run(capsys, "list", str(path))
+    assert rc == 0 and out.count("not built: field 'kv_lora_rank' = 320 must be a multiple of 128") == 4, out
+    ks = ddtree_gen.load(spec)
+    assert "tree_verify" in ks.kernels and not skipped & set(ks.kernels)
+    assert "must be a multiple of 128" in ks.unavailable("tree_verify_wgmma", 0)
+
+
+def test_a_rank_past_the_cuda_core_kernel_says_its_limit():
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.spec import parse_spec
+    spec = parse_spec({**artifacts.find_spec(SHIPPED).as_dict(), "name": "rank-704", "kv_lora_rank": 704}, "t")
+    why = by_name("tree_verify").why_not_built(spec)
+    assert why.startswith("tree_verify: not built for spec 'rank-704': kv_lora_rank = 704") and "at most 180" in why
+    assert by_name("tree_build").builds_for(spec) and by_name("kv_commit").builds_for(spec)
