@@ -172,19 +172,31 @@ def cmd_refs(args) -> int:
 
 
 BENCHES = ("tree_build", "tree_verify", "kv-dtype", "arch", "tree_accept", "step", "launch")
+# what each benchmark needs besides a GPU (torch: its peers, the measured matmul peak, torch ops, fp8 inputs)
+BENCH_TORCH = {"tree_verify", "kv-dtype", "arch", "launch"}
 
 
 def cmd_bench(args) -> int:
+    from . import needs
+    for name in args.kernels:
+        if name not in BENCHES:
+            raise DdtreeError(f"no benchmark for {name!r} (have: {', '.join(BENCHES)})")
+    fp8 = any(_specs([s])[0].kv_fp8 for s in args.spec or [])   # an fp8 cache is made through torch
+    for name in args.kernels:
+        needs.require(f"bench {name}", gpu=True, torch=name in BENCH_TORCH or fp8)
     from . import bench, bench_arch, bench_launch, bench_step
     run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
            "kv-dtype": bench.bench_kv_dtype, "arch": bench_arch.bench_arch,
            "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
            "launch": bench_launch.bench_launch}
     for name in args.kernels:
-        if name not in run:
-            raise DdtreeError(f"no benchmark for {name!r} (have: {', '.join(BENCHES)})")
-    for name in args.kernels:
-        run[name](args)
+        try:
+            run[name](args)
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            needs.require(f"bench {name}", gpu=False, torch=True)   # (a path that needs torch after all)
+            raise
     return 0
 
 

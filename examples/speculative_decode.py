@@ -8,6 +8,13 @@ with kset.tree_verify in every layer -> kset.tree_accept on every layer's cache)
 it reproduces plain decoding on the same GPU model, and prints tokens per step and the time of
 each generated kernel (CUDA events around every call, median over steps). With --graph, one
 step is captured in a CUDA graph and replayed; the replayed run must give the same tokens.
+
+Exit status 0 when the kernels are right: speculative decoding gives the plain tokens, except that a
+request may part from them at a near-tie, a token whose plain top-2 logit margin is below --near-tie
+(default 5e-3, as tests/test_gpu_e2e.py): the tree pass and the one-token pass sum attention in different
+tile orders, so a bf16 ulp can flip such a token. Every divergence is printed with its margin; one at a
+larger margin is a bug and exits 1, and so does a graph replay that differs from the eager run at all.
+Needs a CUDA GPU (exit 2, saying so, without one).
 """
 from __future__ import annotations
 
@@ -21,8 +28,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_gen import artifacts, load  # noqa: E402
+from ddtree_gen import DdtreeError, artifacts, load, needs  # noqa: E402
 from ddtree_gen import model as M  # noqa: E402
+from ddtree_gen.model import tensor_parallel as TP  # noqa: E402  (compare_tokens: the near-tie rule)
+
+NEAR_TIE = 5e-3   # top-2 logit margin below which a bf16 rounding difference may flip a token
 
 
 def parse_args(argv=None):
@@ -37,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: Gumbel-max sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--graph", action="store_true", help="also capture a step in a CUDA graph and replay it")
+    p.add_argument("--near-tie", type=float, default=NEAR_TIE,
+                   help=f"top-2 margin below which speculative and plain tokens may part (default {NEAR_TIE:g})")
     p.add_argument("--numpy-check", action="store_true",
                    help="also decode plain with the float64 numpy model and report the agreement")
     return p.parse_args(argv)
@@ -88,7 +100,12 @@ def graph_run(dec: M.DeviceDecoder):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    spec = artifacts.find_spec(args.spec)
+    try:
+        needs.require("examples/speculative_decode.py", gpu=True)
+        spec = artifacts.find_spec(args.spec)
+    except DdtreeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kset = load(spec)
     cfg = M.ModelConfig.from_spec(spec)
     weights = M.init_weights(cfg)
@@ -110,20 +127,27 @@ def main(argv=None) -> int:
     plain, plain_ms, plain_kernels, _ = timed_run(decoder(False))
     spec_dec = decoder(True)
     gen, step_ms, per_kernel, calls = timed_run(spec_dec)
-    same = np.array_equal(gen.tokens, plain.tokens)
     agree = float((gen.tokens == plain.tokens).mean())
     print(f"speculative: {gen.steps} steps, mean accepted length {gen.mean_accept:.2f}, "
           f"tokens/step {gen.tokens_per_step:.2f}; plain: {plain.steps} steps")
-    if same:
+    margins = {}
+
+    def margin(b, i):   # the plain run's top-2 margins, computed only if some request diverges
+        if "m" not in margins:
+            margins["m"] = decoder(False).run(keep_margins=True).margins
+        return margins["m"][b, i]
+
+    cmp = TP.compare_tokens(plain.tokens, gen.tokens, margin, args.near_tie)
+    if cmp.identical:
         print(f"lossless: speculative == plain GPU tokens for all {len(gen.tokens)} requests")
     else:
-        # the tree pass and the 1-token pass sum attention in different tile orders, so the last
-        # bits differ; tokens can only flip where the plain top-2 scores (nearly) tie
-        margins = decoder(False).run(keep_margins=True).margins
-        first = [(b, int(np.flatnonzero(d)[0])) for b, d in enumerate(gen.tokens != plain.tokens) if d.any()]
-        print(f"speculative == plain GPU tokens: {len(gen.tokens) - len(first)} of {len(gen.tokens)} requests "
-              f"identical (token agreement {agree:.4f}); the others first diverge where the plain top-2 "
-              f"margin is {', '.join(f'{float(margins[b, i]):.2g}' for b, i in first)} (near-ties)")
+        parted = len(cmp.near_ties) + len(cmp.violations)
+        print(f"speculative vs plain GPU tokens: {len(gen.tokens) - parted} of {len(gen.tokens)} requests "
+              f"identical (token agreement {agree:.4f}); {cmp.describe()}; near-tie bound: plain top-2 "
+              f"margin < {args.near_tie:g}")
+        print("  a near-tie divergence is bf16 rounding (the tree pass and the one-token pass sum in different "
+              "orders), not a kernel error" if cmp.ok else
+              "  FAILED: a request diverges where the plain top-2 margin is not a near-tie")
     print(f"step time (median): speculative {statistics.median(step_ms):.3f} ms, "
           f"plain {statistics.median(plain_ms):.3f} ms")
     print("per generated-kernel time per speculative step (median over steps):")
@@ -132,7 +156,7 @@ def main(argv=None) -> int:
         print(f"  {name:24s} {med:9.4f} ms  ({calls[name]} calls, {med / calls[name]:.4f} ms per call)")
     print(f"  plain step tree_verify (q_len 1): "
           f"{statistics.median(plain_kernels['tree_verify (q_len 1)']):.4f} ms")
-    status = 0 if same else 1
+    status = 0 if cmp.ok else 1
     if args.graph:
         ggen, replay_ms = graph_run(decoder(True))
         gsame = np.array_equal(ggen.tokens, gen.tokens)

@@ -66,7 +66,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_gen import artifacts, load  # noqa: E402
+from ddtree_gen import DdtreeError, artifacts, load, needs  # noqa: E402
 from ddtree_gen import model as M  # noqa: E402
 from ddtree_gen.model import tensor_parallel as TP  # noqa: E402
 
@@ -304,6 +304,11 @@ def _free_port() -> int:
 def main(argv=None) -> dict:
     """Run the example; returns the report (under torchrun every process returns it)."""
     args = parse_args(argv)
+    try:   # torch.distributed always; GPUs unless --cpu (their count is checked below)
+        needs.require("examples/tp_speculative_decode.py" + (" --cpu" if args.cpu else ""), gpu=not args.cpu,
+                      torch=True)
+    except DdtreeError as e:
+        raise SystemExit(f"error: {e}") from None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # started by torchrun
         world = int(os.environ["WORLD_SIZE"])
         if args.tp not in (None, world):

@@ -9,11 +9,21 @@ When: on a GPU after changing the pop loop of templates/tree_build.cu.j2, to com
 probe numbers in docs/perf.md ("tree_build").
 Run: PYTHONPATH=. python scripts/probe_tree_build.py
 """
-import numpy as np
-import cupy
-import ddtree_gen
-from ddtree_gen.artifacts import find_spec
-from ddtree_gen.bench import graph_time_ms, tree_build_inputs
+import argparse
+
+from ddtree_gen import DdtreeError, needs
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+try:   # before any CUDA call: one line, not a traceback, where no GPU is usable
+    needs.require("scripts/probe_tree_build.py", gpu=True)
+except DdtreeError as e:
+    raise SystemExit(f"error: {e}") from None
+
+import numpy as np  # noqa: E402
+import cupy  # noqa: E402
+import ddtree_gen  # noqa: E402
+from ddtree_gen.artifacts import find_spec  # noqa: E402
+from ddtree_gen.bench import graph_time_ms, tree_build_inputs  # noqa: E402
 
 spec = find_spec("kimi-k2.6-tp8")
 ks = ddtree_gen.load(spec, kernels=["tree_build"])

@@ -20,7 +20,8 @@ def gpu_reason() -> str | None:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, no CuPy, no device
-        return f"no CUDA GPU here ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"no CUDA GPU here ({type(e).__name__}: {first})"   # whole: a cut reason hides the cause
     return None if n > 0 else "no CUDA GPU here (0 devices)"
 
 

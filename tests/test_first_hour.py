@@ -232,3 +232,64 @@ def test_a_rank_past_the_cuda_core_kernel_says_its_limit():
     why = by_name("tree_verify").why_not_built(spec)
     assert why.startswith("tree_verify: not built for spec 'rank-704': kv_lora_rank = 704") and "at most 180" in why
     assert by_name("tree_build").builds_for(spec) and by_name("kv_commit").builds_for(spec)
+
+
+# ------------------------------------------------------- GPU-only commands without a GPU or torch
+
+BENCH_NEEDS = {"tree_build": "a CUDA GPU", "tree_accept": "a CUDA GPU", "step": "a CUDA GPU",
+               "tree_verify": "a CUDA GPU and torch", "kv-dtype": "a CUDA GPU and torch",
+               "arch": "a CUDA GPU and torch", "launch": "a CUDA GPU and torch"}
+
+
+@pytest.mark.parametrize("name", list(BENCH_NEEDS))
+def test_bench_without_gpu_or_torch_says_what_it_needs(name, monkeypatch, capsys):
+    from ddtree_gen import needs
+    monkeypatch.setattr(needs, "gpu_problem", lambda: "no usable CUDA GPU here (test)")
+    monkeypatch.setattr(needs, "torch_problem", lambda: "torch is not installed (test)")
+    rc, out = _run(capsys, "bench", name)
+    assert rc == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddtree-gen: error: bench {name} needs {BENCH_NEEDS[name]}: "), out
+    assert ("torch is not installed" in out) == ("torch" in BENCH_NEEDS[name]), out
+
+
+def test_bench_with_torch_but_no_gpu_names_the_gpu_only(monkeypatch, capsys):
+    from ddtree_gen import needs
+    monkeypatch.setattr(needs, "gpu_problem", lambda: "no usable CUDA GPU here (test)")
+    monkeypatch.setattr(needs, "torch_problem", lambda: None)
+    rc, out = _run(capsys, "bench", "launch")
+    assert rc == 2 and out.strip() == ("ddtree-gen: error: bench launch needs a CUDA GPU and torch: no usable "
+                                       "CUDA GPU here (test)"), out
+
+
+def test_needs_torch_problem_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from ddtree_gen import needs
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert needs.torch_problem() == "torch is not installed (pip install 'ddtree-gen[torch]', or torch itself)"
+
+
+def _no_gpu() -> str | None:
+    from ddtree_gen import needs
+    return needs.gpu_problem()
+
+
+@pytest.mark.parametrize("argv", [["examples/speculative_decode.py"], ["scripts/probe_tree_build.py"],
+                                  ["scripts/ablate_wgmma.py"], ["scripts/compare_tma.py"], ["scripts/probe_wgmma.py"]])
+def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
+    if _no_gpu() is None:
+        pytest.skip("a CUDA GPU is usable here: this test is of a machine without one")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(REPO / argv[0])], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {argv[0]} needs a CUDA GPU: {_no_gpu()}"], r.stderr
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "scripts").glob("*.py")))
+def test_every_script_answers_help(script, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr

@@ -16,7 +16,7 @@ PACKAGE = Path(ddtree_gen.__file__).resolve().parent
 
 # Lower layers first. A module may import its own layer or a lower one, never a higher one.
 LAYERS = [
-    ["errors", "paths", "types", "fileio", "bf16", "fp8", "trees", "archs", "spec"],   # leaves (archs: build targets)
+    ["errors", "paths", "types", "fileio", "bf16", "fp8", "trees", "archs", "spec", "needs"],   # leaves (archs: build targets)
     ["resources", "kdtr"],                                               # resource model, bundle format
     ["plans"],                                                           # the kernel registry (build data)
     ["render", "compile", "reference"],

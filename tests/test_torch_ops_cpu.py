@@ -53,3 +53,45 @@ def test_fake_shapes_follow_the_spec(spec):
         walk = torch.ops.ddtree.tree_walk(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec)
         assert [tuple(a.shape) for a in walk] == [(b,), (b, d1), (b, d1), (b,)]
         assert torch.ops.ddtree.kv_commit(spec.name, walk[0], walk[1], vec, [kv, kv], table) is None
+
+
+class _NotRun(Exception):
+    """Raised by the captured graph: the test traces a step, it never runs one (no GPU here)."""
+
+
+def test_a_step_compiles_to_one_graph_on_fake_tensors():
+    """torch.compile(fullgraph=True) traces tree_build -> tree_verify -> tree_walk -> kv_commit through the
+    fake implementations (dynamo runs them on fake tensors): one graph, no break, the ops in order."""
+    from ddtree_gen import artifacts
+    spec = artifacts.find_spec("kimi-k2.6-tp8")
+    n, h, r, p, b = spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 2
+    name = spec.name
+
+    def step(ids, lps, roots, lens, q, qp, kv, table, target):
+        tree = torch.ops.ddtree.tree_build(name, ids, lps, roots, lens, n - 1)
+        out, lse = torch.ops.ddtree.tree_verify(name, q, qp, kv, table, lens, lens, tree[6], 0.1, "auto")
+        acc = torch.ops.ddtree.tree_walk(name, tree[0], tree[1], tree[7], tree[8], target, lens)
+        torch.ops.ddtree.kv_commit(name, acc[0], acc[1], lens, [kv], table)
+        return out * 2, lse, acc[2]
+
+    i32 = dict(dtype=torch.int32)
+    args = (torch.zeros(b, spec.max_depth, n - 1, **i32), torch.zeros(b, spec.max_depth, n - 1),
+            torch.zeros(b, **i32), torch.ones(b, **i32), torch.zeros(b, n, h, r, dtype=torch.bfloat16),
+            torch.zeros(b, n, h, p, dtype=torch.bfloat16), torch.zeros(4, spec.page_size, r + p, dtype=torch.bfloat16),
+            torch.zeros(b, 2, **i32), torch.zeros(b, n, **i32))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def never(*a):
+            raise _NotRun
+        return never
+
+    torch._dynamo.reset()
+    with pytest.raises(_NotRun):
+        torch.compile(step, fullgraph=True, backend=backend)(*args)
+    assert len(graphs) == 1
+    called = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    ops = [str(t).split("ddtree.")[-1].split(".")[0] for t in called if "ddtree" in str(t)]
+    assert ops == ["tree_build", "tree_verify", "tree_walk", "kv_commit"], called
