@@ -4,7 +4,9 @@
     ks = ddtree_gen.load("kimi-k2.6-tp8")      # compiled kernel set of a spec (built if needed)
     tree = ks.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget=64)
 
-`ddtree_gen.reference` holds the numpy reference of every kernel.
+`ddtree_gen.reference` holds the numpy reference of every kernel; `ddtree_gen.bf16` and `ddtree_gen.fp8`
+convert bf16 bits and e4m3 bytes on the numpy side. They are imported on first use (`import ddtree_gen`
+stays light), as attributes or by `import ddtree_gen.reference`.
 """
 from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
@@ -18,6 +20,17 @@ def load(spec, *, kernels=None, arch=None):
     capability 8.0+); arch="sm_80" (or $DDTREE_GEN_ARCH) forces one build target everywhere."""
     from .kernel_set import load as _load   # imported on use: `import ddtree_gen` stays light
     return _load(spec, kernels=kernels, arch=arch)
+
+
+# submodules reachable as attributes after `import ddtree_gen`, imported on first use (PEP 562)
+_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["load", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",

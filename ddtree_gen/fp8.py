@@ -6,8 +6,8 @@ an element stands for is e4m3(byte) * kv_scale (one per-tensor scale, a float ar
 launchers). CuPy and numpy hold the bytes as uint8, torch as torch.float8_e4m3fn (or uint8);
 an ml_dtypes.float8_e4m3fn array is taken as its bytes.
 
-The conversions go through ml_dtypes (a test dependency: pip install ml_dtypes, or the package's [test]
-extra); it is imported on first use, so nothing else in ddtree_gen needs it.
+The conversions go through ml_dtypes, a dependency of the package (issue 19: `ddtree-gen refs` and the
+references of an fp8 spec need it); it is imported on first use, so `import ddtree_gen` does not load it.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def ml_dtypes():
     try:
         import ml_dtypes as mod
     except ImportError:
-        raise ImportError("e4m3 data on the numpy side needs ml_dtypes (pip install ml_dtypes, or "
-                          "pip install -e '.[test]')") from None
+        raise ImportError("e4m3 data on the numpy side needs ml_dtypes, a dependency of ddtree-gen that is "
+                          "missing here: pip install ml_dtypes (or reinstall ddtree-gen)") from None
     return mod
 
 

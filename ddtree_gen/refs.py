@@ -197,7 +197,16 @@ def compare(spec: Spec, kernel: str, bundle) -> list[str]:
 
 def main(args) -> int:
     from .artifacts import all_specs, find_spec
+    from .errors import DdtreeError
+    if paths.installed():
+        raise DdtreeError("refs: refs/ (the KDTR bundles) is part of the repository, not of the installed package: "
+                          "run `ddtree-gen refs` in a checkout")
     specs = [find_spec(n) for n in args.specs] if args.specs else all_specs()
+    if any(s.kv_fp8 for s in specs):
+        try:   # a dependency; refuse in one line where an environment lacks it, before any bundle
+            fp8.ml_dtypes()
+        except ImportError as e:
+            raise DdtreeError(f"refs: the fp8 specs' bundles: {e}") from None
     bad = 0
     for spec in specs:
         wanted = {bundle_path(spec, k, c) for k, (_, cases) in CASES.items() for c in cases}

@@ -293,3 +293,29 @@ def test_every_script_answers_help(script, tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+
+
+def test_refs_without_ml_dtypes_refuses_in_one_line(monkeypatch, capsys):
+    from ddtree_gen import fp8
+
+    def missing():
+        raise ImportError("e4m3 data on the numpy side needs ml_dtypes, a dependency (test)")
+    monkeypatch.setattr(fp8, "ml_dtypes", missing)
+    rc, out = _run(capsys, "refs", "--check", "deepseek-v3-fp8")
+    assert rc == 2 and out.strip().splitlines() == [
+        "ddtree-gen: error: refs: the fp8 specs' bundles: e4m3 data on the numpy side needs ml_dtypes, a "
+        "dependency (test)"], out
+
+
+def test_ml_dtypes_is_a_dependency():
+    import tomllib
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("ml_dtypes") for d in deps), deps
+
+
+def test_refs_in_an_installed_package_says_it_is_a_repository_command(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("DDTREE_GEN_ROOT", raising=False)
+    monkeypatch.setattr(paths, "DATA", tmp_path / "_data")
+    (tmp_path / "_data").mkdir()
+    rc, out = _run(capsys, "refs", "--check")
+    assert rc == 2 and "refs/ (the KDTR bundles) is part of the repository" in out, out
