@@ -273,6 +273,46 @@ def torch_peers(x):
     return {"torch eager": eager, "torch SDPA": sdpa}
 
 
+def flashmla_peers(ks, x):
+    """FlashMLA's dense decode on the same inputs, when `flash_mla` is importable (../shared/peers: not a
+    dependency): "FlashMLA dense" (cache_seqlens = L + Nq, no tree mask: our FLOPs without the mask) and
+    "split: FlashMLA + tail + merge" (FlashMLA over the prefix, our tree_verify_tail, merge_states: the split
+    path an engine can run today, with FlashMLA's [B, H, Nq] lse transposed for merge_states). {} without it.
+    Returns {name: fn}; fn() returns (out, lse) in our layouts."""
+    try:
+        import flash_mla
+    except ImportError as e:
+        print(f"FlashMLA peers skipped: flash_mla is not importable ({e}); put ../shared/peers' package on PYTHONPATH")
+        return {}
+    import torch
+    dl = torch.utils.dlpack.from_dlpack
+    qn, qp = dl(x["q_nope"]).view(torch.bfloat16), dl(x["q_pe"]).view(torch.bfloat16)
+    q = torch.cat([qn, qp], -1).contiguous()                              # [B, Nq, H, R+P]: made once, not timed
+    b, nq, h, r = qn.shape
+    cache = dl(x["kv_cache"]).view(torch.bfloat16)
+    kv = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])    # [num_pages, page, 1, R+P]
+    table, lens = dl(x["block_table"]), dl(x["prefix_lens"])
+    dense_lens = (lens + nq).to(torch.int32)
+    scale = x["softmax_scale"]
+    meta_dense, splits_dense = flash_mla.get_mla_metadata()
+    meta_pre, splits_pre = flash_mla.get_mla_metadata()
+    tail = ks.tree_verify_tail(**x)
+    merged = ks.merge_states(tail.out, tail.lse, tail.out, tail.lse)       # output buffers of the split path
+
+    def dense():
+        o, lse = flash_mla.flash_mla_with_kvcache(q, kv, table, dense_lens, r, meta_dense, splits_dense,
+                                                  softmax_scale=scale, causal=False)
+        return o, lse.transpose(1, 2)
+
+    def split():
+        po, plse = flash_mla.flash_mla_with_kvcache(q, kv, table, lens, r, meta_pre, splits_pre,
+                                                    softmax_scale=scale, causal=False)
+        t = ks.tree_verify_tail(**x, out=tail.out, lse=tail.lse)
+        return ks.merge_states(po, plse.transpose(1, 2).contiguous(), t.out, t.lse, out=merged.out, lse=merged.lse)
+
+    return {"FlashMLA dense (no mask)": dense, "split: FlashMLA + tail + merge": split}
+
+
 def bench_tree_verify(args) -> None:
     from .artifacts import find_spec
     from .kernel_set import load
@@ -300,22 +340,28 @@ def bench_tree_verify(args) -> None:
         times = {}
         for name, fn in impls.items():
             times[name] = checked_graph_time_ms(fn, f"{name} at B={b} H={h} L={l}", flops / (peak * 1e12) * 1e3)
+        for name, fn in flashmla_peers(ks, x).items():
+            times[name] = checked_graph_time_ms(fn, f"{name} at B={b} H={h} L={l}", flops / (peak * 1e12) * 1e3)
         for name, fn in torch_peers(x).items():
             try:
                 times[name] = gpu_time_ms(fn, warmup=2, reps=5)
             except Exception as e:  # out of memory or unsupported: show, don't hide
                 print(f"{name} failed at B={b} H={h} L={l}: {type(e).__name__}: {str(e)[:100]}")
         ours = min((t, n) for n, t in times.items() if n.startswith("ours"))
+        fmla = times.get("FlashMLA dense (no mask)")
         for name, ms in times.items():
             tf = flops / (ms * 1e-3) / 1e12
             rows.append([f"B={b} H={h} L={l}", name, f"{ms:.3f}", f"{tf:.1f}", f"{100 * tf / peak:.1f}%",
                          f"{ms / ours[0]:.2f}x" if not name.startswith("ours") else
-                         ("best" if name == ours[1] else f"{ms / ours[0]:.2f}x")])
+                         ("best" if name == ours[1] else f"{ms / ours[0]:.2f}x"),
+                         f"{ms / fmla:.2f}" if fmla else "-"])
             plot.append((f"B={b}\nH={h}\nL={l}", name, tf))
     print_table(f"tree_verify, Nq={nq}; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; "
-                f"measured bf16 matmul peak in this run: {peak:.0f} TFLOP/s; ours: CUDA-graph replay medians; "
-                f"peers: eager medians; last column: peer time / our best time",
-                ["config", "impl", "ms", "TFLOP/s", "% peak", "vs ours"], rows, args.out, "bench_tree_verify")
+                f"measured bf16 matmul peak in this run: {peak:.0f} TFLOP/s; ours and FlashMLA: CUDA-graph replay "
+                f"medians; torch peers: eager medians; vs ours: time / our best time; vs FlashMLA: time / FlashMLA "
+                f"dense's (its FLOPs without the tree mask)",
+                ["config", "impl", "ms", "TFLOP/s", "% peak", "vs ours", "vs FlashMLA"], rows, args.out,
+                "bench_tree_verify")
     if args.out:
         _plot(plot, peak, Path(args.out) / "bench_tree_verify.png")
 

@@ -5,13 +5,24 @@ Same contract, split-KV policy, workspace and combine kernel as the mma.sync fam
 operands once from shared memory instead of every warp re-reading them.
 templates/tree_verify_wgmma.cu.j2 has the design, docs/perf.md the performance model.
 
-Fixed configuration: two warpgroups, BM = 64 query rows, BN = 64 keys per tile, 2 cp.async
-stages; tiles stored in the 128-byte swizzle of the wgmma descriptors.
+Fixed configuration: two warpgroups, BM = 64 query rows, BN = 64 keys per tile; tiles stored in the
+128-byte swizzle of the wgmma descriptors. Two schedules (the config's "schedule"; `schedule_for` is the
+policy):
+* "seesaw" (templates/tree_verify_seesaw.cu.j2): each warpgroup owns half of the output columns and
+  computes S of alternate key tiles, so one warpgroup's softmax runs under the other's products; key
+  tiles by TMA, two tile buffers; needs a bf16 cache with 64-key-aligned pages, R = 512 and P = 64
+  (Q's rope slab is held in registers and its shared memory holds the odd tile's P).
+* "lockstep" (templates/tree_verify_wgmma.cu.j2): both warpgroups split S by keys and P.V by columns,
+  softmax in between, 2 key stages (TMA or cp.async); every other variant (fp8, the tail kernel, other
+  page sizes or dims).
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 
+from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import tree_verify_mma as mma
 from .kernel_def import KernelDef
@@ -45,15 +56,51 @@ def uses_tma(spec, kernel: str) -> bool:
     return kernel == "tree_verify_wgmma" and not spec.kv_fp8 and spec.page_size % BN == 0
 
 
-def verify_plan(spec, kernel="tree_verify_wgmma") -> Plan:
+# Seesaw: Q, two key tiles, the even tile's P (the odd tile's lives in Q's rope slab), the row max and the two
+# rescale factors and the row sums of both warpgroups (5 x BM floats), one mbarrier per slab of each tile buffer
+SEESAW_SMEM = 3 * TILE + mma.BM * BN * 2 + 5 * mma.BM * 4 + 2 * SLABS * 8
+SCHEDULES = ("seesaw", "lockstep")
+
+
+def seesaw_fits(spec, kernel: str) -> bool:
+    """Whether the seesaw schedule can serve `kernel` of `spec`: TMA tiles (uses_tma) and R = 512, P = 64."""
+    return uses_tma(spec, kernel) and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
+
+
+def schedule_for(spec, kernel: str) -> str:
+    """The default schedule (the policy): the seesaw wherever it fits, else lockstep."""
+    return "seesaw" if seesaw_fits(spec, kernel) else "lockstep"
+
+
+def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     mma.check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
+    sched = (config or {}).get("schedule") or schedule_for(spec, kernel)
+    if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
+                        f"(seesaw needs a bf16 cache, page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
     tma = uses_tma(spec, kernel)
-    smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
+    if sched == "seesaw":
+        smem = SEESAW_SMEM
+    else:
+        smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"BM": sympy.Integer(mma.BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
                         "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
+                        "SEESAW": sympy.Integer(1 if sched == "seesaw" else 0),
+                        "ABLATE": sympy.Integer(int((config or {}).get("ablate", 0))),
+                        "L2_EVICT_FIRST": sympy.Integer(1 if (config or {}).get("l2_hint") == "evict_first" else 0),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
+
+
+def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None) -> KernelDef:
+    """tree_verify_wgmma built with `schedule` (same name and entry as the registered kernel), for the
+    comparison and ablation scripts; ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones
+    (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint."""
+    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint}
+    return KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
+                     plan=functools.partial(verify_plan, kernel="tree_verify_wgmma", config=config),
+                     context={"tail": False}, archs=ARCHS)
 
 
 def tail_plan(spec) -> Plan:

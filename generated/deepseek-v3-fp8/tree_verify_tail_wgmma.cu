@@ -111,8 +111,6 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define FULL 0xffffffffu
 #define LN2 0.6931471805599453f
 
-typedef unsigned long long uint64_t;
-
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
 static_assert(RANK % 128 == 0 && RANK <= 512, "each warpgroup's PV product is m64nNk16 with N = R / 2 <= 256, whole slabs");
 static_assert(ROW % 16 == 0 && SLABS * 64 >= ROW, "k-steps of 16");
@@ -177,6 +175,11 @@ __device__ __forceinline__ bool mask_bit(const uint32_t (&m)[MASK_WORDS], int j)
     return (word >> (j & 31)) & 1u;
 }
 
+// Device helpers of the Hopper tree_verify templates (tree_verify_wgmma's lockstep and seesaw schedules):
+// the swizzled 64-column slab layout of the tiles, wgmma descriptors and fences, mbarriers and TMA boxes.
+// The including template defines SLAB_BYTES, V_LBO and V_SBO first.
+typedef unsigned long long uint64_t;
+
 // Byte offset of 16-byte chunk c of row r in a 64-row tile: slab c / 8, row r, chunk (c mod 8) ^ (r mod 8).
 __device__ __forceinline__ uint32_t swz(int r, int c) {
     return (uint32_t)((c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4));
@@ -205,6 +208,45 @@ __device__ __forceinline__ void wg_keep(float (&d)[N]) {
     #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+
+// A CUtensorMap, passed by value (__grid_constant__: TMA reads it from the parameter space).
+struct __align__(64) TmaMap { unsigned long long words[16]; };
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// the initialised barriers -> the TMA unit (async proxy)
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// the arrival of the stage's one producer, expecting `bytes` from TMA before the phase completes
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// until the phase of parity `parity` has completed (the spin loop inside one asm statement: to the compiler
+// it is straight-line code, so no wgmma after it sits on a divergent path)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+// box (column c0, row c1) of the tensor map -> shared memory at dst, completing on bar
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+// the same with an L2 eviction-priority hint (a createpolicy value)
+__device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar,
+                                                 uint64_t policy) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, { %2, %3 }], [%4], %5;\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy) : "memory");
+}
+// an L2 policy: evict-first for the whole access (a key tile is read by the row tiles of its request, close together)
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+
 // d (+)= A B: S = Q K^T, m64 n32 k16, both K-major; accumulate = 0 overwrites d
 __device__ __forceinline__ void wgmma_s(float (&d)[NS], uint64_t a, uint64_t b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -219,7 +261,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b)
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                  : "l"(a), "l"(b), "r"(1));
 }
-
 
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)

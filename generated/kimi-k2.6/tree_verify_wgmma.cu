@@ -51,38 +51,34 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
     return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
 }
 
-// tree_verify_wgmma: MLA tree attention for DDTree verification on Hopper's warpgroup tensor cores
-// (wgmma.mma_async, bf16 -> fp32; sm_90a). Spec kimi-k2.6: H = 64 heads, R = 512 latent,
+// tree_verify_wgmma, seesaw schedule: MLA tree attention for DDTree verification on Hopper's warpgroup tensor
+// cores (wgmma.mma_async, bf16 -> fp32; sm_90a). Spec kimi-k2.6: H = 64 heads, R = 512 latent,
 // P = 64 rope, page = 64 tokens, N = 65 tree nodes, W = 3 mask words.
-// Keys t in [0, prefix_len + q_len): the whole prefix, plus tree node t - prefix_len when its bit
-// is set in the query row's tree mask.
+// Keys t in [0, prefix_len + q_len): the whole prefix, plus tree node t - prefix_len when its bit is set in
+// the query row's tree mask. Same contract, block mapping, split-KV and workspace as the lockstep kernel
+// (templates/tree_verify_wgmma.cu.j2); what differs is the schedule inside a block.
 //
-// Same contract, block mapping, split-KV and workspace as tree_verify_mma (whose combine kernel
-// merges the chunks); what differs is the matrix engine. MQA view: request b has Nq * H query rows
-// (row m = i * H + h) against ONE latent KV head (K = kv row, 512 + 64 wide; V = its first 512).
-// A block = two warpgroups owns BM = 64 rows of one request and one key chunk; keys stream through
-// shared memory in tiles of BN = 64 keys (2-stage cp.async pipeline). Per tile:
-//   S phase:  warpgroup kh computes S = Q K^T for all 64 rows and keys 32 kh .. 32 kh + 31:
-//             36 x wgmma m64n32k16, Q and K both read by the tensor cores from shared memory;
-//             the accumulator of warp g of a warpgroup holds rows 16 g .. 16 g + 15, as mma.sync's
-//             does, so the masking / online softmax is tree_verify_mma's: row maxima exchanged with
-//             the other warpgroup's warp g (named barrier), P = 2^(s - m) stored as bf16.
-//   PV phase: warpgroup kh owns output columns 256 kh ..: O += P V as 4 x wgmma
-//             m64n256k16 (P K-major, V = the key tile read MN-major: no transposed copy), with
-//             128 fp32 accumulators per thread. The rescale factor of a row is in the
-//             registers of the threads that own it (same rows in both phases).
-// Shared-memory tiles are stored as 64-column slabs [slab][row][128 bytes] in the 128-byte swizzle
-// of the wgmma descriptors (16-byte chunk c of row r at chunk c ^ (r mod 8)); cp.async writes land in
-// the generic proxy, so each thread fences (fence.proxy.async) before the barrier that publishes them.
-// Online softmax in base 2, fp32 statistics; row sum from the fp32 p, the PV product from the bf16 p.
-// No atomics: deterministic.
-//
-// TMA key tiles (bf16 cache, page_size % BN == 0, the full kernel): a tile is BN keys of one page, i.e. one
-// rectangle of the cache viewed as [num_pages * PAGE, ROW]. Thread 0 loads it with 9 TMA boxes of
-// 64 keys x 64 columns (cp.async.bulk.tensor, the 128-byte swizzle of the slabs above, zeros past ROW)
-// completing on the stage's mbarrier; the other threads only wait. A tile on a page outside
-// [0, num_pages) is not loaded, and rows that are not keys of the chunk (past its end) are zeroed by
-// their threads after the tile lands, so that they are never read as values (as cp.async's zero fill).
+// A block = two warpgroups owns BM = 64 query rows (row m = i * H + h) of one request and one key chunk.
+// Keys come in tiles of BN = 64 (one rectangle of a page: TMA, 9 boxes of 64 keys x 64 columns, one
+// mbarrier per box) into two tile buffers: buffer 0 holds the even tiles, buffer 1 the odd ones.
+//   * Warpgroup w owns output columns (R / 2) w .. (64 x 256 fp32 accumulators, 128 per thread) and
+//     computes S = Q K^T of every tile of parity w (m64n64k16 x 36, A = Q from shared memory, its rope
+//     slab from registers), masks it and does its softmax.
+//   * One running row max m, shared through shared memory. Per pair of tiles (a even, b = a + 1):
+//       WG0: m' = max(m, rowmax S_a), P_a = 2^(S_a - m'), O_L = O_L 2^(m - m') + P_a V_aL   (P_a from registers)
+//       WG1: m'' = max(m', rowmax S_b), P_b = 2^(S_b - m''), O_R = O_R 2^(m - m'') + P_b V_bR  (P_b from registers)
+//       WG0: O_L = O_L 2^(m' - m'') + P_b V_bL              (P_b from shared memory, written by WG1)
+//       WG1: O_R = O_R + (P_a 2^(m' - m'')) V_aR            (P_a rescaled by WG0, from shared memory)
+//     and each warpgroup then computes S of its next tile while the other does its softmax, so the
+//     softmax of one warpgroup runs under the other's products (FlashMLA's "seesaw" idea, written anew).
+//   * The four hand-offs are named barriers (arrive by one warpgroup, sync by the other). A buffer's
+//     columns are refilled by TMA as soon as their last reader is done: V_L's by WG0 after its P.V_L,
+//     the rest by WG1 after its P.V_R. No block-wide barrier inside the loop.
+// Online softmax in base 2, fp32 statistics; row sums from the fp32 p (the P.V products from bf16 p).
+// Rows of a tile that are not keys of the chunk (past its end; a page outside [0, num_pages): the tile is
+// not loaded) are masked, and their V rows zeroed by the tile's S warpgroup before anyone reads them.
+// Shared memory: Q (its rope slab later holds P_b), two key tiles, P_a; 64-column slabs [slab][row][128 B]
+// in the 128-byte swizzle of the wgmma descriptors. No atomics: deterministic.
 
 #define TAIL 0
 #define NUM_HEADS 64
@@ -94,44 +90,44 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define THREADS 256
 #define BM 64                      // query rows per block
 #define BN 64                      // keys per tile
-#define STAGES 2              // key tiles in flight
-#define USE_TMA 1            // key tiles by TMA (1) or cp.async (0)
-#define SLABS 9                // 64-column slabs per tile row: ceil(ROW / 64)
+#define SLABS 9                // 64-column slabs per tile row: ROW / 64
 #define SLAB_BYTES (64 * 128)            // one slab of a 64-row tile
 #define TILE_BYTES (SLABS * SLAB_BYTES)
-#define KW (BN / 2)                      // keys per warpgroup in the S phase
-#define NS (KW / 2)                      // S accumulators per thread: m64 x KW fp32 over 128 threads
+#define VSLABS (RANK / 128)              // V slabs per warpgroup (its R / 2 output columns)
+#define QREG_SLAB (SLABS - 1)            // Q's rope slab: held in registers; its shared memory holds P_b
+#define NS (BN / 2)                      // S accumulators per thread: m64 x 64 fp32 over 128 threads
 #define NO (RANK / 4)                    // O accumulators per thread: m64 x R/2 fp32 over 128 threads
-#define KSTEPS (ROW / 16)
-#define CPR (ROW / 8)                    // 16-byte chunks per kv / query row
+#define CPR (ROW / 8)                    // 16-byte chunks per query row
 #define QCH (RANK / 8)                   // of which from q_nope
-#define TPK (THREADS / BN)               // threads copying one key row
-#define CPT ((CPR + TPK - 1) / TPK)      // chunks per thread and key row
 #define V_LBO 8192                // V descriptor (MN-major): byte stride between 64-column slabs
 #define V_SBO 1024                //   and between groups of 8 keys
 #define FULL 0xffffffffu
 #define LN2 0.6931471805599453f
-
-typedef unsigned long long uint64_t;
+// named barriers (0 is __syncthreads): the hand-offs between the warpgroups (256 threads: one arrives, the
+// other syncs), and one of each warpgroup's own 128 threads
+#define BAR_SCALE0 1                     // WG0's new max and factor of the even tile are in sM / sScale0
+#define BAR_SCALE1 2                     // WG1's of the odd tile are in sM / sScale1
+#define BAR_P0 3                         // the even tile's rescaled P is in sP0
+#define BAR_P1 4                         // the odd tile's P is in sP1 (and WG1's P_a.V_aR is issued)
+#define BAR_WG 5                         // + w: warpgroup w alone
+// Ablation (scripts/compare_schedules.py --ablate, results wrong on purpose): bit 0 leaves out the S products,
+// bit 1 the P.V products; 0 in every build
+#define ABLATE 0
+#define L2_EVICT_FIRST 0     // key-tile loads with an L2 evict-first hint (the config's "l2_hint")
 
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
-static_assert(RANK % 128 == 0 && RANK <= 512, "each warpgroup's PV product is m64nNk16 with N = R / 2 <= 256, whole slabs");
-static_assert(ROW % 16 == 0 && SLABS * 64 >= ROW, "k-steps of 16");
-static_assert(THREADS % BN == 0 && STAGES >= 2, "copy layout / pipeline");
+static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
+static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 
-// Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total. Every tile
-// starts on a 1024-byte boundary (the swizzle repeats every 8 rows of 128 bytes).
-#define SQ_OFF 0                                       // Q tile  [SLABS][BM][128 B], swizzled
-#define BF16_TILES STAGES
-#define OK_SLOTS STAGES
-#define SK_OFF (SQ_OFF + TILE_BYTES)                   // K tiles [BF16_TILES][SLABS][BN][128 B], swizzled
-#define SP_OFF (SK_OFF + BF16_TILES * TILE_BYTES)      // P tile  [BM][BN] bf16 = one slab, swizzled
-#define SMAX_OFF (SP_OFF + BM * BN * 2)                // [2][BM] f32: tile row max per key half; at the end row sums
-#define SOK_OFF (SMAX_OFF + 2 * BM * 4)                // [OK_SLOTS][BN] int: key staged and in range
-#define BAR_OFF (SOK_OFF + OK_SLOTS * BN * 4)          // [STAGES] mbarriers (TMA only)
-#define SMEM_BYTES (BAR_OFF + (USE_TMA ? STAGES * 8 : 0))
-static_assert(SMEM_BYTES == 230416, "template layout and resource plan disagree");
-static_assert(SK_OFF % 1024 == 0 && SP_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+// Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total.
+#define SQ_OFF 0                                       // Q [SLABS][BM][128 B]; slab QREG_SLAB later holds P_b
+#define SK_OFF (SQ_OFF + TILE_BYTES)                   // key tiles [2][SLABS][BN][128 B]
+#define SP0_OFF (SK_OFF + 2 * TILE_BYTES)              // P_a [BM][BN] bf16 = one slab
+#define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
+#define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s
+#define SMEM_BYTES (BAR_OFF + 2 * SLABS * 8)
+static_assert(SMEM_BYTES == 230800, "template layout and resource plan disagree");
+static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
 // Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
 // the including template defines MASK_WORDS first.
@@ -175,6 +171,11 @@ __device__ __forceinline__ bool mask_bit(const uint32_t (&m)[MASK_WORDS], int j)
     return (word >> (j & 31)) & 1u;
 }
 
+// Device helpers of the Hopper tree_verify templates (tree_verify_wgmma's lockstep and seesaw schedules):
+// the swizzled 64-column slab layout of the tiles, wgmma descriptors and fences, mbarriers and TMA boxes.
+// The including template defines SLAB_BYTES, V_LBO and V_SBO first.
+typedef unsigned long long uint64_t;
+
 // Byte offset of 16-byte chunk c of row r in a 64-row tile: slab c / 8, row r, chunk (c mod 8) ^ (r mod 8).
 __device__ __forceinline__ uint32_t swz(int r, int c) {
     return (uint32_t)((c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4));
@@ -203,21 +204,6 @@ __device__ __forceinline__ void wg_keep(float (&d)[N]) {
     #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
-// d (+)= A B: S = Q K^T, m64 n32 k16, both K-major; accumulate = 0 overwrites d
-__device__ __forceinline__ void wgmma_s(float (&d)[NS], uint64_t a, uint64_t b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15 }, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(a), "l"(b), "r"(accumulate));
-}
-// d += P V: m64 n256 k16, P K-major, V MN-major (transposed B)
-__device__ __forceinline__ void wgmma_pv(float (&d)[NO], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, p, 1, 1, 0, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(a), "l"(b), "r"(1));
-}
-
 
 // A CUtensorMap, passed by value (__grid_constant__: TMA reads it from the parameter space).
 struct __align__(64) TmaMap { unsigned long long words[16]; };
@@ -233,18 +219,71 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
-// until the phase of parity `parity` has completed
+// until the phase of parity `parity` has completed (the spin loop inside one asm statement: to the compiler
+// it is straight-line code, so no wgmma after it sits on a divergent path)
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+                 :: "r"(bar), "r"(parity) : "memory");
 }
 // box (column c0, row c1) of the tensor map -> shared memory at dst, completing on bar
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
                  :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+// the same with an L2 eviction-priority hint (a createpolicy value)
+__device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar,
+                                                 uint64_t policy) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, { %2, %3 }], [%4], %5;\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy) : "memory");
+}
+// an L2 policy: evict-first for the whole access (a key tile is read by the row tiles of its request, close together)
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+
+
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+
+// S (+)= Q K^T: m64n64k16, Q and K K-major from shared memory; accumulate = 0 overwrites d
+__device__ __forceinline__ void wgmma_s_ss(float (&d)[NS], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+// S += Q K^T with this k-step of Q in registers (the A fragment: rows grp, grp + 8 of the warp's 16, columns
+// 2 qd, 2 qd + 1 and 8 + 2 qd, 9 + 2 qd)
+__device__ __forceinline__ void wgmma_s_rs(float (&d)[NS], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, { %32, %33, %34, %35 }, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+// O += P V: m64n256k16, P (16 keys) from registers, V MN-major (transposed B) from shared memory
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[NO], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, { %128, %129, %130, %131 }, %132, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1));
+}
+// O += P V with P K-major from shared memory
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[NO], uint64_t a, uint64_t b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, p, 1, 1, 0, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(a), "l"(b), "r"(1));
+}
+template <int N>
+__device__ __forceinline__ void keep_u32(uint32_t (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i]) :: "memory");
+}
+// P[r][c], P[r][c + 1] (c even) of a [64][64] bf16 tile in the K-major swizzle: byte offset in its slab
+__device__ __forceinline__ uint32_t p_off(int r, int c) {
+    return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -282,7 +321,10 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int grp = lane >> 2, qd = lane & 3;          // accumulator coordinates within a warp
     const int g = warp & 3;                            // rows 16 g .. 16 g + 15 (warp g of its warpgroup)
-    const int kh = warp >> 2;                          // warpgroup: S-phase key half, PV-phase column half
+    // warpgroup: the tiles of parity wg, output columns (R / 2) wg .. (through a shuffle, so that the compiler
+    // knows it is warp-uniform: a wgmma under a branch on it is not on a divergent path)
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int wtid = tid & 127;
     const long long row_base = (long long)b * Nq * NUM_HEADS;   // row index of (b, 0, 0)
 
     // key range of this chunk; keys past the block table are never visible
@@ -304,57 +346,61 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     const int pre = (int)((long long)prefix - c_lo);
     unsigned char* const sQ = smem + SQ_OFF;
     unsigned char* const sK = smem + SK_OFF;
-    unsigned char* const sP = smem + SP_OFF;
-    float* const sMax = reinterpret_cast<float*>(smem + SMAX_OFF);
-    int* const sOk = reinterpret_cast<int*>(smem + SOK_OFF);
-    const uint32_t sBar = smem_addr(smem + BAR_OFF);   // stage s's mbarrier at sBar + 8 s
+    unsigned char* const sP0 = smem + SP0_OFF;
+    unsigned char* const sP1 = sQ + QREG_SLAB * SLAB_BYTES;
+    float* const sM = reinterpret_cast<float*>(smem + SM_OFF);   // running row max (base 2)
+    float* const sScale0 = sM + BM;                              // 2^(m - m') of the even tile
+    float* const sScale1 = sM + 2 * BM;                          // 2^(m' - m'') of the odd tile
+    float* const sL = sM + 3 * BM;                               // [2][BM] row sums, at the end
+    const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
 
-    // online-softmax state of this thread's rows r0 = 16 g + grp and r0 + 8 (identical in the 4 lanes
-    // of a quad and in both warpgroups); l is this thread's partial sum over its own key columns
-    float m_run[2] = {DDT_NEG_INF, DDT_NEG_INF};
-    float l_part[2] = {0.0f, 0.0f};
-    // O accumulators (wgmma m64nN fp32 layout): o[4 j + 2 half + e] is row 16 g + grp + 8 half,
-    // column (R / 2) kh + 8 j + 2 qd + e
+    const int r0 = 16 * g + grp;            // this thread's rows r0 and r0 + 8 (of both S and O)
+    if (tid < BM) sM[tid] = DDT_NEG_INF;
+    float l_part[2] = {0.0f, 0.0f};          // this thread's partial row sums over its own key columns
+    // O accumulators (wgmma m64nN fp32 layout): o[4 j + 2 half + e] is row r0 + 8 half,
+    // column (R / 2) wg + 8 j + 2 qd + e
     float o[NO];
     #pragma unroll
     for (int i = 0; i < NO; ++i) o[i] = 0.0f;
 
     if (n_tiles > 0) {
-        // ---- copy roles: key row `ck` of a tile, chunks csub + TPK * k
-        const int ck = tid / TPK, csub = tid % TPK;
         const int* const table = block_table + (long long)b * max_pages;
-        // cache row (page * PAGE + slot) of this thread's key row of tile n, or -1 (not staged);
-        // the launcher checks num_pages * PAGE < 2^31
-        auto key_src = [&](int n) -> int {
-            const int rel = n * BN + ck;
-            if (n >= n_tiles || rel >= n_keys) return -1;
-            const long long t = c_lo + rel;
-            const int page = table[t / PAGE];           // t < t_hi <= max_pages * PAGE
+        // cache row of tile n's first key, or -1 for a page outside [0, num_pages) (the tile is not loaded);
+        // a tile is BN keys of one page (c_lo and the chunk length are multiples of BN, PAGE % BN == 0)
+        auto tile_row = [&](int n) -> int {
+            const long long t = c_lo + (long long)n * BN;
+            const int page = table[t / PAGE];          // t < t_hi <= max_pages * PAGE
             if (page < 0 || page >= num_pages) return -1;
             return page * PAGE + (int)(t % PAGE);
         };
-        // tile n -> stage n % STAGES by thread 0 (whose key row 0 gives the page: src < 0 iff it is outside
-        // [0, num_pages)); its flags by the copying threads; `holes` bit stage: this thread's key row of the
-        // tile is not a key of the chunk (zeroed once the tile lands)
-        int holes = 0;
-        auto stage_tile = [&](int n, int src) {
-            const int stage = n % STAGES;
-            if (tid == 0) {
-                const uint32_t bar = sBar + 8 * stage;
+        // slabs [S0, S1) of tile n -> buffer n & 1, by the calling thread (one TMA box per slab, each on its
+        // own mbarrier; a tile that is not loaded completes its barriers' phase with a plain arrival)
+        auto load_slabs = [&](int n, int src, int s0, int s1) {
+            const int buf = n & 1;
+            const uint32_t dst = smem_addr(sK + buf * TILE_BYTES);
+            #pragma unroll
+            for (int sl = s0; sl < s1; ++sl) {
+                const uint32_t bar = bar0 + 8 * (buf * SLABS + sl);
                 if (src >= 0) {
-                    mbar_expect_tx(bar, TILE_BYTES);
-                    const uint32_t dst = smem_addr(sK + stage * TILE_BYTES);
-                    #pragma unroll
-                    for (int sl = 0; sl < SLABS; ++sl) tma_load_2d(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar);
+                    mbar_expect_tx(bar, SLAB_BYTES);
+                    if (L2_EVICT_FIRST) tma_load_2d_hint(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar, l2_evict_first());
+                    else tma_load_2d(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar);
                 } else {
-                    mbar_arrive(bar);                     // nothing to load: the phase completes now
+                    mbar_arrive(bar);
                 }
             }
-            if (csub == 0) sOk[stage * BN + ck] = src >= 0 ? 1 : 0;
-            holes = (holes & ~(1 << stage)) | ((src < 0 ? 1 : 0) << stage);
         };
 
-        // ---- prologue: Q tile (group 0, with key tile 0), then tiles 1 .. STAGES-2
+        // ---- prologue: the barriers and tiles 0 and 1 (thread 0), Q (all threads, cp.async)
+        int src_a = tile_row(0);                                   // tile a's row (the even tile of the pair)
+        int src_b = n_tiles > 1 ? tile_row(1) : -1;                // tile a + 1's
+        if (tid == 0) {
+            #pragma unroll
+            for (int s = 0; s < 2 * SLABS; ++s) mbar_init(bar0 + 8 * s, 1);
+            mbar_init_fence();
+            load_slabs(0, src_a, 0, SLABS);
+            if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
+        }
         {
             const uint32_t dst = smem_addr(sQ);
             for (int idx = tid; idx < BM * CPR; idx += THREADS) {
@@ -365,183 +411,278 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 const bf16_t* src = c < QCH ? q_nope + qrow * RANK + c * 8 : q_pe + qrow * ROPE + (c - QCH) * 8;
                 cp_async16(dst + swz(r, c), src, ok);
             }
+            cp_async_commit();
+            cp_async_wait<0>();
+            fence_proxy_async();       // Q's cp.async writes -> the tensor cores
         }
-        cp_async_commit();                              // Q
-        if (tid == 0) {
-            #pragma unroll
-            for (int s = 0; s < STAGES; ++s) mbar_init(sBar + 8 * s, 1);
-            mbar_init_fence();
-        }
-        __syncthreads();                                // the barriers are initialised before anyone waits
+        // tree-mask rows of r0 and r0 + 8 (rows that are not written: no tree key)
+        uint32_t mrow[2][MASK_WORDS];
         #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s)
-            if (s < n_tiles) stage_tile(s, key_src(s));
-        int next_src = key_src(STAGES - 1);             // the page look-up runs one tile ahead
+        for (int half = 0; half < 2; ++half) {
+            const int m = m0 + r0 + 8 * half;
+            const bool live = m < rows_valid;
+            const uint32_t* src = tree_mask + ((long long)b * Nq + (live ? m / NUM_HEADS : 0)) * MASK_WORDS;
+            #pragma unroll
+            for (int w = 0; w < MASK_WORDS; ++w) mrow[half][w] = live ? src[w] : 0u;
+        }
+        __syncthreads();               // Q, sM and the barriers' initialisation are visible to every thread
+        // Q's rope slab -> registers: the A fragments of its 4 k-steps (its shared memory then holds P_b)
+        uint32_t qreg[4][4];
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned char* const qs = sQ + QREG_SLAB * SLAB_BYTES + 4 * qd;
+            qreg[k][0] = *reinterpret_cast<const uint32_t*>(qs + r0 * 128 + (((2 * k) ^ (r0 & 7)) << 4));
+            qreg[k][1] = *reinterpret_cast<const uint32_t*>(qs + (r0 + 8) * 128 + (((2 * k) ^ (r0 & 7)) << 4));
+            qreg[k][2] = *reinterpret_cast<const uint32_t*>(qs + r0 * 128 + (((2 * k + 1) ^ (r0 & 7)) << 4));
+            qreg[k][3] = *reinterpret_cast<const uint32_t*>(qs + (r0 + 8) * 128 + (((2 * k + 1) ^ (r0 & 7)) << 4));
+        }
+        // every thread has its Q registers before P_b may overwrite the slab (WG1 writes it only after
+        // BAR_SCALE0 of the first pair, which WG0 reaches after this point; WG1 itself is past it)
 
-        // descriptors: Q (all 64 rows); this warpgroup's 32 keys of a K tile; P; this warpgroup's
-        // V columns (slabs (R / 128) kh ..) of a K tile. K-step ks adds slab ks / 4 and 32 (ks mod 4) bytes.
+        // descriptors: Q (all 64 rows), a key tile (64 keys, K-major), this warpgroup's V columns of a
+        // key tile (MN-major), the two P tiles; k-step ks of a slab adds 32 ks bytes, slab s adds s SLAB_BYTES
         const uint64_t q_desc = desc_kmajor(smem_addr(sQ));
-        const uint64_t k_desc0 = desc_kmajor(smem_addr(sK) + kh * (KW * 128));
-        const uint64_t p_desc = desc_kmajor(smem_addr(sP));
-        const uint64_t v_desc0 = desc_mnmajor(smem_addr(sK) + kh * (RANK / 128) * SLAB_BYTES);
+        const uint64_t k_desc = desc_kmajor(smem_addr(sK));
+        const uint64_t v_desc = desc_mnmajor(smem_addr(sK) + wg * VSLABS * SLAB_BYTES);
+        const uint64_t p0_desc = desc_kmajor(smem_addr(sP0));
+        const uint64_t p1_desc = desc_kmajor(smem_addr(sP1));
+        constexpr uint64_t TILE16 = TILE_BYTES >> 4;              // a buffer, in descriptor units
 
-        for (int n = 0; n < n_tiles; ++n) {
-            const int stage = n % STAGES, slot = stage;
-            if (n == 0) {
-                cp_async_wait<0>();        // this thread's copies of Q have landed
-                fence_proxy_async();       // ... and are visible to the tensor cores
-            }
-            mbar_wait(sBar + 8 * stage, (uint32_t)(n / STAGES) & 1u);   // tile n has landed
-            // everyone's Q copies have landed; everyone is done with tile n-1, P and the stats
-            if (__syncthreads_or((holes >> stage) & 1)) {   // rare: rows that are not keys -> zeros
-                if ((holes >> stage) & 1) {
-                    #pragma unroll
-                    for (int k = 0; k < CPT; ++k) {
-                        const int c = csub + TPK * k;
-                        if (CPR % TPK == 0 || c < CPR)
-                            *reinterpret_cast<uint4*>(sK + stage * TILE_BYTES + swz(ck, c)) = make_uint4(0u, 0u, 0u, 0u);
-                    }
-                }
-                fence_proxy_async();
-                __syncthreads();
-            }
-            {
-                const int nn = n + STAGES - 1;                   // refill the stage tile n-1 used
-                if (nn < n_tiles) stage_tile(nn, next_src);
-                next_src = key_src(nn + 1);
-            }
-            const uint64_t tile_off = (uint64_t)((stage * TILE_BYTES) >> 4);
-            const int rel0 = n * BN;                             // rel of tile column 0
-
-            // ---- S phase: s = Q K[kh * KW .., :]^T; s[4 j + 2 half + e]: row 16 g + grp + 8 half,
-            // tile column kh * KW + 8 j + 2 qd + e
-            float s[NS];
+        // S of tile n (buffer n & 1) for slabs [S0, S1), each slab's 4 k-steps issued once its box has
+        // landed and committed as one group
+        auto s_gemm = [&](float (&s)[NS], int n, int s0, int s1) {
+            const int buf = n & 1;
+            const uint32_t parity = (uint32_t)(n >> 1) & 1u;        // the buffer's use count mod 2
             wg_fence();
             #pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                const uint64_t koff = (uint64_t)(((ks >> 2) * SLAB_BYTES + (ks & 3) * 32) >> 4);
-                wgmma_s(s, q_desc + koff, k_desc0 + tile_off + koff, ks > 0);
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_keep(s);
-
-            // ---- visibility and scaling (base-2 logits); -inf for hidden keys
-            uint32_t mrow[2][MASK_WORDS];   // tree-mask rows of r0 = 16 g + grp and r0 + 8 (tail tiles only)
-            const bool tail_tile = rel0 + BN > pre;             // block-uniform: some key may be a tree node
-            if (tail_tile) {
+            for (int sl = s0; sl < s1; ++sl) {
+                mbar_wait(bar0 + 8 * (buf * SLABS + sl), parity);
                 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int m = m0 + 16 * g + grp + 8 * half;
-                    const bool live = m < rows_valid;           // other rows: zero q, no tree key, not written
-                    const uint32_t* src = tree_mask + ((long long)b * Nq + (live ? m / NUM_HEADS : 0)) * MASK_WORDS;
+                for (int k = 0; k < 4; ++k) {
+                    const uint64_t koff = (uint64_t)((sl * SLAB_BYTES + k * 32) >> 4);
+                    if (ABLATE & 1) continue;
+                    if (sl == QREG_SLAB) wgmma_s_rs(s, qreg[k], k_desc + buf * TILE16 + koff);
+                    else wgmma_s_ss(s, q_desc + koff, k_desc + buf * TILE16 + koff, sl > 0 || k > 0);
+                }
+                wg_commit();
+            }
+        };
+        // Mask and scale S of tile n (src: its row, for the page's validity) in base 2, update the running max
+        // m of sM, turn S into P = 2^(S - m_new) in place (fp32), pack it as bf16 A fragments (pb[4 ks + i]:
+        // k-step ks), add its row sums into l_part after scaling them (and return) by 2^(m_old - m_new).
+        // Rows of the tile that are not keys get their V rows zeroed (before the caller's hand-off).
+        auto softmax = [&](float (&s)[NS], int n, int src, uint32_t (&pb)[16], float* sScale, float (&fac)[2]) {
+            const int rel0 = n * BN;
+            const int nv = src < 0 ? 0 : min(BN, n_keys - rel0);     // key columns [0, nv) are keys of the chunk
+            const bool tail_tile = rel0 + BN > pre;                  // some column may be a tree node
+            if (nv == BN && !tail_tile) {
+                #pragma unroll
+                for (int i = 0; i < NS; ++i) s[i] *= scale_log2;
+            } else {
+                #pragma unroll
+                for (int j = 0; j < NS / 4; ++j) {
                     #pragma unroll
-                    for (int w = 0; w < MASK_WORDS; ++w) mrow[half][w] = live ? src[w] : 0u;
-                }
-            }
-            #pragma unroll
-            for (int j = 0; j < NS / 4; ++j) {
-                const int col = kh * KW + 8 * j + 2 * qd;
-                const int2 ok = *reinterpret_cast<const int2*>(sOk + slot * BN + col);
-                #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const bool staged = e == 0 ? ok.x != 0 : ok.y != 0;
-                    const int rel = rel0 + col + e;
-                    bool v0 = staged, v1 = staged;
-                    if (tail_tile && rel >= pre) {
-                        const int jj = rel - pre;               // < q_len <= 32 W when staged
-                        v0 = v0 && mask_bit(mrow[0], jj);
-                        v1 = v1 && mask_bit(mrow[1], jj);
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 8 * j + 2 * qd + e, rel = rel0 + col;
+                        bool v0 = col < nv, v1 = v0;
+                        if (rel >= pre) {
+                            v0 = v0 && mask_bit(mrow[0], rel - pre);   // rel - pre < q_len <= 32 W when col < nv
+                            v1 = v1 && mask_bit(mrow[1], rel - pre);
+                        }
+                        s[4 * j + e] = v0 ? s[4 * j + e] * scale_log2 : DDT_NEG_INF;
+                        s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * scale_log2 : DDT_NEG_INF;
                     }
-                    s[4 * j + e] = v0 ? s[4 * j + e] * scale_log2 : DDT_NEG_INF;
-                    s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * scale_log2 : DDT_NEG_INF;
+                }
+                if (nv < BN) {               // block-uniform, rare: zero the V rows that are not keys
+                    unsigned char* const tile = sK + (n & 1) * TILE_BYTES;
+                    for (int idx = wtid; idx < (BN - nv) * (RANK / 8); idx += 128) {
+                        const int r = nv + idx / (RANK / 8), c = idx % (RANK / 8);
+                        *reinterpret_cast<uint4*>(tile + swz(r, c)) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                    fence_proxy_async();
+                    named_sync(BAR_WG + wg, 128);
                 }
             }
-
-            // ---- row maxima: this warpgroup's keys, then the other's
-            float tmax[2];
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
+                const int r = r0 + 8 * half;
                 float x = DDT_NEG_INF;
                 #pragma unroll
                 for (int j = 0; j < NS / 4; ++j) x = fmaxf(x, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
                 x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
                 x = fmaxf(x, __shfl_xor_sync(FULL, x, 2));
-                tmax[half] = x;
-                if (qd == 0) sMax[kh * BM + 16 * g + grp + 8 * half] = x;
-            }
-            pair_barrier(g);
-            float alpha[2];
-            #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = 16 * g + grp + 8 * half;
-                const float m_new = fmaxf(m_run[half], fmaxf(tmax[half], sMax[(kh ^ 1) * BM + r]));
+                const float m_old = sM[r];
+                const float m_new = fmaxf(m_old, x);
                 const float m_use = m_new == DDT_NEG_INF ? 0.0f : m_new;   // nothing visible yet: p = 0
-                alpha[half] = ex2(m_run[half] - m_use);                    // m_run = -inf: 0 (o is 0 anyway)
-                m_run[half] = m_new;
+                fac[half] = ex2(m_old - m_use);                            // m_old = -inf: 0 (O and l are 0)
+                __syncwarp();                                              // the quad has read sM[r]
+                if (qd == 0) { sM[r] = m_new; sScale[r] = fac[half]; }
                 float sum = 0.0f;
                 #pragma unroll
                 for (int j = 0; j < NS / 4; ++j) {
-                    const float p0 = ex2(s[4 * j + 2 * half] - m_use);
-                    const float p1 = ex2(s[4 * j + 2 * half + 1] - m_use);
-                    sum += p0 + p1;
-                    const int c = kh * KW + 8 * j + 2 * qd;             // P[r][c], swizzled like a tile row
-                    *reinterpret_cast<uint32_t*>(sP + r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2) =
-                        pack_bf16(p0, p1);
+                    s[4 * j + 2 * half] = ex2(s[4 * j + 2 * half] - m_use);
+                    s[4 * j + 2 * half + 1] = ex2(s[4 * j + 2 * half + 1] - m_use);
+                    sum += s[4 * j + 2 * half] + s[4 * j + 2 * half + 1];
                 }
-                l_part[half] = fmaf(l_part[half], alpha[half], sum);
+                l_part[half] = fmaf(l_part[half], fac[half], sum);
             }
-            // rescale this thread's output rows (skipped when no factor of the warp differs from 1:
-            // the max of most rows settles early)
-            if (__any_sync(FULL, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-                #pragma unroll
-                for (int j = 0; j < NO / 4; ++j) {
-                    o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
-                    o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
-                }
-            }
-            fence_proxy_async();   // P stores -> the tensor cores
-            __syncthreads();       // P of all 64 rows and both key halves is in smem
-
-            // ---- PV phase: o += P V[:, (R / 2) kh ..]
-            wg_fence();
             #pragma unroll
-            for (int ks = 0; ks < BN / 16; ++ks)
-                wgmma_pv(o, p_desc + (uint64_t)((ks * 32) >> 4), v_desc0 + tile_off + (uint64_t)((ks * 16 * 128) >> 4));
-            wg_commit();
-            wg_wait<0>();          // P and the stage are free for the next tile
-            wg_keep(o);
+            for (int q = 0; q < 16; ++q) pb[q] = pack_bf16(s[2 * q], s[2 * q + 1]);
+        };
+        auto scale_o = [&](const float (&f)[2]) {
+            #pragma unroll
+            for (int j = 0; j < NO / 4; ++j) {
+                o[4 * j] *= f[0]; o[4 * j + 1] *= f[0];
+                o[4 * j + 2] *= f[1]; o[4 * j + 3] *= f[1];
+            }
+        };
+
+        float s[NS];
+        uint32_t pb[16];
+        if (wg == 0) s_gemm(s, 0, 0, SLABS);
+        else if (n_tiles > 1) s_gemm(s, 1, 0, SLABS);
+        wg_wait<0>();
+        wg_keep(s);
+
+        for (int a = 0; a < n_tiles; a += 2) {
+            const bool has_b = a + 1 < n_tiles, next_a = a + 2 < n_tiles, next_b = a + 3 < n_tiles;
+            // rows of the next pair's tiles: both warpgroups refill part of each
+            const int src_na = next_a ? tile_row(a + 2) : -1;
+            const int src_nb = next_b ? tile_row(a + 3) : -1;
+            const uint64_t va = v_desc;                                        // buffer 0
+            const uint64_t vb = v_desc + TILE16;                               // buffer 1
+            if (wg == 0) {
+                // ---- softmax of tile a; O_L = O_L 2^(m - m') + P_a V_aL
+                float f0[2];
+                softmax(s, a, src_a, pb, sScale0, f0);
+                named_arrive(BAR_SCALE0, 256);
+                scale_o(f0);
+                wg_fence();
+                #pragma unroll
+                for (int ks = 0; ks < (ABLATE & 2 ? 0 : BN / 16); ++ks)
+                    wgmma_pv_rs(o, pb[4 * ks], pb[4 * ks + 1], pb[4 * ks + 2], pb[4 * ks + 3],
+                                va + (uint64_t)((ks * 16 * 128) >> 4));
+                wg_commit();
+                wg_wait<0>();
+                wg_keep(o);
+                keep_u32(pb);
+                // ---- WG1's max of tile b: P_a rescaled to it -> sP0 (for WG1's P_a V_aR); O_L rescaled
+                named_sync(BAR_SCALE1, 256);
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, VSLABS);   // V_aL's slabs are free
+                float f1[2];
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
+                #pragma unroll
+                for (int j = 0; j < NS / 4; ++j) {
+                    const int c = 8 * j + 2 * qd;
+                    *reinterpret_cast<uint32_t*>(sP0 + p_off(r0, c)) = pack_bf16(s[4 * j] * f1[0], s[4 * j + 1] * f1[0]);
+                    *reinterpret_cast<uint32_t*>(sP0 + p_off(r0 + 8, c)) =
+                        pack_bf16(s[4 * j + 2] * f1[1], s[4 * j + 3] * f1[1]);
+                }
+                fence_proxy_async();
+                named_arrive(BAR_P0, 256);
+                scale_o(f1);
+                l_part[0] *= f1[0];
+                l_part[1] *= f1[1];
+                src_a = src_na;
+                if (has_b) {
+                    // ---- O_L += P_b V_bL (P_b from sP1, once WG1 has written it)
+                    named_sync(BAR_P1, 256);
+                    wg_fence();
+                    #pragma unroll
+                    for (int ks = 0; ks < (ABLATE & 2 ? 0 : BN / 16); ++ks)
+                        wgmma_pv_ss(o, p1_desc + (uint64_t)((ks * 32) >> 4), vb + (uint64_t)((ks * 16 * 128) >> 4));
+                    wg_commit();
+                }
+                if (next_a) s_gemm(s, a + 2, 0, VSLABS);                    // tile a + 2's first slabs
+                if (has_b) {
+                    if (next_a) wg_wait<VSLABS>(); else wg_wait<0>();        // P_b V_bL is done
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, VSLABS);   // V_bL's slabs are free
+                }
+                if (next_a) s_gemm(s, a + 2, VSLABS, SLABS);
+                wg_wait<0>();
+                wg_keep(o);
+                wg_keep(s);
+            } else {
+                // ---- softmax of tile b (after WG0's of tile a); O_R = O_R 2^(m - m'') + P_b V_bR
+                named_sync(BAR_SCALE0, 256);
+                const float f0[2] = {sScale0[r0], sScale0[r0 + 8]};       // 2^(m - m')
+                l_part[0] *= f0[0];
+                l_part[1] *= f0[1];
+                float f[2] = {1.0f, 1.0f};                                 // 2^(m' - m'')
+                if (has_b) softmax(s, a + 1, src_b, pb, sScale1, f);
+                f[0] *= f0[0];
+                f[1] *= f0[1];
+                named_arrive(BAR_SCALE1, 256);
+                scale_o(f);
+                if (has_b) {
+                    #pragma unroll
+                    for (int j = 0; j < NS / 4; ++j) {
+                        const int c = 8 * j + 2 * qd;
+                        *reinterpret_cast<uint32_t*>(sP1 + p_off(r0, c)) = pb[2 * j];
+                        *reinterpret_cast<uint32_t*>(sP1 + p_off(r0 + 8, c)) = pb[2 * j + 1];
+                    }
+                    wg_fence();
+                    #pragma unroll
+                    for (int ks = 0; ks < (ABLATE & 2 ? 0 : BN / 16); ++ks)
+                        wgmma_pv_rs(o, pb[4 * ks], pb[4 * ks + 1], pb[4 * ks + 2], pb[4 * ks + 3],
+                                    vb + (uint64_t)((ks * 16 * 128) >> 4));
+                    wg_commit();
+                    fence_proxy_async();           // the sP1 stores -> WG0's tensor cores
+                }
+                // ---- O_R += P_a' V_aR (P_a rescaled by WG0, from sP0)
+                named_sync(BAR_P0, 256);
+                wg_fence();
+                #pragma unroll
+                for (int ks = 0; ks < (ABLATE & 2 ? 0 : BN / 16); ++ks)
+                    wgmma_pv_ss(o, p0_desc + (uint64_t)((ks * 32) >> 4), va + (uint64_t)((ks * 16 * 128) >> 4));
+                wg_commit();
+                if (has_b) {
+                    named_arrive(BAR_P1, 256);
+                    wg_wait<1>();                                            // P_b V_bR is done
+                    keep_u32(pb);
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, VSLABS, SLABS);
+                }
+                wg_wait<0>();                                                // P_a' V_aR is done
+                wg_keep(o);
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, VSLABS, SLABS);
+                src_b = src_nb;
+                if (next_b) {
+                    s_gemm(s, a + 3, 0, SLABS);
+                    wg_wait<0>();
+                    wg_keep(s);
+                }
+            }
         }
-        cp_async_wait<0>();   // only empty groups can be left; nothing is in flight at exit
     }
 
-    // ---- epilogue: row sums of both key halves through smem (the last tile is done with sMax)
+    // ---- epilogue: row sums of both warpgroups through shared memory; the final max is sM's
     __syncthreads();
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float l = l_part[half];
         l += __shfl_xor_sync(FULL, l, 1);
         l += __shfl_xor_sync(FULL, l, 2);
-        if (qd == 0) sMax[kh * BM + 16 * g + grp + 8 * half] = l;
+        if (qd == 0) sL[wg * BM + r0 + 8 * half] = l;
     }
     __syncthreads();
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = 16 * g + grp + 8 * half;
+        const int r = r0 + 8 * half;
         const int m = m0 + r;
         if (m >= rows_valid) continue;
-        const float l = sMax[r] + sMax[BM + r];
-        const float mx = m_run[half];
+        const float l = sL[r] + sL[BM + r];
+        const float mx = sM[r];
         const bool empty = mx == DDT_NEG_INF;                 // no visible key in this chunk
-        const float inv = empty ? 0.0f : v_scale / l;         // l >= 1 otherwise; v_scale: kv_scale (1 for bf16)
+        const float inv = empty ? 0.0f : v_scale / l;         // l >= 1 otherwise; v_scale: 1 for bf16
         const long long grow = row_base + m;
-        const int col = kh * (RANK / 2) + 2 * qd;
+        const int col = wg * (RANK / 2) + 2 * qd;
         if (splits == 1) {
             uint32_t* const dst = reinterpret_cast<uint32_t*>(out + grow * RANK + col);
             #pragma unroll
             for (int j = 0; j < NO / 4; ++j)
                 dst[4 * j] = pack_bf16(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
-            if (kh == 0 && qd == 0) lse[grow] = empty ? DDT_NEG_INF : (mx + log2f(l)) * LN2;
+            if (wg == 0 && qd == 0) lse[grow] = empty ? DDT_NEG_INF : (mx + log2f(l)) * LN2;
         } else {
             const long long prow = (long long)chunk * rows_total + grow;
             if (!empty) {
@@ -550,7 +691,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 for (int j = 0; j < NO / 4; ++j)
                     dst[4 * j] = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
             }
-            if (kh == 0 && qd == 0) part_lse[prow] = empty ? DDT_NEG_INF : mx + log2f(l);
+            if (wg == 0 && qd == 0) part_lse[prow] = empty ? DDT_NEG_INF : mx + log2f(l);
         }
     }
 }

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""tree_verify_wgmma's two schedules side by side, on the same inputs in one process: the seesaw (the default
+where it fits) and the lockstep build (plans/tree_verify_wgmma.variant_def), with FlashMLA's dense decode and
+the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is importable. Prints per shape the
+CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
+seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
+--ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose).
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
+Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (1, 16, 4096), (64, 16, 2048), (1, 64, 4096), (8, 64, 4096),
+          (8, 128, 4096), (8, 64, 16384), (64, 8, 8192)]
+
+
+def rel_rows(a, b) -> float:
+    """Worst row of ||a - b|| / ||b|| over [..., R] float arrays."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    num = np.linalg.norm(a - b, axis=-1)
+    den = np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
+    return float(np.max(num / den))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ablate", action="store_true", help="also time seesaw builds with products left out")
+    ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
+    args = ap.parse_args()
+    import cupy
+    import torch
+    from ddtree_gen import artifacts, bf16
+    from ddtree_gen.bench import SPEC_BY_HEADS, flashmla_peers, graph_time_ms, measured_peak_tflops, verify_flops
+    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.kernel_set import KernelSet, load
+    from ddtree_gen.plans.tree_verify_mma import COMBINE
+    from ddtree_gen.plans.tree_verify_wgmma import schedule_for, variant_def
+
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    peak = measured_peak_tflops()
+    rows = []
+    for b, h, L in shapes:
+        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
+        sets = {"seesaw": load(spec)}
+
+        def variant(schedule, ablate=0):
+            built = artifacts.compile_variant(spec, variant_def(schedule, ablate))
+            return KernelSet(spec, {"tree_verify_wgmma": built, **artifacts.ensure_built(spec, kernels=[COMBINE])})
+        sets["lockstep"] = variant("lockstep")
+        if args.ablate:
+            for name, bits in (("seesaw no S", 1), ("seesaw no PV", 2), ("seesaw no S no PV", 3)):
+                sets[name] = variant("seesaw", bits)
+        lens = np.full(b, L)
+        x = verify_inputs(spec, b, lens, 65)
+        flops = verify_flops(spec, lens, 65)
+        times, outs = {}, {}
+        for name, ks in sets.items():
+            res = ks.tree_verify_wgmma(**x)
+            cupy.cuda.Device().synchronize()
+            outs[name] = (bf16.from_bits(cupy.asnumpy(res.out)), cupy.asnumpy(res.lse))
+            times[name] = graph_time_ms(lambda ks=ks, res=res: ks.tree_verify_wgmma(**x, out=res.out, lse=res.lse),
+                                        per_graph=5, reps=10)
+        for name, fn in flashmla_peers(sets["seesaw"], x).items():
+            o, lse = fn()
+            torch.cuda.synchronize()
+            outs[name] = (o.float().cpu().numpy(), lse.float().cpu().numpy())
+            times[name] = graph_time_ms(fn, per_graph=5, reps=10)
+        fm = times.get("FlashMLA dense (no mask)")
+        seesaw = outs["seesaw"]
+        for name, ms in times.items():
+            tf = flops / (ms * 1e-3) / 1e12
+            diff = "-"
+            if name == "lockstep" or name.startswith("split"):
+                diff = f"{rel_rows(seesaw[0], outs[name][0]):.1e} / {np.max(np.abs(seesaw[1] - outs[name][1])):.1e}"
+            rows.append((f"B={b} H={h} L={L}", name, f"{ms:.4f}", f"{100 * tf / peak:.1f}%",
+                         f"{ms / fm:.2f}" if fm else "-", diff))
+            print(rows[-1], flush=True)
+        finite = np.isfinite(seesaw[0]).all() and np.isfinite(seesaw[1]).all()
+        print(f"B={b} H={h} L={L}: seesaw output finite: {finite}", flush=True)
+    print(f"\nmeasured bf16 peak {peak:.0f} TFLOP/s; CUDA-graph replay medians; diff: worst-row relative out / max |lse|")
+    print(f"{'config':<18} {'kernel':<32} {'ms':>8} {'% peak':>7} {'/FlashMLA':>9}  diff vs seesaw")
+    for r in rows:
+        print(f"{r[0]:<18} {r[1]:<32} {r[2]:>8} {r[3]:>7} {r[4]:>9}  {r[5]}")
+
+
+if __name__ == "__main__":
+    main()
