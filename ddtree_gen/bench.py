@@ -299,16 +299,24 @@ def flashmla_peers(ks, x):
     tail = ks.tree_verify_tail(**x)
     merged = ks.merge_states(tail.out, tail.lse, tail.out, tail.lse)       # output buffers of the split path
 
+    import cupy
+
+    def on_our_stream():   # FlashMLA launches on torch's current stream: make it CuPy's (the one being timed)
+        return torch.cuda.stream(torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr))
+
     def dense():
-        o, lse = flash_mla.flash_mla_with_kvcache(q, kv, table, dense_lens, r, meta_dense, splits_dense,
-                                                  softmax_scale=scale, causal=False)
-        return o, lse.transpose(1, 2)
+        with on_our_stream():
+            o, lse = flash_mla.flash_mla_with_kvcache(q, kv, table, dense_lens, r, meta_dense, splits_dense,
+                                                      softmax_scale=scale, causal=False)
+            return o, lse.transpose(1, 2)
 
     def split():
-        po, plse = flash_mla.flash_mla_with_kvcache(q, kv, table, lens, r, meta_pre, splits_pre,
-                                                    softmax_scale=scale, causal=False)
-        t = ks.tree_verify_tail(**x, out=tail.out, lse=tail.lse)
-        return ks.merge_states(po, plse.transpose(1, 2).contiguous(), t.out, t.lse, out=merged.out, lse=merged.lse)
+        with on_our_stream():
+            po, plse = flash_mla.flash_mla_with_kvcache(q, kv, table, lens, r, meta_pre, splits_pre,
+                                                        softmax_scale=scale, causal=False)
+            t = ks.tree_verify_tail(**x, out=tail.out, lse=tail.lse)
+            return ks.merge_states(po, plse.transpose(1, 2).contiguous(), t.out, t.lse, out=merged.out,
+                                   lse=merged.lse)
 
     return {"FlashMLA dense (no mask)": dense, "split: FlashMLA + tail + merge": split}
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""tree_verify_wgmma with TMA key tiles (the build) against the same kernel with cp.async key tiles (the
-plan's uses_tma switched off for one build), on the same inputs in one process: the outputs must be
+"""tree_verify_wgmma's lockstep schedule with TMA key tiles against the same kernel with cp.async key tiles (the
+plan's uses_tma switched off for one build; the default build is the seesaw, scripts/compare_schedules.py), on the same inputs in one process: the outputs must be
 bit-identical (same math on the same tiles), then both are timed (CUDA-graph replay).
 When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf.md, "TMA key tiles").
 Run: PYTHONPATH=. python scripts/compare_tma.py
@@ -19,13 +19,17 @@ from ddtree_gen.plans.tree_verify_mma import COMBINE
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
 
 
-def cp_async_set(spec) -> KernelSet:
-    """A kernel set whose tree_verify_wgmma is the cp.async build (uses_tma off while it is made)."""
+def lockstep_set(spec, tma: bool) -> KernelSet:
+    """A kernel set whose tree_verify_wgmma is the lockstep schedule's build with TMA key tiles, or with
+    cp.async ones (uses_tma off while it is made: the seesaw needs TMA, so the plan is lockstep then)."""
+    kdef = wg.variant_def("lockstep")
     real = wg.uses_tma
-    wg.uses_tma = lambda spec, kernel: False
+    if not tma:
+        wg.uses_tma = lambda spec, kernel: False
     try:
-        built = artifacts.compile_variant(spec, by_name("tree_verify_wgmma"))
-        return KernelSet(spec, {"tree_verify_wgmma": built, **artifacts.ensure_built(spec, kernels=[COMBINE])})
+        built = artifacts.compile_variant(spec, kdef)
+        return KernelSet(spec, {kdef.name: built, **artifacts.ensure_built(spec, kernels=[COMBINE])},
+                         kdefs=[kdef, by_name(COMBINE)])
     finally:
         wg.uses_tma = real
 
@@ -35,9 +39,9 @@ def main() -> None:
     rows = []
     for b, h, L in SHAPES:
         spec = artifacts.find_spec(SPEC_BY_HEADS[h])
-        tma = KernelSet(spec, artifacts.ensure_built(spec, kernels=["tree_verify_wgmma", COMBINE]))
+        tma = lockstep_set(spec, True)
         assert tma.constants("tree_verify_wgmma")["USE_TMA"] == 1, "this spec's build does not use TMA"
-        cp = cp_async_set(spec)
+        cp = lockstep_set(spec, False)
         assert cp.constants("tree_verify_wgmma")["USE_TMA"] == 0
         x = verify_inputs(spec, b, np.full(b, L), 65)
         times, outs = {}, {}
