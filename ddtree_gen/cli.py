@@ -9,8 +9,14 @@ from .errors import DdtreeError
 
 
 def _specs(names):
-    from . import artifacts
-    return [artifacts.find_spec(n) for n in names] if names else artifacts.all_specs()
+    from . import artifacts, paths
+    if names:
+        return [artifacts.find_spec(n) for n in names]
+    specs = artifacts.all_specs()
+    if not specs:   # (an install without its specs printed nothing and built "all 0 variants" before issue 19)
+        raise DdtreeError(f"no spec files (*.toml) in {paths.specs_dir()}: name a spec file, or set "
+                          f"DDTREE_GEN_ROOT to a folder with specs/ and templates/")
+    return specs
 
 
 def _destination(spec, out):

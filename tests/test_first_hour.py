@@ -330,3 +330,11 @@ def test_refs_in_an_installed_package_says_it_is_a_repository_command(monkeypatc
     (tmp_path / "_data").mkdir()
     rc, out = _run(capsys, "refs", "--check")
     assert rc == 2 and "refs/ (the KDTR bundles) is part of the repository" in out, out
+
+
+def test_no_specs_at_all_is_an_error_not_an_empty_success(tmp_path, monkeypatch, capsys):
+    (tmp_path / "specs").mkdir()
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(tmp_path))
+    for args in (["build"], ["list"], ["build", "--check"]):
+        rc, out = _run(capsys, *args)
+        assert rc == 2 and f"no spec files (*.toml) in {tmp_path / 'specs'}" in out, (args, out)
