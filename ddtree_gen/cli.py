@@ -38,6 +38,8 @@ def _destination(spec, out):
 def cmd_build(args) -> int:
     from . import artifacts
     specs = _specs(args.specs)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise DdtreeError(f"--out {args.out}: not a folder")
     if args.check:
         return _check(args, specs)
     kdefs = artifacts.select_kernels(args.kernel)

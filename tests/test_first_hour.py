@@ -338,3 +338,10 @@ def test_no_specs_at_all_is_an_error_not_an_empty_success(tmp_path, monkeypatch,
     for args in (["build"], ["list"], ["build", "--check"]):
         rc, out = _run(capsys, *args)
         assert rc == 2 and f"no spec files (*.toml) in {tmp_path / 'specs'}" in out, (args, out)
+
+
+def test_out_that_is_a_file_is_refused(root, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    for args in (["build", SHIPPED, "--out", str(tmp_path / "f")], ["build", "--check", "--out", str(tmp_path / "f")]):
+        rc, out = _run(capsys, *args)
+        assert rc == 2 and f"--out {tmp_path / 'f'}: not a folder" in out, out
