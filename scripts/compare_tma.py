@@ -58,5 +58,18 @@ def main() -> None:
         print(f"{cfg:<20} {a:>11.3f} {t:>8.3f} {a / t:>7.2f}x {'yes' if same else 'NO':>10}")
 
 
+def _args_and_gpu():
+    """--help works anywhere; without a usable GPU, one line saying so (exit 1) instead of a CUDA traceback."""
+    import argparse
+
+    from ddtree_gen import DdtreeError, needs
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    try:
+        needs.require(f"scripts/{__file__.rsplit('/', 1)[-1]}", gpu=True)
+    except DdtreeError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 if __name__ == "__main__":
+    _args_and_gpu()
     main()

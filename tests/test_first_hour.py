@@ -275,18 +275,9 @@ def _no_gpu() -> str | None:
     return needs.gpu_problem()
 
 
-# scripts/compare_tma.py is being changed on main by other work; its --help / no-GPU guard (the same
-# `_args_and_gpu()` as ablate_wgmma.py's) follows that change (issue 19)
-PENDING = pytest.mark.xfail(reason="scripts/compare_tma.py: its --help / no-GPU guard waits for the work in "
-                                   "progress on that file (issue 19)", strict=False)
-
-
-def _script_param(name: str):
-    return pytest.param(name, marks=PENDING) if name.endswith("compare_tma.py") else name
-
-
 @pytest.mark.parametrize("argv", [["examples/speculative_decode.py"], ["scripts/probe_tree_build.py"],
-                                  ["scripts/ablate_wgmma.py"], pytest.param(["scripts/compare_tma.py"], marks=PENDING),
+                                  ["scripts/ablate_wgmma.py"], ["scripts/compare_tma.py"], ["scripts/sweep_splits.py"],
+                                  ["scripts/tune_tree_verify.py"],
                                   ["scripts/probe_wgmma.py"]])
 def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     if _no_gpu() is None:
@@ -298,7 +289,7 @@ def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     assert r.stderr.strip().splitlines() == [f"error: {argv[0]} needs a CUDA GPU: {_no_gpu()}"], r.stderr
 
 
-@pytest.mark.parametrize("script", [_script_param(p.name) for p in sorted((REPO / "scripts").glob("*.py"))])
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "scripts").glob("*.py")))
 def test_every_script_answers_help(script, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
