@@ -4,7 +4,8 @@ where it fits) and the lockstep build (plans/tree_verify_wgmma.variant_def), wit
 the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is importable. Prints per shape the
 CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
---ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose).
+--ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose);
+--parts the seesaw on the balanced "parts" grid, --l2-hint with L2 evict-first key loads.
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
 """
@@ -39,9 +40,16 @@ def to_host(a):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ablate", action="store_true", help="also time seesaw builds with products left out")
+    ap.add_argument("--slab-order", action="store_true", help="also time the seesaw with WG1's S in slab order")
+    ap.add_argument("--parts", action="store_true", help="also time the seesaw on the balanced 'parts' grid")
     ap.add_argument("--l2-hint", action="store_true", help="also time the seesaw with L2 evict-first key loads")
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
+    from ddtree_gen import DdtreeError, needs
+    try:   # one line (exit 1) without a GPU or torch, not a CUDA traceback
+        needs.require("scripts/compare_schedules.py", gpu=True, torch=True)
+    except DdtreeError as e:
+        raise SystemExit(f"error: {e}") from None
     from ddtree_gen import artifacts
     from ddtree_gen.bench import SPEC_BY_HEADS, flashmla_peers, graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.bench import verify_inputs
@@ -58,12 +66,16 @@ def main() -> None:
         assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
 
-        def variant(schedule, ablate=0, l2_hint=None):
-            kdef = variant_def(schedule, ablate, l2_hint)
+        def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded"):
+            kdef = variant_def(schedule, ablate, l2_hint, grid, s_order)
             built = artifacts.compile_variant(spec, kdef)
             return KernelSet(spec, {kdef.name: built, **artifacts.ensure_built(spec, kernels=[COMBINE])},
                              kdefs=[kdef, by_name(COMBINE)])
         sets["lockstep"] = variant("lockstep")
+        if args.slab_order:
+            sets["seesaw slab order"] = variant("seesaw", s_order="slab")
+        if args.parts:
+            sets["seesaw parts"] = variant("seesaw", grid="parts")
         if args.l2_hint:
             sets["seesaw evict_first"] = variant("seesaw", l2_hint="evict_first")
         if args.ablate:
@@ -87,7 +99,7 @@ def main() -> None:
         for name, ms in times.items():
             tf = flops / (ms * 1e-3) / 1e12
             diff = "-"
-            if name == "lockstep" or name.startswith("split") or name.endswith("evict_first"):
+            if name != "seesaw" and name in outs and not name.startswith(("FlashMLA", "seesaw no")):
                 d = rel_rows(seesaw[0], outs[name][0])
                 diff = f"{d:.1e} / {np.max(np.abs(seesaw[1] - outs[name][1])):.1e}"
                 if d > 0.05:   # where: the worst (request, row, head) and both norms

@@ -462,11 +462,21 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
         got, k = launched(launcher, MmaKernelSet(spec, full), **args, workspace=ws, num_splits=3, **kw)
         assert got == f"{name}_{want}", (kw, got)
         launches[want] = list(k["args"])
+    # a seesaw build with the "parts" grid also takes the request spans of its parts, in the workspace after its
+    # partials (slots b + part: a smaller partial area than the chunks' [splits, rows])
+    from ddtree_gen.plans.tree_verify_wgmma import verify_plan
+    seesaw = int(verify_plan(spec, f"{name}_wgmma").consts["PARTS"])   # the default grid is "chunks": 0
     extra = tma_words(spec, f"{name}_wgmma")
-    assert len(launches["wgmma"]) == 18 + extra
-    assert launches["wgmma"][:18] == launches.get("mma", launches["wgmma"])[:18]
+    assert len(launches["wgmma"]) == 18 + seesaw + extra
+    same = 17 if seesaw else 18   # the arrays and scalars; part_lse's offset is the layout's
+    assert launches["wgmma"][:same] == launches.get("mma", launches["wgmma"])[:same]
+    if seesaw:
+        b, nq, h, r = args["q_nope"].__cuda_array_interface__["shape"]
+        slots = (b + 3 - 1) * nq * h
+        ws_ptr = launches["wgmma"][16]
+        assert launches["wgmma"][17] - ws_ptr == slots * r * 4 and launches["wgmma"][18] - ws_ptr == slots * (r + 1) * 4
     if extra:   # the full kernel of a bf16 spec with 64-key pages: the tensor map of kv_cache, [pages * PAGE, R + P]
-        (tag, ptr, tm), *rest = launches["wgmma"][18:]
+        (tag, ptr, tm), *rest = launches["wgmma"][18 + seesaw:]
         assert tag == "tensor map" and rest == [0] * 15 and ptr == launches["wgmma"][2]   # kv_cache's pointer
         assert (tm.index, tm.rows, tm.cols, tm.box_rows, tm.box_cols) == (
             2, args["kv_cache"].__cuda_array_interface__["shape"][0] * spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim, 64, 64)
@@ -665,10 +675,32 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
     new = Arrays()
     args = verify_args(spec, new)
     ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, mma_plans.MAX_SPLITS),), np.float32)
+    from ddtree_gen.plans import tree_verify_wgmma as wg_plans
+    parts = []
+    monkeypatch.setattr(mma, "parts_for", lambda *a: parts.append(a) or wg_plans.parts_for(*a))
     for impl in ("wgmma",) if spec.kv_fp8 else ("wgmma", "mma"):
         seen.clear()
-        got, _ = launched(tv.tree_verify, MmaKernelSet(spec, full), **args, workspace=ws, impl=impl)
-        assert got == f"tree_verify_{impl}" and seen == [impl], (impl, got, seen)
+        parts.clear()
+        got, k = launched(tv.tree_verify, MmaKernelSet(spec, full), **args, workspace=ws, impl=impl)
+        # a "parts" grid takes its part count from parts_for (one wave of row tiles x parts), not a table
+        seesaw = impl == "wgmma" and bool(wg_plans.verify_plan(spec).consts["PARTS"])
+        assert got == f"tree_verify_{impl}" and seen == ([] if seesaw else [impl]), (impl, got, seen)
+        assert len(parts) == (1 if seesaw else 0)
+        if seesaw:   # one block per (row tile, part)
+            b, nq = args["q_nope"].__cuda_array_interface__["shape"][:2]
+            row_tiles = -(-nq * spec.num_heads // 64)
+            assert k["grid"] == (row_tiles * wg_plans.parts_for(*parts[0]),)
+
+
+def test_parts_for():
+    """The seesaw kernel's parts: one wave of row tiles x parts, at most the batch's key tiles, at most MAX_SPLITS."""
+    from ddtree_gen import artifacts
+    from ddtree_gen.plans.tree_verify_wgmma import parts_for
+    kimi8, ds128 = artifacts.find_spec("kimi-k2.6-tp8"), artifacts.find_spec("deepseek-v3")
+    assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks
+    assert parts_for(ds128, 8, 65, 4224, 132) == 1           # 130 row tiles: one wave already
+    assert parts_for(kimi8, 1, 65, 64, 132) == 1             # one key tile in the batch
+    assert parts_for(kimi8, 64, 1, 4224, 132) == mma_plans.MAX_SPLITS   # 1 row tile: capped
 
 
 def test_wave_model_of_untuned_shapes():

@@ -34,7 +34,8 @@ from ..archs import PRIMARY
 from ..errors import ArgumentError
 from ..plans import by_name
 from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
-from ..plans.tree_verify_mma import workspace_elems
+from ..plans.tree_verify_mma import parts_workspace_elems, workspace_elems
+from ..plans.tree_verify_wgmma import parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
@@ -82,15 +83,23 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
     arch = require(kset, name, qn.device)
-    bn = kset.constants(name, qn.device)["BN"]
+    consts = kset.constants(name, qn.device)
+    bn = consts["BN"]
+    # a seesaw build with the "parts" grid (plans/tree_verify_wgmma.variant_def) cuts the batch's key tiles into
+    # `splits` balanced parts on the device, per row tile: one block per (row tile, part); every other build one
+    # per (request, chunk, row tile)
+    parts = bool(consts.get("PARTS"))
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
+    max_keys = nq if tail else max_pages * spec.page_size
+    sms = sm_count(qn.device) if b else DEFAULT_SMS
     if num_splits is None:
-        max_keys = nq if tail else max_pages * spec.page_size
-        splits = choose_splits(spec, b, nq, max_keys, bn, sm_count(qn.device) if b else DEFAULT_SMS, arch,
-                               "wgmma" if name.endswith("_wgmma") else "mma")
+        splits = (parts_for(spec, b, nq, max_keys, sms) if parts else
+                  choose_splits(spec, b, nq, max_keys, bn, sms, arch, "wgmma" if name.endswith("_wgmma") else "mma"))
     else:
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
+    if parts and b * -(-max_keys // bn) > INT32_MAX:
+        raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
     loaded = inspect.getattr_static(kset, "kernels", None)   # (static: a test stand-in may answer any name)
     if splits > 1 and loaded is not None and COMBINE not in kset.kernels:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
@@ -101,7 +110,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
     oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
-    need = workspace_elems(spec, b, nq, splits)
+    need = parts_workspace_elems(spec, b, nq, splits) if parts else workspace_elems(spec, b, nq, splits)
     wa = None
     if arrays[WS] is not None and need:
         wa, contiguous = ar.view(arrays[WS], "workspace")
@@ -111,7 +120,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
             raise ArgumentError("workspace: not C-contiguous")
         if math.prod(wa.shape) < need:
             raise ArgumentError(f"workspace: {math.prod(wa.shape)} float32 elements, {splits} key chunks need "
-                                f"{need} (workspace_elems(spec, B, Nq, splits))")
+                                f"{need} (at most workspace_elems(spec, B, Nq, splits))")
         wa = ar.DevArray(wa.obj, wa.ptr, (need,), "float32", wa.kind, wa._device)   # the part the kernels use
         ptrs.align(wa, "workspace", 16, READER)
     check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa}, reader=READER)
@@ -120,29 +129,35 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     new = [(7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")]
     steps = []
     if b:
-        lse_part = splits * rows_total * r * 4     # byte offset of the partial lse in the workspace
-        part_o, part_lse = ((WS, 0), (WS, lse_part)) if need else (np.uint64(0), np.uint64(0))
+        slots = (b + splits - 1) * nq * h if parts else splits * rows_total   # partial rows in the workspace
+        part_o, part_lse, spans = (((WS, 0), (WS, slots * r * 4), (WS, slots * (r + 1) * 4)) if need else
+                                   (np.uint64(0), np.uint64(0), np.uint64(0)))
         # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
         # boxes of one key tile's rows by one 64-column (128-byte) slab
         tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64),)
-               if kset.constants(name, qn.device).get("USE_TMA") else ())
-        steps.append(Step(name, (b * splits * row_tiles,),
+               if consts.get("USE_TMA") else ())
+        blocks = splits * row_tiles if parts else b * splits * row_tiles
+        steps.append(Step(name, (blocks,),
                           (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
-                           np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse, *tma)))
+                           np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
+                           *((spans,) if parts else ()), *tma)))
         if need:
             new.append((WS, (need,), "float32"))
         if splits > 1:
-            steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8))
+            steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
+                                      spans if parts else np.uint64(0)))
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), result=lambda a: AttentionOutput(a[7], a[8]))
 
 
-def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse) -> Step:
+def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:
+    """The combine of `splits` chunks ([splits, rows_total] partials), or of the seesaw kernel's parts (`spans`:
+    the request spans it wrote, partials in slots b + part)."""
     blocks = -(-rows_total // COMBINE_ROWS_PER_BLOCK)
     if blocks > INT32_MAX:
         raise ArgumentError(f"q_nope: {rows_total} rows are too many for one launch")
     return Step(COMBINE, (blocks,), (part_o, part_lse, pl, ql, np.int32(nq), np.int32(splits), np.int64(rows_total),
-                                     out, lse))
+                                     out, lse, spans))
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,

@@ -226,11 +226,21 @@ def wave_splits(base: int, sms: int, most: int) -> int:
 
 
 def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
-    """float32 elements of split-KV scratch: partial outputs [splits, rows, R] then lse [splits, rows]."""
+    """float32 elements of split-KV scratch for `splits` chunks (or parts): partial outputs [splits, rows, R], their
+    lse [splits, rows], then 2 B + 1 int32 (the seesaw kernel's request spans: plans/tree_verify_wgmma). The
+    seesaw kernel uses the first (B + splits - 1) Nq H (R + 1) of the partials' part (parts_workspace_elems)."""
     if splits <= 1:
         return 0
     rows = b * nq * spec.num_heads
-    return splits * rows * (spec.kv_lora_rank + 1)
+    return splits * rows * (spec.kv_lora_rank + 1) + 2 * b + 1
+
+
+def parts_workspace_elems(spec, b: int, nq: int, parts: int) -> int:
+    """float32 elements the seesaw kernel's `parts` need: partials in B + parts - 1 slots of Nq H rows (slot
+    b + part; output [slots, Nq H, R] then lse [slots, Nq H]), then the 2 B + 1 int32 request spans."""
+    if parts <= 1:
+        return 0
+    return (b + parts - 1) * nq * spec.num_heads * (spec.kv_lora_rank + 1) + 2 * b + 1
 
 
 # the mma.sync kernels read bf16 caches only: an fp8 spec (kv_dtype "fp8_e4m3") does not get them, its

@@ -90,14 +90,19 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "SEESAW": sympy.Integer(1 if sched == "seesaw" else 0),
                         "ABLATE": sympy.Integer(int((config or {}).get("ablate", 0))),
                         "L2_EVICT_FIRST": sympy.Integer(1 if (config or {}).get("l2_hint") == "evict_first" else 0),
+                        "PARTS": sympy.Integer(1 if sched == "seesaw" and (config or {}).get("grid") == "parts" else 0),
+                        "S_LOADED_ORDER": sympy.Integer(0 if (config or {}).get("s_order") == "slab" else 1),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
-def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None) -> KernelDef:
+def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None, grid: str = "chunks",
+                s_order: str = "loaded") -> KernelDef:
     """tree_verify_wgmma built with `schedule` (same name and entry as the registered kernel), for the
     comparison and ablation scripts; ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones
-    (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint."""
-    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint}
+    (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint;
+    grid "parts" (seesaw only): the balanced parts of the batch's key tiles (parts_for) instead of per-request chunks;
+    s_order "slab": WG1's S in slab order rather than in the order its slabs were loaded."""
+    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint, "grid": grid, "s_order": s_order}
     return KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
                      plan=functools.partial(verify_plan, kernel="tree_verify_wgmma", config=config),
                      context={"tail": False}, archs=ARCHS)
@@ -115,3 +120,13 @@ KERNELS = [
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS),
 ]
+
+
+def parts_for(spec, b: int, nq: int, max_keys: int, sms: int) -> int:
+    """The seesaw kernel's part count, from shapes only (the parts' boundaries come from the lengths, on the
+    device): as many parts of the batch's key tiles per row tile as one wave of blocks holds (row tiles x parts
+    <= SMs), never more than the batch's most key tiles (B x max_keys / BN) nor mma.MAX_SPLITS."""
+    row_tiles = -(-nq * spec.num_heads // mma.BM)
+    most = max(1, b * -(-int(max_keys) // BN))
+    return max(1, min(sms // max(1, row_tiles), most, mma.MAX_SPLITS))
+

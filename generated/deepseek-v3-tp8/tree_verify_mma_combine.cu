@@ -51,7 +51,8 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
     return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
 }
 
-// tree_verify_mma_combine: the split-KV combine of tree_verify_mma / tree_verify_tail_mma.
+// tree_verify_mma_combine: the split-KV combine of the tensor-core tree_verify kernels (their chunks, or the parts of the
+// seesaw kernel: `spans`).
 // Spec deepseek-v3-tp8: H = 16, R = 512. One warp per (request, node, head) row,
 // 8 rows per block. Chunk c of a row left (o_c normalised, lse_c in base 2; an empty
 // chunk has lse_c = -inf and its o_c is never read):
@@ -76,12 +77,15 @@ __device__ __forceinline__ float ex2(float x) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 4)
 ddtree_tree_verify_mma_combine(const float* __restrict__ part_o,      // [splits, rows_total, R] normalised partial outputs
+                                                   //   (spans: [B + splits - 1, Nq H, R], slot b + part)
             const float* __restrict__ part_lse,    // [splits, rows_total] base-2 lse, -inf: empty chunk
             const int* __restrict__ prefix_lens,   // [B]
             const int* __restrict__ q_lens,        // [B]
             int Nq, int splits, long long rows_total,
             bf16_t* __restrict__ out,              // [B, Nq, H, R]
-            float* __restrict__ lse)               // [B, Nq, H]
+            float* __restrict__ lse,               // [B, Nq, H]
+            const int* __restrict__ spans)         // null: every row has `splits` chunks; else the seesaw kernel's
+                                                   // parts: [2 B + 1] request key-tile ranges and their total
 {
     const long long row = (long long)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -92,22 +96,48 @@ ddtree_tree_verify_mma_combine(const float* __restrict__ part_o,      // [splits
     const int q_len = q_lens[b];
     if (q_len < 1 || q_len > Nq || prefix_lens[b] < 0 || i >= q_len) return;
 
+    // chunks [c_first, c_last] of the row: all of them, or (the seesaw kernel's parts of the batch's T key tiles,
+    // part p = [p T / splits, (p + 1) T / splits)) the parts that hold some of request b's tiles [S, E); a request
+    // inside one part was written by the attention kernel itself, and a part holding none of its tiles wrote no
+    // partial for it (its lse slot is not read)
+    int c_first = 0, c_last = splits - 1;
+    long long S = 0, E = 0, T = 0;
+    if (spans != nullptr) {
+        S = spans[2 * b];
+        E = spans[2 * b + 1];
+        T = spans[2 * (rows_total / per_request)];
+        if (E <= S || T <= 0) return;
+        c_first = (int)(((S + 1) * splits + T - 1) / T - 1);        // the part holding tile S
+        c_last = (int)((E * splits + T - 1) / T - 1);               // the part holding tile E - 1
+        if (c_first == c_last) return;
+    }
+    // the row's partial in chunk c: [splits][rows_total] rows, or the parts' slots b + c of Nq H rows
+    auto slot_row = [&](int c) -> long long {
+        return spans == nullptr ? (long long)c * rows_total + row : (long long)(b + c) * per_request + (row - (long long)b * per_request);
+    };
+    auto holds = [&](int c) {
+        if (spans == nullptr) return true;
+        const long long lo = (long long)c * T / splits, hi = (long long)(c + 1) * T / splits;
+        return (lo > S ? lo : S) < (hi < E ? hi : E);
+    };
     // (the chunk loops are unrolled so that several chunks' loads are in flight: L2 latency, not bandwidth)
     float big = DDT_NEG_INF;
     #pragma unroll 4
-    for (int c = 0; c < splits; ++c) big = fmaxf(big, part_lse[(long long)c * rows_total + row]);
+    for (int c = c_first; c <= c_last; ++c)
+        if (holds(c)) big = fmaxf(big, part_lse[slot_row(c)]);
     float acc[C4][4];
     #pragma unroll
     for (int k = 0; k < C4; ++k) { acc[k][0] = 0.0f; acc[k][1] = 0.0f; acc[k][2] = 0.0f; acc[k][3] = 0.0f; }
     float total = 0.0f;
     if (big != DDT_NEG_INF) {
         #pragma unroll 4
-        for (int c = 0; c < splits; ++c) {
-            const float l = part_lse[(long long)c * rows_total + row];
+        for (int c = c_first; c <= c_last; ++c) {
+            if (!holds(c)) continue;
+            const float l = part_lse[slot_row(c)];
             if (l == DDT_NEG_INF) continue;                          // empty chunk: o never read
             const float w = ex2(l - big);
             total += w;
-            const float4* src = reinterpret_cast<const float4*>(part_o + ((long long)c * rows_total + row) * RANK);
+            const float4* src = reinterpret_cast<const float4*>(part_o + slot_row(c) * RANK);
             #pragma unroll
             for (int k = 0; k < C4; ++k) {
                 const int f = lane + 32 * k;

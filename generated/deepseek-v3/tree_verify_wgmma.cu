@@ -114,6 +114,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // bit 1 the P.V products; 0 in every build
 #define ABLATE 0
 #define L2_EVICT_FIRST 0     // key-tile loads with an L2 evict-first hint (the config's "l2_hint")
+// The grid (the config's "grid"): "chunks" (PARTS 0, the default): a block per (request, key chunk, row tile), as
+// the lockstep kernel; "parts" (PARTS 1): a block per (row tile, part) that walks the requests of its part of the
+// batch's key tiles (cut on the device from the lengths), one segment per request.
+#define PARTS 0
+// WG1's S of its next tile in the order its slabs were loaded (1, the default: its own V_R and rope slabs first) or
+// in slab order (0; the config's "s_order": "slab")
+#define S_LOADED_ORDER 1
 
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
@@ -325,7 +332,6 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     // knows it is warp-uniform: a wgmma under a branch on it is not on a divergent path)
     const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
     const int wtid = tid & 127;
-    const long long row_base = (long long)b * Nq * NUM_HEADS;   // row index of (b, 0, 0)
 
     // key range of this chunk; keys past the block table are never visible
     const long long t_lo = TAIL ? (long long)prefix : 0ll;
@@ -343,7 +349,10 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     // key t = c_lo + rel (rel = n * BN + tile column); t < prefix iff rel < pre; tree node t - prefix = rel - pre
     // (an int: prefix - c_lo is in (-q_len, prefix] for a non-empty chunk, and an empty chunk, where it
     // is unused, starts at most splits * BN keys past t_hi)
-    const int pre = (int)((long long)prefix - c_lo);
+    const int pre = (int)((long long)prefix - c_lo);    const bool whole = splits == 1;                    // one chunk: out and lse, else a partial of chunk `chunk`
+    const long long row_base = (long long)b * Nq * NUM_HEADS;   // row index of (b, 0, 0)
+    constexpr int uses0 = 0, uses1 = 0;                // one segment per block: each buffer's barriers start at phase 0
+
     unsigned char* const sQ = smem + SQ_OFF;
     unsigned char* const sK = smem + SK_OFF;
     unsigned char* const sP0 = smem + SP0_OFF;
@@ -425,7 +434,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             #pragma unroll
             for (int w = 0; w < MASK_WORDS; ++w) mrow[half][w] = live ? src[w] : 0u;
         }
-        __syncthreads();               // Q, sM and the barriers' initialisation are visible to every thread
+        __syncthreads();               // Q and sM are visible to every thread
         // Q's rope slab -> registers: the A fragments of its 4 k-steps (its shared memory then holds P_b)
         uint32_t qreg[4][4];
         #pragma unroll
@@ -449,10 +458,10 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         constexpr uint64_t TILE16 = TILE_BYTES >> 4;              // a buffer, in descriptor units
 
         // S of tile n (buffer n & 1) for slabs [S0, S1), each slab's 4 k-steps issued once its box has
-        // landed and committed as one group
-        auto s_gemm = [&](float (&s)[NS], int n, int s0, int s1) {
+        // landed and committed as one group; init: its first k-step overwrites s (the product's first part)
+        auto s_gemm = [&](float (&s)[NS], int n, int s0, int s1, bool init) {
             const int buf = n & 1;
-            const uint32_t parity = (uint32_t)(n >> 1) & 1u;        // the buffer's use count mod 2
+            const uint32_t parity = (uint32_t)((buf ? uses1 : uses0) + (n >> 1)) & 1u;   // the buffer's use count mod 2
             wg_fence();
             #pragma unroll
             for (int sl = s0; sl < s1; ++sl) {
@@ -462,7 +471,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     const uint64_t koff = (uint64_t)((sl * SLAB_BYTES + k * 32) >> 4);
                     if (ABLATE & 1) continue;
                     if (sl == QREG_SLAB) wgmma_s_rs(s, qreg[k], k_desc + buf * TILE16 + koff);
-                    else wgmma_s_ss(s, q_desc + koff, k_desc + buf * TILE16 + koff, sl > 0 || k > 0);
+                    else wgmma_s_ss(s, q_desc + koff, k_desc + buf * TILE16 + koff, !(init && sl == s0 && k == 0));
                 }
                 wg_commit();
             }
@@ -539,8 +548,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
 
         float s[NS];
         uint32_t pb[16];
-        if (wg == 0) s_gemm(s, 0, 0, SLABS);
-        else if (n_tiles > 1) s_gemm(s, 1, 0, SLABS);
+        if (wg == 0) s_gemm(s, 0, 0, SLABS, true);
+        else if (n_tiles > 1) s_gemm(s, 1, 0, SLABS, true);
         wg_wait<0>();
         wg_keep(s);
 
@@ -594,12 +603,12 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                         wgmma_pv_ss(o, p1_desc + (uint64_t)((ks * 32) >> 4), vb + (uint64_t)((ks * 16 * 128) >> 4));
                     wg_commit();
                 }
-                if (next_a) s_gemm(s, a + 2, 0, VSLABS);                    // tile a + 2's first slabs
+                if (next_a) s_gemm(s, a + 2, 0, VSLABS, true);              // tile a + 2's V_L slabs: loaded first
                 if (has_b) {
                     if (next_a) wg_wait<VSLABS>(); else wg_wait<0>();        // P_b V_bL is done
                     if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, VSLABS);   // V_bL's slabs are free
                 }
-                if (next_a) s_gemm(s, a + 2, VSLABS, SLABS);
+                if (next_a) s_gemm(s, a + 2, VSLABS, SLABS, false);
                 wg_wait<0>();
                 wg_keep(o);
                 wg_keep(s);
@@ -648,7 +657,14 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 if (next_a && wtid == 0) load_slabs(a + 2, src_na, VSLABS, SLABS);
                 src_b = src_nb;
                 if (next_b) {
-                    s_gemm(s, a + 3, 0, SLABS);
+                    // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before
+                    // WG0's V_L slabs (after its P_b V_bL, which the tensor cores run after this one's products)
+                    if (S_LOADED_ORDER) {
+                        s_gemm(s, a + 3, VSLABS, SLABS, true);
+                        s_gemm(s, a + 3, 0, VSLABS, false);
+                    } else {
+                        s_gemm(s, a + 3, 0, SLABS, true);
+                    }
                     wg_wait<0>();
                     wg_keep(s);
                 }
@@ -677,7 +693,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         const float inv = empty ? 0.0f : v_scale / l;         // l >= 1 otherwise; v_scale: 1 for bf16
         const long long grow = row_base + m;
         const int col = wg * (RANK / 2) + 2 * qd;
-        if (splits == 1) {
+        if (whole) {
             uint32_t* const dst = reinterpret_cast<uint32_t*>(out + grow * RANK + col);
             #pragma unroll
             for (int j = 0; j < NO / 4; ++j)
