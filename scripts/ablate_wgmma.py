@@ -1,5 +1,6 @@
-"""Development aid (not a test): time tree_verify_wgmma with parts of the tile loop removed
-(results are wrong on purpose), to see where a tile's time goes.
+"""Development aid (not a test): time tree_verify_wgmma's lockstep schedule with parts of the tile loop removed
+(results are wrong on purpose), to see where a tile's time goes. (The seesaw schedule, the default build, has its
+ablation in scripts/compare_schedules.py --ablate.)
 
 When: on a GPU after changing the tile loop of templates/tree_verify_wgmma.cu.j2, to redo the
 ablation table of docs/perf.md; each cut in CUTS must still occur in the rendered source (asserted).
@@ -14,6 +15,7 @@ from ddtree_gen import artifacts
 from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
 from ddtree_gen.kernel_set import KernelSet
 from ddtree_gen.plans import by_name
+from ddtree_gen.plans.tree_verify_wgmma import variant_def
 from ddtree_gen.render import render
 
 REFILL = "if (nn < n_tiles) stage_tile(nn, next_src);"
@@ -38,8 +40,9 @@ def main():
     for b, h, l in [(8, 128, 4096), (8, 64, 16384)]:
         spec = artifacts.find_spec(SPEC_BY_HEADS[h])
         base = artifacts.ensure_built(spec, kernels=["tree_verify_mma_combine"])
+        base_defs = [by_name("tree_verify_mma_combine")]
         x = verify_inputs(spec, b, np.full(b, l), 65)
-        kdef = by_name("tree_verify_wgmma")
+        kdef = variant_def("lockstep")
         src0 = render(spec, kdef)
         row = [f"B={b} H={h} L={l}"]
         for name, cuts in CUTS.items():
@@ -48,7 +51,7 @@ def main():
                 assert a in src, (name, a)
                 src = src.replace(a, c)
             built = artifacts.compile_variant(spec, kdef, source=src)
-            ks = KernelSet(spec, {"tree_verify_wgmma": built, **base})
+            ks = KernelSet(spec, {"tree_verify_wgmma": built, **base}, kdefs=[kdef, *base_defs])
             out = ks.tree_verify_wgmma(**x, num_splits=1)
             ms = graph_time_ms(lambda: ks.tree_verify_wgmma(**x, out=out.out, lse=out.lse, num_splits=1),
                                per_graph=5, reps=10)
