@@ -109,6 +109,28 @@ def test_load_before_set_device(ks):
         torch.cuda.set_device(0)
 
 
+def test_tma_map_of_a_cache_on_1(ks):
+    """The TMA kernel (the seesaw tree_verify of a bf16 spec with 64-key pages) on a cache that lives on cuda:1,
+    while cuda:0 is current: the launch passes the tensor map encoded for that cache's own pointer (memoized per
+    pointer, so a cache on another device never reuses cuda:0's), and the result holds against the reference."""
+    torch = _need_gpus(2)
+    from ddtree_gen import runtime
+    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    assert uses_tma(ks.spec, "tree_verify_wgmma")
+    seed = fresh_seed()
+    x = verify_case(ks.spec, seed)
+    check_verify(run_verify(ks, torch, "cuda:0", x), x)
+    before = set(runtime._TENSOR_MAPS)
+    res = run_verify(ks, torch, "cuda:1", x)
+    check_verify(res, x)
+    new = [key for key in runtime._TENSOR_MAPS if key not in before]
+    assert new, "no tensor map was encoded for the cache on cuda:1"
+    for ptr, _ in new:   # the cuda:1 cache's pointer: a cuda:1 address
+        attrs = __import__("cupy").cuda.runtime.pointerGetAttributes(ptr)
+        assert attrs.device == 1, (hex(ptr), attrs.device)
+    assert torch.cuda.current_device() == 0
+
+
 def test_set_used_on_0_then_inputs_on_1(ks):
     """One kernel set, used on cuda:0 first, then with inputs on cuda:1 while cuda:0 is current."""
     torch = _need_gpus(2)
