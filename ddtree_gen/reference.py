@@ -551,10 +551,10 @@ def kv_commit(accepted, prefix_lens, kv_caches, block_table):
 MAX_VOCAB = 262144   # draft_topk: the largest vocabulary (the last dimension of logits)
 
 
-def temperature_arg(temperature) -> tuple[float, float]:
-    """(temperature, its float32 reciprocal) of draft_topk, or ArgumentError naming `temperature`: a real
-    number, finite and > 0, whose reciprocal rounded to float32 is a finite normal number (the kernels
-    scale by it)."""
+def temperature_arg(temperature) -> tuple[float, float, float]:
+    """(temperature, fl32(1 / temperature), fl32(log2(e) / temperature)) of draft_topk, or ArgumentError
+    naming `temperature`: a real number, finite and > 0, whose two float32 scale factors are finite normal
+    numbers (the kernels scale by them): about 4.3e-39 < temperature <= 8.5e37."""
     if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
                                                                                    np.floating)):
         raise ArgumentError(f"temperature: expected a float, got {type(temperature).__name__} {temperature!r}")
@@ -562,11 +562,12 @@ def temperature_arg(temperature) -> tuple[float, float]:
     if not (math.isfinite(t) and t > 0):
         raise ArgumentError(f"temperature: {t!r} must be finite and > 0")
     with np.errstate(over="ignore"):
-        inv = float(np.float32(1.0 / t))
-    if not (math.isfinite(inv) and inv >= float(np.finfo(np.float32).tiny)):
-        raise ArgumentError(f"temperature: {t!r} is outside the float32 range (its reciprocal {1.0 / t!r} "
-                            f"must be a finite normal float32)")
-    return t, inv
+        inv, c = float(np.float32(1.0 / t)), float(np.float32(math.log2(math.e) / t))
+    tiny = float(np.finfo(np.float32).tiny)
+    if not (math.isfinite(c) and inv >= tiny):
+        raise ArgumentError(f"temperature: {t!r} is outside the float32 range (1/temperature and "
+                            f"log2(e)/temperature must be finite normal float32 numbers)")
+    return t, inv, c
 
 
 def draft_topk(logits, k, temperature=1.0):
@@ -582,7 +583,7 @@ def draft_topk(logits, k, temperature=1.0):
     if not 1 <= v <= MAX_VOCAB:
         raise ArgumentError(f"logits: V = {v} (dimension 2) must be in [1, {MAX_VOCAB}]")
     k = _int_scalar(k, "k", 1, v)
-    t, _ = temperature_arg(temperature)
+    t = temperature_arg(temperature)[0]
     x = np.where(np.isnan(x), -np.inf, x)
     order = np.argsort(-x, axis=-1, kind="stable")[..., :k]          # stable: equal logits by ascending id
     top = np.take_along_axis(x, order, axis=-1)

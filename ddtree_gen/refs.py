@@ -19,7 +19,7 @@ from .spec import Spec
 from .trees import ancestor_mask
 
 INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask", "first_child", "next_sibling",
-            "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after"}
+            "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after", "topk_ids"}
 
 
 def _seed(spec: Spec, kernel: str, case: str) -> int:
@@ -120,6 +120,25 @@ def _accept_inputs(spec, rng, case):
             "kv_cache": kv, "block_table": table}
 
 
+def _draft_topk_inputs(spec, rng, case):
+    k = spec.max_tree_size - 1
+    if case == "bf16":        # two requests, 3 depths, a vocabulary above one chunk (16384): the merge
+        logits = bf16.to_bits(rng.standard_normal((2, 3, 20000)) * 3)
+        return {"logits": logits, "k": np.array(k, np.int32), "temperature": np.array(0.8, np.float64)}
+    # float32 edge rows: ties (a few values), NaN and -inf, all -inf, +inf, k = V at the end
+    v = max(k, 300)
+    x = rng.integers(-4, 4, size=(1, 6, v)).astype(np.float32)
+    x[0, 1, ::5] = np.nan
+    x[0, 1, 1::7] = -np.inf
+    x[0, 2] = -np.inf
+    x[0, 2, 3::11] = np.nan
+    x[0, 3, [5, 77, 200]] = np.inf
+    x[0, 4] = rng.standard_normal(v).astype(np.float32)
+    x[0, 5] = 0.0
+    x[0, 5, ::2] = -0.0
+    return {"logits": x, "k": np.array(k, np.int32), "temperature": np.array(1.0, np.float64)}
+
+
 class _Tree:
     def __init__(self, a):
         self.num_nodes, self.tokens = a["num_nodes"], a["tokens"]
@@ -146,6 +165,9 @@ def _run(spec: Spec, kernel: str, a: dict) -> dict:
         out = reference.tree_accept(_Tree(a), a["target_tokens"], a["prefix_lens"], kv, a["block_table"],
                                     max_depth=spec.max_depth)
         return dict(out._asdict()) | {"kv_cache_after": kv}
+    if kernel == "draft_topk":
+        out = reference.draft_topk(a["logits"], int(a["k"]), float(a["temperature"]))
+        return {"topk_ids": out.topk_ids, "topk_logprobs": out.topk_logprobs.astype(np.float32)}
     raise KeyError(kernel)
 
 
@@ -155,6 +177,7 @@ CASES = {
     "tree_verify_tail": (_verify_inputs, ["prefix70"]),
     "merge_states": (_merge_inputs, ["empty-sides"]),
     "tree_accept": (_accept_inputs, ["walks"]),
+    "draft_topk": (_draft_topk_inputs, ["bf16", "edges"]),
 }
 
 

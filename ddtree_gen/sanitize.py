@@ -21,7 +21,8 @@ count that is not a multiple of the block, and in place; tree_accept with full a
 acceptance, malformed trees (num_nodes out of range, links out of range, cycles), bad
 block-table entries, and a kv_cache that is not 16-byte aligned; kv_commit (after the walk) with zero,
 full and random paths, bad block-table entries and nodes, in a sequence of layer caches and a stacked
-one. An fp8 spec (kv_dtype "fp8_e4m3") runs the same cases on e4m3 caches (finite bytes) with a
+one; draft_topk with bf16 and float32 rows of one and several chunks, a vocabulary of scalar loads,
+ties that overflow its candidates, NaN / -inf / +inf rows and k = V. An fp8 spec (kv_dtype "fp8_e4m3") runs the same cases on e4m3 caches (finite bytes) with a
 kv_scale; its mma.sync kernels are not built and are skipped with that reason. CuPy's memory pool is turned
 off so that every array is its own allocation and memcheck sees every overrun. A kernel the
 worker has no cases for, or whose module is not present, is skipped with a note. The worker
@@ -447,6 +448,31 @@ def _commit_cases(spec, rng):
                                  kv_caches=np.stack(layers(3)), block_table=table)
 
 
+def _draft_topk_cases(spec, rng):
+    """draft_topk: bf16 and float32 rows of one and of several chunks (the merge), a vocabulary that is not a
+    multiple of the 16-byte vector (scalar loads), ties that overflow the candidate list (a constant row),
+    NaN / -inf / all -inf / +inf rows, k = 1 and N-1, a temperature."""
+    from . import bf16
+    kmax = spec.max_tree_size - 1
+
+    def rows(b, dp, v, scale=3.0):
+        return rng.standard_normal((b, dp, v)) * scale
+
+    yield "bf16, V = 129280", dict(logits=bf16.to_bits(rows(1, 2, 129280)), k=kmax)
+    yield "float32, V = 40001, T = 0.7", dict(logits=rows(2, 2, 40001).astype(np.float32), k=kmax, temperature=0.7)
+    yield "bf16, V = 1001 (scalar loads), k = 1", dict(logits=bf16.to_bits(rows(3, 1, 1001)), k=1)
+    edge = rows(1, 5, 40000).astype(np.float32)
+    edge[0, 0] = 0.0                        # a constant row: ties overflow the candidates
+    edge[0, 1] = -np.inf                    # all -inf
+    edge[0, 1, 7::13] = np.nan
+    edge[0, 2, ::3] = np.nan
+    edge[0, 3, [3, 20000, 39999]] = np.inf
+    edge[0, 4] = np.sort(edge[0, 4])        # ascending: the candidates sit in few threads
+    yield "float32 edge rows", dict(logits=edge, k=kmax)
+    yield "bf16 edge rows", dict(logits=bf16.to_bits(edge), k=kmax)
+    yield "k = V", dict(logits=rows(1, 1, kmax).astype(np.float32), k=kmax)
+
+
 def _verify_mma_cases(spec, rng):
     """The tree_verify cases with the launcher's own split choice, then forced split-KV (combine kernel)."""
     for i, (case, inputs) in enumerate(_verify_cases(spec, rng)):
@@ -458,6 +484,7 @@ def _verify_mma_cases(spec, rng):
 
 CASES = {"tree_build": _tree_build_cases, "tree_verify": _verify_cases, "tree_verify_tail": _verify_cases,
          "merge_states": _merge_cases, "tree_accept": _accept_cases, "kv_commit": _commit_cases,
+         "draft_topk": _draft_topk_cases,
          "tree_verify_mma": _verify_mma_cases, "tree_verify_tail_mma": _verify_mma_cases,
          "tree_verify_wgmma": _verify_mma_cases, "tree_verify_tail_wgmma": _verify_mma_cases}
 # registered kernels that are launched by another kernel's cases rather than on their own

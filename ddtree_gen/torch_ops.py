@@ -1,6 +1,7 @@
 """The launchers as torch custom ops (torch.ops.ddtree.*), for torch.compile and CUDA graphs.
 
     import ddtree_gen.torch_ops   # registers the ops (torch is needed here, nowhere else)
+    ids, lps = torch.ops.ddtree.draft_topk("kimi-k2.6-tp8", logits, 64)      # logits [B, D', V] bf16 / float32
     tree = torch.ops.ddtree.tree_build("kimi-k2.6-tp8", topk_ids, topk_logprobs, roots, prefix_lens, 64)
     out, lse = torch.ops.ddtree.tree_verify("kimi-k2.6-tp8", q_nope, q_pe, kv_cache, block_table,
                                             prefix_lens, q_lens, tree[6], softmax_scale, "auto")
@@ -11,7 +12,7 @@
                                             q_lens, tree[6], softmax_scale, "auto", kv_scale)
 
 The first argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
-plain launcher's record as a tuple, in the record's order (TreeBuildOutput, AttentionOutput,
+plain launcher's record as a tuple, in the record's order (DraftTopkOutput, TreeBuildOutput, AttentionOutput,
 TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
 running it; tree_accept's schema declares the KV cache it moves (Tensor(a!)). The ops call the
 plain launchers: same checks, same kernels, on the current stream of the inputs' device.
@@ -23,7 +24,7 @@ import functools
 import torch
 
 from .kernel_set import load
-from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
+from .types import AttentionOutput, DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
 
 @functools.lru_cache(maxsize=None)
 def _kset(spec: str):
@@ -56,6 +57,7 @@ SCHEMAS = {
                    "-> (Tensor, Tensor, Tensor, Tensor)",
     "tree_walk": "tree_walk(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
                  "Tensor target_tokens, Tensor prefix_lens) -> (Tensor, Tensor, Tensor, Tensor)",
+    "draft_topk": "draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
     "kv_commit": "kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
                  "Tensor(a!)[] kv_caches, Tensor block_table) -> ()",
 }
@@ -160,7 +162,18 @@ def _(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
     return None
 
 
-OPS = {"tree_build": (tree_build, TreeBuildOutput), "tree_verify": (tree_verify, AttentionOutput),
+@_op("draft_topk")
+def draft_topk(spec, logits, k, temperature=1.0):
+    return tuple(_kset(spec).draft_topk(logits, k, temperature))
+
+
+@draft_topk.fake
+def _(spec, logits, k, temperature=1.0):
+    b, dp = logits.shape[:2]
+    return (logits.new_empty((b, dp, k), dtype=torch.int32), logits.new_empty((b, dp, k), dtype=torch.float32))
+
+
+OPS = {"draft_topk": (draft_topk, DraftTopkOutput), "tree_build": (tree_build, TreeBuildOutput), "tree_verify": (tree_verify, AttentionOutput),
        "tree_verify_tail": (tree_verify_tail, AttentionOutput), "merge_states": (merge_states, AttentionOutput),
        "tree_accept": (tree_accept, TreeAcceptOutput), "tree_walk": (tree_walk, TreeAcceptOutput),
        "kv_commit": (kv_commit, None)}

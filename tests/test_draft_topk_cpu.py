@@ -154,7 +154,140 @@ def test_logits_errors():
 
 
 def test_temperature_bounds():
-    assert reference.temperature_arg(1.0) == (1.0, 1.0)
+    assert reference.temperature_arg(1.0)[:2] == (1.0, 1.0)
     assert reference.temperature_arg(2**126)[1] == 2.0**-126          # the smallest normal reciprocal
-    with pytest.raises(ArgumentError):
-        reference.temperature_arg(2.0**127)
+    for bad in (2.0**127, 4.0e-39):                                   # 1/T subnormal; log2(e)/T overflows
+        with pytest.raises(ArgumentError, match="temperature"):
+            reference.temperature_arg(bad)
+    reference.temperature_arg(4.5e-39)
+
+
+# ----------------------------------------------------------------------------- the launcher (no GPU)
+
+from conftest import FakeCudaArray, FakeKernelSet  # noqa: E402
+from ddtree_gen.kernels.draft_topk import launch as draft_topk, workspace_elems  # noqa: E402
+from ddtree_gen.plans.draft_topk import CHUNK, chunks  # noqa: E402
+from ddtree_gen.runtime import IsAligned  # noqa: E402
+
+
+class Recorder(FakeKernelSet):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.seen = []
+
+    def launch(self, name, **kw):
+        self.seen.append((name, kw))
+
+
+@pytest.fixture
+def fake_alloc(monkeypatch, fake_device):
+    from ddtree_gen import runtime
+    made = []
+
+    def allocate(kind, device, shape, dtype):
+        a = FakeCudaArray(shape, {"bf16": np.uint16}.get(dtype, dtype), ptr=(1 << 36) + (len(made) << 28))
+        made.append((shape, dtype))
+        return a
+    monkeypatch.setattr(runtime, "allocate", allocate)
+    monkeypatch.setattr(runtime, "pointer_of", lambda a: a.__cuda_array_interface__["data"][0])
+    return made
+
+
+def _logits(b, dp, v, dtype=np.uint16, **kw):
+    return FakeCudaArray((b, dp, v), dtype, **kw)
+
+
+@pytest.mark.parametrize("v,dtype", [(129280, np.uint16), (163840, np.uint16), (262144, np.float32), (16384, np.uint16),
+                                     (8192, np.float32), (1001, np.uint16), (7, np.float32)])
+def test_launch_plan(spec, fake_alloc, v, dtype):
+    """Stage 0 over rows x chunks, stage 1 over rows when a row has several chunks (then a workspace of
+    workspace_elems int32); the scalars: V, k, chunks, bf16, the vector flag, 1/T and log2(e)/T."""
+    ks = Recorder(spec)
+    b, dp, k = 3, min(spec.max_depth, 15), min(spec.max_tree_size - 1, 7)
+    name = "bf16" if dtype == np.uint16 else "float32"
+    out = draft_topk(ks, _logits(b, dp, v, dtype), k, temperature=0.5)
+    assert isinstance(out, DraftTopkOutput)
+    c = chunks(v, name)
+    assert c == -(-v // CHUNK[name]) and c <= 32
+    assert [n for n, _ in ks.seen] == ["draft_topk"] * (1 + (c > 1))
+    assert ks.seen[0][1]["grid"] == (b * dp * c,)
+    a = ks.seen[0][1]["args"]
+    assert [int(x) for x in a[1:5]] == [v, k, c, int(dtype == np.uint16)]
+    assert int(a[5]) == (1 if v % (8 if dtype == np.uint16 else 4) == 0 else 0)   # 0x10000 is 16-byte aligned
+    assert float(a[6]) == 2.0 and float(a[7]) == pytest.approx(2 * 1.4426950408889634, rel=1e-7)
+    assert int(a[-1]) == 0
+    shapes = [s for s, _ in fake_alloc]
+    assert shapes[:2] == [(b, dp, k), (b, dp, k)]
+    need = workspace_elems(b, dp, v, k, name)
+    if c > 1:
+        assert ks.seen[1][1]["grid"] == (b * dp,) and int(ks.seen[1][1]["args"][-1]) == 1
+        assert shapes[2] == (need,) and need == 2 * b * dp * c * (k + 1)
+        assert a[9] - a[8] == b * dp * c * k * 8          # the (max, sum) pairs after the candidates
+    else:
+        assert len(shapes) == 2 and need == 0
+
+
+def test_launch_with_every_output_allocates_nothing(spec, fake_alloc):
+    ks = Recorder(spec)
+    b, dp, v, k = 2, 3, 50000, 5
+    out = DraftTopkOutput(FakeCudaArray((b, dp, k), np.int32, ptr=1 << 30),
+                          FakeCudaArray((b, dp, k), np.float32, ptr=(1 << 30) + 4096))
+    ws = FakeCudaArray((workspace_elems(b, dp, v, k),), np.int32, ptr=1 << 31)
+    got = draft_topk(ks, _logits(b, dp, v), k, out=out, workspace=ws)
+    assert fake_alloc == [] and got.topk_ids is out.topk_ids
+    assert ks.seen[0][1]["args"][8] == 1 << 31
+    draft_topk(ks, _logits(0, dp, v), k, out=DraftTopkOutput(FakeCudaArray((0, dp, k), np.int32),
+                                                             FakeCudaArray((0, dp, k), np.float32)))
+    assert len(ks.seen) == 2                                   # B = 0: nothing launched
+
+
+def _expect(spec, match, *args, **kw):
+    with pytest.raises(ArgumentError, match=match):
+        draft_topk(Recorder(spec), *args, **kw)
+
+
+def test_argument_errors_name_the_argument(spec, fake_alloc):
+    d, n = spec.max_depth, spec.max_tree_size
+    _expect(spec, r"logits: D' = %d \(dimension 1\) must be in \[1, max_depth" % (d + 1), _logits(1, d + 1, 100), 3)
+    _expect(spec, r"logits: D' = 0", _logits(1, 0, 100), 3)
+    _expect(spec, r"k: %d must be in \[1, %d\]" % (n, n - 1), _logits(1, 2, 1000), n)
+    _expect(spec, r"k: 0 must be in", _logits(1, 2, 1000), 0)
+    _expect(spec, r"k: 5 is larger than the vocabulary, V = 4", _logits(1, 2, 4), 5)
+    _expect(spec, r"k: expected an int", _logits(1, 2, 100), 2.0)
+    _expect(spec, r"logits: V = 262145", _logits(1, 2, 262145), 3)
+    _expect(spec, r"logits: dtype float16, expected bf16", _logits(1, 2, 100, np.float16), 3)
+    _expect(spec, r"logits: dtype int32", _logits(1, 2, 100, np.int32), 3)
+    _expect(spec, r"logits: 2 dimensions", FakeCudaArray((2, 100), np.uint16), 3)
+    _expect(spec, r"logits: not C-contiguous", _logits(1, 2, 100, strides=(800, 2, 4)), 3)
+    _expect(spec, r"logits: required", None, 3)
+    for t in (0.0, -1.0, float("inf"), float("nan"), 1e-40, "1"):
+        _expect(spec, r"temperature", _logits(1, 2, 100), 3, temperature=t)
+    _expect(spec, r"out.topk_ids: shape", _logits(1, 2, 100), 3,
+            out=DraftTopkOutput(FakeCudaArray((1, 2, 4), np.int32), FakeCudaArray((1, 2, 3), np.float32)))
+    _expect(spec, r"out.topk_logprobs: dtype", _logits(1, 2, 100), 3,
+            out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32), FakeCudaArray((1, 2, 3), np.int32)))
+    _expect(spec, r"out: has no field 'topk_ids'", _logits(1, 2, 100), 3, out=object())
+    _expect(spec, r"workspace: 3 int32 elements", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((3,), np.int32))
+    _expect(spec, r"workspace: dtype float32", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((10**6,), np.float32))
+    _expect(spec, r"out.topk_ids: on device 1", _logits(1, 2, 100), 3,
+            out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32, ptr=1 << 41), FakeCudaArray((1, 2, 3), np.float32)))
+
+
+def test_overlapping_outputs_are_refused(spec, fake_alloc):
+    logits = _logits(1, 2, 100, ptr=1 << 30)
+    _expect(spec, r"out.topk_ids: overlaps logits", logits, 3,
+            out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32, ptr=(1 << 30) + 64),
+                                FakeCudaArray((1, 2, 3), np.float32, ptr=1 << 32)))
+    _expect(spec, r"out.topk_logprobs: overlaps out.topk_ids", logits, 3,
+            out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32, ptr=1 << 32),
+                                FakeCudaArray((1, 2, 3), np.float32, ptr=(1 << 32) + 4)))
+
+
+def test_misaligned_rows_use_scalar_loads(spec, fake_alloc):
+    ks = Recorder(spec)
+    draft_topk(ks, _logits(1, 2, 4096, ptr=0x10002), 3)     # V a multiple of 8, the pointer 2 bytes off
+    assert int(ks.seen[0][1]["args"][5]) == 0   # the flag is computed per call from the pointer: 0 here
+    ks2 = Recorder(spec)
+    from ddtree_gen.kernels import draft_topk as mod
+    prep = mod._prepare(ks2, (_logits(1, 2, 4096), None, None, None), 3, 1.0, False)
+    assert prep.steps[0].args[5] == IsAligned(0, 16)

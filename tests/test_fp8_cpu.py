@@ -116,7 +116,7 @@ def test_list_and_build_check_show_kv_dtype(capsys):
     assert re.search(r"tree_verify_mma +- +not built: it reads bf16 caches, the spec's kv_dtype is fp8_e4m3", out)
     cli.main(["build", "--check", FP8.name])
     out = capsys.readouterr().out
-    assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, 9 kernels, 16 variants (not built for fp8_e4m3: "
+    assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, 10 kernels, 18 variants (not built for fp8_e4m3: "
             f"tree_verify_mma, tree_verify_tail_mma)") in out
 
 

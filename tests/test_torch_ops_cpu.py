@@ -12,8 +12,8 @@ import ddtree_gen.torch_ops  # noqa: E402,F401
 
 def test_ops_are_registered_with_the_kv_cache_mutation():
     ops = torch.ops.ddtree
-    for name in ("tree_build", "tree_verify", "tree_verify_tail", "merge_states", "tree_accept", "tree_walk",
-                 "kv_commit"):
+    for name in ("draft_topk", "tree_build", "tree_verify", "tree_verify_tail", "merge_states", "tree_accept",
+                 "tree_walk", "kv_commit"):
         assert hasattr(ops, name), name
     assert "Tensor(a!)[] kv_caches" in str(ops.kv_commit.default._schema)
     schema = str(ops.tree_accept.default._schema)
@@ -53,6 +53,10 @@ def test_fake_shapes_follow_the_spec(spec):
         walk = torch.ops.ddtree.tree_walk(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec)
         assert [tuple(a.shape) for a in walk] == [(b,), (b, d1), (b, d1), (b,)]
         assert torch.ops.ddtree.kv_commit(spec.name, walk[0], walk[1], vec, [kv, kv], table) is None
+        logits = torch.empty(b, spec.max_depth, 1000, dtype=torch.bfloat16)
+        top = torch.ops.ddtree.draft_topk(spec.name, logits, n - 1, 0.7)
+        assert [tuple(t.shape) for t in top] == [(b, spec.max_depth, n - 1)] * 2
+        assert top[0].dtype == torch.int32 and top[1].dtype == torch.float32
 
 
 class _NotRun(Exception):

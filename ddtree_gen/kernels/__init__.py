@@ -6,7 +6,7 @@ entry, resource plan) is in ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
-from . import kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
+from . import draft_topk, kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
 
 LAUNCHERS = {
     "tree_build": tree_build.launch,
@@ -20,4 +20,5 @@ LAUNCHERS = {
     "tree_verify_tail_wgmma": tree_verify_wgmma.tree_verify_tail,
     "tree_accept": tree_accept.launch,
     "kv_commit": kv_commit.launch,
+    "draft_topk": draft_topk.launch,
 }

@@ -6,11 +6,11 @@ this registry; nothing here imports a launcher (ddtree_gen.kernels) or the runti
 """
 from __future__ import annotations
 
-from . import kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
+from . import draft_topk, kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
 from .kernel_def import KernelDef
 
 _ALL = (*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_verify_wgmma.KERNELS,
-        *tree_accept.KERNELS, *kv_commit.KERNELS)
+        *tree_accept.KERNELS, *kv_commit.KERNELS, *draft_topk.KERNELS)
 _BY_NAME = {k.name: k for k in _ALL}
 
 
