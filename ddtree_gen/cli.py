@@ -179,9 +179,9 @@ def cmd_refs(args) -> int:
     return refs.main(args)
 
 
-BENCHES = ("tree_build", "tree_verify", "kv-dtype", "arch", "tree_accept", "step", "launch")
+BENCHES = ("tree_build", "draft_topk", "tree_verify", "kv-dtype", "arch", "tree_accept", "step", "launch")
 # what each benchmark needs besides a GPU (torch: its peers, the measured matmul peak, torch ops, fp8 inputs)
-BENCH_TORCH = {"tree_verify", "kv-dtype", "arch", "launch"}
+BENCH_TORCH = {"draft_topk", "tree_verify", "kv-dtype", "arch", "launch"}
 
 
 def cmd_bench(args) -> int:
@@ -193,7 +193,8 @@ def cmd_bench(args) -> int:
     for name in args.kernels:
         needs.require(f"bench {name}", gpu=True, torch=name in BENCH_TORCH or fp8)
     from . import bench, bench_arch, bench_launch, bench_step
-    run = {"tree_build": bench.bench_tree_build, "tree_verify": bench.bench_tree_verify,
+    run = {"tree_build": bench.bench_tree_build, "draft_topk": bench.bench_draft_topk,
+           "tree_verify": bench.bench_tree_verify,
            "kv-dtype": bench.bench_kv_dtype, "arch": bench_arch.bench_arch,
            "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
            "launch": bench_launch.bench_launch}

@@ -1,0 +1,257 @@
+"""draft_topk on the GPU against reference.draft_topk: ids bit for bit, log-probs within
+1e-5 + 2^-22 |ref| of the float64 log-softmax (docs/contract.md section 5a), on every spec.
+
+Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
+replays it. Every output is poisoned before the launch (ids 0x7BADBEEF, log-probs NaN) and every
+element is checked, so an element the kernel forgets to write shows up.
+"""
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from ddtree_gen import bf16
+from ddtree_gen import reference as ref
+from ddtree_gen.types import DraftTopkOutput
+
+pytestmark = pytest.mark.gpu
+
+POISON = 0x7BADBEEF
+FLT_MAX = float(np.finfo(np.float32).max)
+# a chunk's logits (plans/draft_topk.CHUNK): 16384 bf16, 8192 float32; the candidate list holds 1024
+THREADS, NVEC = 256, 8
+
+
+@pytest.fixture
+def ks(spec):
+    import ddtree_gen
+    return ddtree_gen.load(spec, kernels=["draft_topk"])
+
+
+@pytest.fixture
+def seed():
+    return int(os.environ.get("DDTREE_TEST_SEED") or secrets.randbits(31))
+
+
+def where(seed):
+    return f"seed {seed} (DDTREE_TEST_SEED={seed} replays it)"
+
+
+def as_dtype(x, dtype):
+    """float64 values -> the kernel's input: uint16 bf16 bits or float32 (and the values the reference sees)."""
+    return bf16.to_bits(x) if dtype == "bf16" else np.asarray(x, np.float32)
+
+
+def run(ks, logits, k, temperature=1.0, workspace=False):
+    """Launch with poisoned out= buffers (and an explicit workspace if asked); host copies of the outputs."""
+    import cupy
+    from ddtree_gen.kernels.draft_topk import workspace_elems
+    b, dp, v = logits.shape
+    ids = cupy.full((b, dp, k), POISON, dtype=np.uint32).view(np.int32)
+    lps = cupy.full((b, dp, k), np.nan, dtype=np.float32)
+    kw = {}
+    if workspace:
+        n = workspace_elems(b, dp, v, k, "bf16" if logits.dtype == np.uint16 else "float32")
+        kw["workspace"] = cupy.full(max(n, 1), POISON, dtype=np.uint32).view(np.int32)
+    got = ks.draft_topk(cupy.asarray(logits), k, temperature, out=DraftTopkOutput(ids, lps), **kw)
+    assert got.topk_ids is ids and got.topk_logprobs is lps
+    return cupy.asnumpy(ids), cupy.asnumpy(lps)
+
+
+def check(got_ids, got_lps, logits, k, temperature, msg):
+    want = ref.draft_topk(logits, k, temperature)
+    bad = np.argwhere(got_ids != want.topk_ids)
+    assert bad.size == 0, (f"{msg}: {len(bad)} ids differ, first at {tuple(bad[0])}: got {got_ids[tuple(bad[0])]}, "
+                           f"want {want.topk_ids[tuple(bad[0])]}")
+    w = want.topk_logprobs
+    assert not np.isnan(got_lps).any(), f"{msg}: NaN log-probs (unwritten: {np.isnan(got_lps).sum()})"
+    neg = np.isneginf(w) | (w < -FLT_MAX)
+    assert np.array_equal(np.isneginf(got_lps), neg), f"{msg}: -inf where the reference is not, or not where it is"
+    fin = ~neg
+    err = np.abs(got_lps[fin].astype(np.float64) - w[fin])
+    bar = 1e-5 + 2.0**-22 * np.abs(w[fin])
+    if err.size:
+        i = int(np.argmax(err - bar))
+        assert np.all(err <= bar), (f"{msg}: log-prob error {err[i]:.3g} > bar {bar[i]:.3g} "
+                                    f"(got {got_lps[fin][i]!r}, want {w[fin][i]!r})")
+    return float(err.max()) if err.size else 0.0
+
+
+# ------------------------------------------------------------------------------------ random rows
+
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+@pytest.mark.parametrize("v", [129280, 163840, 262144, 16384, 8192, 1000, 20011])
+def test_random_rows(ks, spec, seed, dtype, v):
+    """Normal logits (scale 2-4) over every vocabulary size class: several chunks (the merge), exactly one
+    chunk, one partial chunk, and a V that is not a multiple of the 16-byte vector (scalar loads)."""
+    rng = np.random.default_rng(seed)
+    b, dp = 2, min(3, spec.max_depth)
+    kmax = spec.max_tree_size - 1
+    x = as_dtype(rng.standard_normal((b, dp, v)) * rng.uniform(2, 4), dtype)
+    for k, t in ((kmax, 1.0), (int(rng.integers(1, kmax + 1)), float(rng.uniform(0.3, 2.0)))):
+        ids, lps = run(ks, x, k, t, workspace=bool(k % 2))
+        check(ids, lps, x, k, t, f"{spec.name} {dtype} V={v} k={k} T={t:.3f}, {where(seed)}")
+
+
+def test_full_depth_batch(ks, spec, seed):
+    """A whole step's table: B = 4, D' = D, k = N - 1, V = 129280 bf16 (what tree_build takes)."""
+    rng = np.random.default_rng(seed)
+    x = bf16.to_bits(rng.standard_normal((4, spec.max_depth, 129280)) * 3)
+    ids, lps = run(ks, x, spec.max_tree_size - 1)
+    check(ids, lps, x, spec.max_tree_size - 1, 1.0, f"{spec.name} full depth, {where(seed)}")
+
+
+# ------------------------------------------------------------------------------------ edge rows
+
+def _thread_ids(chunk_base, threads, vec):
+    """The row ids a block's threads `threads` hold in one chunk (stage 0's layout: vector j of thread t
+    is ids chunk_base + j * THREADS * vec + t * vec + [0, vec))."""
+    out = [chunk_base + j * THREADS * vec + t * vec + u for t in threads for j in range(NVEC) for u in range(vec)]
+    return np.array(out)
+
+
+def edge_rows(rng, v, dtype, k):
+    """[1, R, v] rows for every route of the kernel: ties (a few values, a constant row, +-0), NaN and -inf,
+    an all -inf row, +inf, sorted rows, ties at the threshold with enough logits above it, and more than the
+    candidate list above the threshold (big values packed into fewer than k threads)."""
+    vec = 8 if dtype == "bf16" else 4
+    rows = []
+    rows.append(rng.integers(-3, 3, v).astype(np.float64))                    # six values: ties everywhere
+    rows.append(rng.integers(0, 2, v).astype(np.float64))                     # two: half the row ties at the top
+    rows.append(np.zeros(v))                                                  # constant
+    z = np.zeros(v)
+    z[::2] = -0.0
+    z[::3] = -1.0
+    rows.append(z)                                                            # +0 and -0 tie
+    r = rng.standard_normal(v) * 3
+    r[rng.random(v) < 0.2] = np.nan
+    r[rng.random(v) < 0.2] = -np.inf
+    rows.append(r)                                                            # NaN and -inf among finite
+    r = np.full(v, -np.inf)
+    r[rng.random(v) < 0.3] = np.nan
+    rows.append(r)                                                            # all -inf (NaN too)
+    r = rng.standard_normal(v) * 3
+    r[rng.choice(v, 3, replace=False)] = np.inf
+    rows.append(r)                                                            # +inf shares
+    rows.append(np.sort(rng.standard_normal(v) * 3))                          # ascending
+    rows.append(-np.sort(rng.standard_normal(v) * 3))                         # descending
+    r = np.full(v, -5.0)                                                      # ties at the threshold, and
+    r[rng.choice(v, min(v, 3000), replace=False)] = 0.0                       # 200 logits above it in a few threads
+    big = _thread_ids(0, range(50), vec)
+    big = big[big < v][:200]
+    r[big] = 10.0 + rng.standard_normal(len(big))
+    rows.append(r)
+    r = rng.standard_normal(v) - 10.0                                         # > 1024 logits above the
+    big = _thread_ids(0, range(k - 1), vec)                                   # threshold, in k - 1 threads
+    big = big[big < v]
+    r[big] = 20.0 + rng.standard_normal(len(big)) * 4
+    rows.append(r)
+    return as_dtype(np.stack(rows)[None], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+@pytest.mark.parametrize("v", [40000, 16384, 3000])
+def test_edge_rows(ks, spec, seed, dtype, v):
+    rng = np.random.default_rng(seed)
+    kmax = spec.max_tree_size - 1
+    x = edge_rows(rng, v, dtype, kmax)
+    if dtype == "bf16":   # NaN bits of every kind (quiet, signalling, both signs)
+        x[0, 4, :8] = [0x7fc0, 0xffc0, 0x7f81, 0xff81, 0x7fff, 0xffff, 0xff80, 0x7f80]
+    for k in (kmax, 1, 7):
+        for t in (1.0, 0.5):
+            ids, lps = run(ks, x, k, t)
+            check(ids, lps, x, k, t, f"{spec.name} {dtype} V={v} edge rows k={k} T={t}, {where(seed)}")
+    ids, _ = run(ks, x, kmax)
+    assert ids[0, 5].tolist() == list(range(kmax))                            # all -inf: ids in order
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+def test_k_equals_v_and_one_token(ks, spec, seed, dtype):
+    rng = np.random.default_rng(seed)
+    kmax = spec.max_tree_size - 1
+    x = as_dtype(rng.standard_normal((3, 2, kmax)) * 2, dtype)
+    ids, lps = run(ks, x, kmax)
+    check(ids, lps, x, kmax, 1.0, f"{spec.name} k = V, {where(seed)}")
+    assert np.allclose(np.exp(lps.astype(np.float64)).sum(-1), 1.0, atol=1e-4)
+    one = np.ascontiguousarray(x[:, :, :1])
+    ids, lps = run(ks, one, 1)
+    assert np.all(ids == 0) and np.all(np.abs(lps) <= 1e-6)
+
+
+def test_temperatures(ks, spec, seed):
+    """Small and large temperatures (large 1/T: the exponent's rounding grows with |x - M| / T) and big logits."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, 3, 50000)) * 3
+    x[0, 1] *= 1000.0        # |M c| large: still the fma route
+    x[0, 2] += 1e4
+    for dtype in ("bf16", "float32"):
+        xs = as_dtype(x, dtype)
+        for t in (0.01, 0.2, 5.0, 100.0):
+            ids, lps = run(ks, xs, 16, t)
+            check(ids, lps, xs, 16, t, f"{spec.name} {dtype} T={t}, {where(seed)}")
+
+
+def test_allocates_outputs_and_empty_batch(ks, spec, seed):
+    import cupy
+    rng = np.random.default_rng(seed)
+    x = bf16.to_bits(rng.standard_normal((2, 2, 70000)))
+    got = ks.draft_topk(cupy.asarray(x), 5)
+    assert got.topk_ids.shape == (2, 2, 5) and got.topk_ids.dtype == np.int32
+    assert got.topk_logprobs.dtype == np.float32
+    check(cupy.asnumpy(got.topk_ids), cupy.asnumpy(got.topk_logprobs), x, 5, 1.0, f"allocated, {where(seed)}")
+    empty = ks.draft_topk(cupy.zeros((0, 2, 70000), np.uint16), 5)
+    assert empty.topk_ids.shape == (0, 2, 5)
+
+
+def test_cuda_graph_capture(ks, spec, seed):
+    """Captured with given outputs and workspace, replayed on new logits copied into the same buffer."""
+    import cupy
+    from ddtree_gen.kernels.draft_topk import workspace_elems
+    rng = np.random.default_rng(seed)
+    k = spec.max_tree_size - 1
+    shape = (3, min(4, spec.max_depth), 129280)
+    first = bf16.to_bits(rng.standard_normal(shape) * 3)
+    logits = cupy.asarray(first)
+    out = DraftTopkOutput(cupy.empty(shape[:2] + (k,), np.int32), cupy.empty(shape[:2] + (k,), np.float32))
+    ws = cupy.empty(workspace_elems(*shape, k), np.int32)
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ks.draft_topk(logits, k, 0.9, out=out, workspace=ws)     # prepares outside the capture
+        stream.begin_capture()
+        ks.draft_topk(logits, k, 0.9, out=out, workspace=ws)
+        graph = stream.end_capture()
+        second = bf16.to_bits(rng.standard_normal(shape) * 2)
+        logits.set(second, stream=stream)
+        out.topk_ids.fill(POISON & 0x7fffffff)
+        out.topk_logprobs.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+    check(cupy.asnumpy(out.topk_ids), cupy.asnumpy(out.topk_logprobs), second, k, 0.9, f"graph replay, {where(seed)}")
+
+
+def test_torch_tensors(ks, spec, seed):
+    """torch.bfloat16 and float32 logits; torch outputs on torch's current stream."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 100000)) * 3
+    for dt in (torch.bfloat16, torch.float32):
+        t = torch.tensor(x, dtype=torch.float32).to(dt).cuda()
+        got = ks.draft_topk(t, 9)
+        assert isinstance(got.topk_ids, torch.Tensor) and got.topk_ids.dtype == torch.int32
+        host = t.cpu().view(torch.int16).numpy().view(np.uint16) if dt == torch.bfloat16 else t.cpu().numpy()
+        check(got.topk_ids.cpu().numpy(), got.topk_logprobs.cpu().numpy(), host, 9, 1.0, f"torch {dt}, {where(seed)}")
+
+
+def test_against_torch_topk(ks, spec, seed):
+    """What engines do today (torch.topk + logsumexp) on rows without ties: the same tokens and log-probs."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    x = torch.tensor(rng.permutation(129280 * 2).reshape(1, 2, 129280) / 1000.0, dtype=torch.float32).cuda()
+    vals, idx = torch.topk(x, 64, dim=-1)
+    lp = vals - torch.logsumexp(x, dim=-1, keepdim=True)
+    got = ks.draft_topk(x, min(64, spec.max_tree_size - 1))
+    kk = got.topk_ids.shape[-1]
+    assert torch.equal(got.topk_ids.long(), idx[..., :kk])
+    assert torch.allclose(got.topk_logprobs, lp[..., :kk], atol=2e-5, rtol=0)
