@@ -13,6 +13,7 @@ import pytest
 
 from ddtree_gen import bf16
 from ddtree_gen import reference as ref
+from ddtree_gen.plans.draft_topk import NVEC, THREADS   # a chunk: THREADS x NVEC 16-byte vectors
 from ddtree_gen.types import DraftTopkOutput
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.gpu
 POISON = 0x7BADBEEF
 FLT_MAX = float(np.finfo(np.float32).max)
 # a chunk's logits (plans/draft_topk.CHUNK): 16384 bf16, 8192 float32; the candidate list holds 1024
-THREADS, NVEC = 256, 8
 
 
 @pytest.fixture

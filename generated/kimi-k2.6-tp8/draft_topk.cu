@@ -81,6 +81,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define CAP 1024            // candidate slots of a chunk
 #define CMAX 32          // the most chunks of a row (V = 262144 float32)
 #define NVEC 8                   // 16-byte vectors per thread and chunk
+#define WORDS (NVEC * 4)         // 32-bit words a thread holds
 #define FULL 0xffffffffu
 
 typedef unsigned long long u64;
@@ -130,12 +131,12 @@ union DraftTopkShared {
 };
 
 template <bool BF16> struct Layout;
-template <> struct Layout<true> { enum { VEC = 8, E = 64, ES = 2, LOWBIT = 16 }; };    // bf16: 64 logits a thread
-template <> struct Layout<false> { enum { VEC = 4, E = 32, ES = 4, LOWBIT = 0 }; };    // float32: 32
+template <> struct Layout<true> { enum { VEC = 8, E = NVEC * 8, ES = 2, LOWBIT = 16 }; };    // bf16: 8 a vector
+template <> struct Layout<false> { enum { VEC = 4, E = NVEC * 4, ES = 4, LOWBIT = 0 }; };   // float32: 4
 
 // Logit i (compile-time after unrolling) of a thread's 32 words.
 template <bool BF16>
-__device__ __forceinline__ float elem(const uint32_t (&w)[32], int i) {
+__device__ __forceinline__ float elem(const uint32_t (&w)[WORDS], int i) {
     if (BF16) {
         const uint32_t x = w[i >> 1];
         return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
@@ -222,7 +223,7 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned c
     for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
 
     // ---- load (logits past V are -inf), NaN -> -inf
-    uint32_t w[32];
+    uint32_t w[WORDS];
     #pragma unroll
     for (int j = 0; j < NVEC; ++j) {
         const int e0 = base + j * THREADS * VEC + tid * VEC;
@@ -413,7 +414,15 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned c
     float S = 0.0f;   // the chunk's sum (thread 0's is the one used)
     {
         const float* f = s.fred;
-        S = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+        float g[WARPS];   // a pairwise tree over the warps (3 levels for 8)
+        #pragma unroll
+        for (int i = 0; i < WARPS; ++i) g[i] = f[i];
+        #pragma unroll
+        for (int h = 1; h < WARPS; h <<= 1) {
+            #pragma unroll
+            for (int i = 0; i + h < WARPS; i += 2 * h) g[i] = g[i] + g[i + h];
+        }
+        S = g[0];
     }
     if (chunks == 1) {
         write_row(s.list, k, M, S, inv_t, row, out_lp, out_id);
