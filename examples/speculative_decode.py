@@ -3,11 +3,13 @@
 
     python examples/speculative_decode.py --spec kimi-k2.6-tp8 --batch 8 --new-tokens 128 --graph
 
-Runs the device loop of ddtree_gen.model (rollout drafter -> kset.tree_build -> a target pass
+Runs the device loop of ddtree_gen.model (rollout drafter -> draft top-k -> kset.tree_build -> a target pass
 with kset.tree_verify in every layer -> kset.tree_accept on every layer's cache), checks that
 it reproduces plain decoding on the same GPU model, and prints tokens per step and the time of
 each generated kernel (CUDA events around every call, median over steps). With --graph, one
-step is captured in a CUDA graph and replayed; the replayed run must give the same tokens.
+step is captured in a CUDA graph and replayed; the replayed run must give the same tokens. With
+--noise 0 (an exact drafter) the draft top-k is kset.draft_topk on the drafter's logits; with noise
+(the default 0.5) it is the model's own top-k of the noisy scores (draft_topk takes no noise).
 
 Exit status 0 when the kernels are right: speculative decoding gives the plain tokens, except that a
 request may part from them at a near-tie, a token whose plain top-2 logit margin is below --near-tie
@@ -43,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt", type=int, default=100, help="prompt lengths are 1 .. this, mixed")
     p.add_argument("--budget", type=int, default=None, help="tree nodes besides the root (default N-1)")
     p.add_argument("--draft-depth", type=int, default=None, help="D' (default the spec's max_depth)")
-    p.add_argument("--noise", type=float, default=0.5, help="drafter noise (0: exact; large: useless)")
+    p.add_argument("--noise", type=float, default=0.5, help="drafter noise (0: exact, top-k by kset.draft_topk; large: useless)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: Gumbel-max sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--graph", action="store_true", help="also capture a step in a CUDA graph and replay it")

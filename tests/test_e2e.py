@@ -126,6 +126,31 @@ def _device(spec_name, batch, sampling, speculative, **kwargs):
                              sampling=sampling, **kwargs)
 
 
+class _DraftTopkKernels(M.ReferenceKernels):
+    """ReferenceKernels plus draft_topk (reference.draft_topk behind the launcher's signature): with an exact
+    drafter (noise 0) the device loop takes its top-k from kset.draft_topk, as on the GPU."""
+    calls = 0
+
+    def draft_topk(self, logits, k, temperature=1.0, out=None, *, workspace=None):
+        from ddtree_gen import reference
+        type(self).calls += 1
+        return self._into(out, reference.draft_topk(logits, k, temperature))
+
+
+@pytest.mark.parametrize("sampling", [M.GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_device_loop_exact_drafter_uses_kset_draft_topk(sampling):
+    """noise 0: kset.draft_topk replaces ops.draft_topk; the same tokens and acceptance as the ops' top-k."""
+    spec, cfg, model = _model(SMALL.name)
+    kw = dict(ops=M.NumpyOps(), weights=model.w, sampling=sampling, drafter=M.Drafter(noise=0.0))
+    prompts = prompts_for(3, cfg.vocab_size)
+    before = _DraftTopkKernels.calls
+    ours = M.generate_device(cfg, spec, prompts, NEW_TOKENS, kernels=_DraftTopkKernels(spec), **kw)
+    assert _DraftTopkKernels.calls > before
+    theirs = M.generate_device(cfg, spec, prompts, NEW_TOKENS, kernels=M.ReferenceKernels(spec), **kw)
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    assert (ours.steps, ours.accepted) == (theirs.steps, theirs.accepted)
+
+
 @pytest.mark.parametrize("sampling", [M.GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_device_loop_emulated_is_lossless(sampling):
     batch = 4

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..types import TreeAcceptOutput, TreeBuildOutput
+from ..types import DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
 from .backends import CupyOps, ReferenceKernels
 from .cache import _capacity, chain_mask, make_block_table
 from .config import GREEDY, Drafter, Generation, ModelConfig, Sampling, _check_prompts, _tree_sizes
@@ -31,7 +31,9 @@ class DecodeState:
 class DeviceDecoder:
     """The decoding loop an engine runs, on preallocated device buffers.
 
-    `step()` launches one step (speculative: rollout drafter, draft top-k, kset.tree_build, one
+    `step()` launches one step (speculative: rollout drafter, draft top-k (kset.draft_topk on the
+    logits when the drafter is exact, noise 0, and the kernel set has it; else the model's own
+    noisy top-k), kset.tree_build, one
     model pass over the tree with kset.tree_verify in every layer, token choice, kset.tree_accept
     for every layer's cache, commit; plain: one q_len 1 pass and commit) with no host
     synchronisation; its only host inputs are Python constants, so it can be captured in a CUDA
@@ -105,6 +107,15 @@ class DeviceDecoder:
             self.draft_logits = xp.empty((bsz, self.dp, cfg.vocab_size), xp.float32)
             self.topk_ids = xp.empty((bsz, self.dp, self.k), xp.int32)
             self.topk_lps = xp.empty((bsz, self.dp, self.k), xp.float32)
+            # an exact drafter (no noise): the generated draft_topk on the logits, same tokens and log-probs
+            # (log_softmax(logits / T), descending, ties lower id); a noisy one keeps ops.draft_topk
+            self.device_topk = self.drafter.noise == 0 and hasattr(self.kernels, "draft_topk")
+            if self.device_topk:
+                from ..kernels.draft_topk import workspace_elems
+                self.topk = DraftTopkOutput(self.topk_ids, self.topk_lps)
+                self.topk_temp = 1.0 if self.sampling.greedy else float(self.sampling.temperature)
+                self.topk_ws = xp.empty((max(1, workspace_elems(bsz, self.dp, cfg.vocab_size, self.k, "float32")),),
+                                        xp.int32)
             self.tree = TreeBuildOutput(
                 num_nodes=xp.empty((bsz,), xp.int32), tokens=xp.empty((bsz, n), xp.int32),
                 parents=xp.empty((bsz, n), xp.int32), depths=xp.empty((bsz, n), xp.int32),
@@ -205,7 +216,11 @@ class DeviceDecoder:
             self.draft_logits[:, d, :] = logits
             if d + 1 < self.dp:
                 ops.select(logits, pos, 1, 1, self.sampling, self.roll_tok)
-        ops.draft_topk(self.draft_logits, st.prefix, self.drafter, self.sampling, self.topk_ids, self.topk_lps)
+        if self.device_topk:
+            self._kernel("draft_topk", kern.draft_topk, self.draft_logits, self.k, self.topk_temp, out=self.topk,
+                         workspace=self.topk_ws)
+        else:
+            ops.draft_topk(self.draft_logits, st.prefix, self.drafter, self.sampling, self.topk_ids, self.topk_lps)
         # 2. tree_build
         tree = self._kernel("tree_build", kern.tree_build, self.topk_ids, self.topk_lps, st.root, st.prefix,
                             self.budget, out=self.tree)
