@@ -128,6 +128,7 @@ def _cupy_fast(x):
 
 
 _FAST = {}   # array class -> its fast view (torch.Tensor and CuPy's ndarray, found on first sight)
+TORCH_TENSOR = [None]   # torch.Tensor once a torch array was seen (runtime.run_call reads its arrays inline)
 
 
 def dlpack_only(x) -> bool:
@@ -147,6 +148,9 @@ def fast_view(x) -> tuple[int, tuple | None]:
     mod = t.__module__.split(".")[0]
     if mod in ("torch", "cupy"):
         _FAST[t] = _torch_fast if mod == "torch" else _cupy_fast
+        if mod == "torch" and TORCH_TENSOR[0] is None:
+            import torch
+            TORCH_TENSOR[0] = torch.Tensor
         return fast_view(x)
     cai = getattr(x, "__cuda_array_interface__", None)
     if isinstance(cai, dict) and not isinstance(x, np.ndarray):
@@ -238,12 +242,28 @@ def record_outputs(arrays, first: int, shapes: dict, given: bool, like_name: str
 
 
 _TORCH_NEW = {}      # (dtype name, device) -> torch.empty keyword arguments
+_TORCH_DEVICES = {}  # device index -> torch.device("cuda", index)
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype of an output dtype name."""
+    import torch
+    return {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32, "uint32": torch.uint32,
+            "uint8": torch.uint8}[dtype]
+
+
+def torch_device(device: int):
+    """torch.device("cuda", device), made once per device."""
+    d = _TORCH_DEVICES.get(device)
+    if d is None:
+        import torch
+        d = _TORCH_DEVICES[device] = torch.device("cuda", device)
+    return d
 
 
 def _torch_empty_kwargs(dtype: str, device: int) -> dict:
     import torch
-    kw = {"dtype": {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32,
-                    "uint32": torch.uint32, "uint8": torch.uint8}[dtype], "device": torch.device("cuda", device)}
+    kw = {"dtype": torch_dtype(dtype), "device": torch_device(device)}
     _TORCH_NEW[(dtype, device)] = (torch.empty, kw)
     return _TORCH_NEW[(dtype, device)]
 

@@ -1,7 +1,8 @@
 """`ddtree-gen bench launch`: the host cost of one call, as an engine that runs eagerly pays it.
 
-For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec), with torch
-and with CuPy inputs, and through the torch custom op:
+For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec; kv_commit of 61
+layers; draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
+torch and with CuPy inputs, and through the torch custom op:
   * eager: wall time per call of many back-to-back calls (the host is the bottleneck there);
   * GPU: the same call replayed from a CUDA graph (no host work);
   * host overhead = eager - GPU.
@@ -15,6 +16,9 @@ import numpy as np
 
 CALLS = 2000          # back-to-back eager calls per measurement
 GRAPH_CALLS = 50      # calls captured in one graph
+LAYERS = 61           # kv_commit's layers (DeepSeek-V3 / Kimi K2)
+KV_COMMIT = f"kv_commit, {LAYERS} layers"
+VOCAB = 163840        # draft_topk's vocabulary (Kimi K2)
 
 
 def _eager_us(fn, sync, calls=CALLS) -> float:
@@ -69,7 +73,10 @@ def tiny_inputs(spec, kind: str, seed: int = 0) -> dict:
     ids, lps, roots, prefix = (cupy.asarray(a) for a in tree_build_inputs(spec, 1, rng))
     n = spec.max_tree_size
     target = cupy.asarray(rng.integers(0, 4, (1, n)).astype(np.int32))
-    out = dict(verify=x, build=(ids, lps, roots, prefix), target=target)
+    # the drafter's logits of draft_topk (bf16 bits): B = 1, D' = D, Kimi K2's vocabulary
+    logits = cupy.asarray(rng.standard_normal((1, spec.max_depth, VOCAB), dtype=np.float32)).view(cupy.uint32)
+    logits = (logits >> 16).astype(cupy.uint16)
+    out = dict(verify=x, build=(ids, lps, roots, prefix), target=target, logits=logits)
     if kind == "torch":
         import torch
         conv = {"uint16": torch.bfloat16}
@@ -78,7 +85,7 @@ def tiny_inputs(spec, kind: str, seed: int = 0) -> dict:
             ta = torch.utils.dlpack.from_dlpack(a)
             return ta.view(conv[a.dtype.name]) if a.dtype.name in conv else ta
         out = dict(verify={k: (t(v) if hasattr(v, "dtype") else v) for k, v in x.items()},
-                   build=tuple(t(a) for a in out["build"]), target=t(target))
+                   build=tuple(t(a) for a in out["build"]), target=t(target), logits=t(logits))
     return out
 
 
@@ -98,12 +105,17 @@ def _calls(ks, spec, kind: str):
     acc = ks.tree_accept(*accept_args)
     tree2 = ks.tree_build(ids, lps, roots, prefix, budget)
     res2, tail2 = ks.tree_verify(**v), ks.tree_verify_tail(**v)
+    # kv_commit of LAYERS layers: the walk's result, every layer's cache the verify inputs' cache's shape
+    walk = ks.tree_accept(tree, x["target"], v["prefix_lens"])
+    caches = [_like(v["kv_cache"]) for _ in range(LAYERS)]
+    commit = (walk, v["prefix_lens"], caches, v["block_table"])
     eager = {
         "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget),
         "tree_verify (auto)": lambda: ks.tree_verify(**v),
         "tree_verify_tail": lambda: ks.tree_verify_tail(**v),
         "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse),
         "tree_accept": lambda: ks.tree_accept(*accept_args),
+        KV_COMMIT: lambda: ks.kv_commit(*commit),
     }
     given = {
         "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget, out=tree2),
@@ -112,11 +124,35 @@ def _calls(ks, spec, kind: str):
         "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse, out=merged.out,
                                                 lse=merged.lse),
         "tree_accept": lambda: ks.tree_accept(*accept_args, out=acc),
+        KV_COMMIT: lambda: ks.kv_commit(*commit),
     }
-    return eager, given, (x, tree, res, tail)
+    if "draft_topk" in ks.kernels:   # the drafter's top-k (issue 23): B = 1, D' = D, k = 64, Kimi's vocabulary
+        from .kernels import draft_topk
+        logits = x["logits"]
+        k = min(64, spec.max_tree_size - 1)
+        topk = ks.draft_topk(logits, k)
+        need = draft_topk.workspace_elems(*logits.shape, k)
+        ws = _empty_like_kind(logits, max(need, 1), kind)
+        eager["draft_topk"] = lambda: ks.draft_topk(logits, k)
+        given["draft_topk"] = lambda: ks.draft_topk(logits, k, out=topk, workspace=ws if need else None)
+    return eager, given, (x, tree, res, tail, walk, caches)
 
 
-def _op_calls(spec_name: str, x, tree, res, tail) -> dict:
+def _like(a):
+    """A new array of a's shape and dtype, of a's kind, holding a copy."""
+    return a.clone() if hasattr(a, "clone") else a.copy()
+
+
+def _empty_like_kind(like, n: int, kind: str):
+    """n int32 elements of like's kind."""
+    if kind == "torch":
+        import torch
+        return torch.empty(n, dtype=torch.int32, device=like.device)
+    import cupy
+    return cupy.empty(n, dtype=cupy.int32)
+
+
+def _op_calls(spec_name: str, x, tree, res, tail, walk, caches) -> dict:
     import torch
 
     from . import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
@@ -126,7 +162,7 @@ def _op_calls(spec_name: str, x, tree, res, tail) -> dict:
     budget = len(tree.tokens[0]) - 1
     args = (v["q_nope"], v["q_pe"], v["kv_cache"], v["block_table"], v["prefix_lens"], v["q_lens"], v["tree_mask"],
             v["softmax_scale"])
-    return {
+    calls = {
         "tree_build": lambda: ops.tree_build(spec_name, ids, lps, roots, prefix, budget),
         "tree_verify (auto)": lambda: ops.tree_verify(spec_name, *args, "auto"),
         "tree_verify_tail": lambda: ops.tree_verify_tail(spec_name, *args, "auto"),
@@ -134,7 +170,13 @@ def _op_calls(spec_name: str, x, tree, res, tail) -> dict:
         "tree_accept": lambda: ops.tree_accept(spec_name, tree.num_nodes, tree.tokens, tree.first_child,
                                                tree.next_sibling, x["target"], v["prefix_lens"], v["kv_cache"],
                                                v["block_table"]),
+        KV_COMMIT: lambda: ops.kv_commit(spec_name, walk.accept_lens, walk.accepted_nodes, v["prefix_lens"], caches,
+                                         v["block_table"]),
     }
+    if hasattr(ops, "draft_topk") and "logits" in x:
+        k = min(64, len(tree.tokens[0]) - 1)
+        calls["draft_topk"] = lambda: ops.draft_topk(spec_name, x["logits"], k)
+    return calls
 
 
 def measure(spec_name: str) -> list[tuple]:
@@ -154,7 +196,8 @@ def measure(spec_name: str) -> list[tuple]:
     for name in torch_calls:
         gpu = _graph_us_torch(torch_given[name])
         rows.append((name, "torch", _eager_us(torch_calls[name], tsync), gpu))
-        rows.append((name, "torch op", _eager_us(op_calls[name], tsync), gpu))
+        if name in op_calls:
+            rows.append((name, "torch op", _eager_us(op_calls[name], tsync), gpu))
         rows.append((name, "cupy", _eager_us(cupy_calls[name], csync), _graph_us_cupy(cupy_given[name])))
     a, b, c = (torch.ones(16, device="cuda") for _ in range(3))
     rows.append(("torch.add, 16 floats", "torch", _eager_us(lambda: torch.add(a, b), tsync),

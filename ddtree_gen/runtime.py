@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import operator
 import re
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from . import archs
-from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
+from . import arrays as _arrays
+from .arrays import ITEMSIZE, allocate, dlpack_only, fast_view, from_dlpack, pointer_of
 from .errors import ArgumentError, BuildError
 
 __all__ = ["Step", "IsAligned", "TensorMap", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo",
@@ -133,6 +136,164 @@ def _param_fmt(args) -> str:
     return "@" + "".join(codes)
 
 
+class StepPlan:
+    """A Step compiled for the per-call path: its flat parameter values with the constants in place
+    (`template`), and where this call's pointers go: `runs` (position, first array index, count) of
+    consecutive pointers, `singles` (position, array index, byte offset), `special` (position, IsAligned
+    or TensorMap). values(ptrs) is _values(step.args, ptrs), without walking the arguments per call."""
+    __slots__ = ("kernel", "grid", "fmt", "template", "runs", "singles", "special")
+
+    def __init__(self, step: Step):
+        self.kernel, self.grid, self.fmt = step.kernel, tuple(step.grid), step.fmt
+        template, pointers, special = [], [], []
+
+        def walk(args):
+            for a in args:
+                t = type(a)
+                if t is int:
+                    pointers.append((len(template), a, 0))
+                    template.append(0)
+                elif t is tuple:
+                    pointers.append((len(template), a[0], a[1]))
+                    template.append(0)
+                elif t is ParamStruct:
+                    walk(a.items)
+                elif t is TensorMap:
+                    special.append((len(template), a))
+                    template.extend((0,) * TENSOR_MAP_WORDS)
+                elif t is IsAligned:
+                    special.append((len(template), a))
+                    template.append(0)
+                else:
+                    template.append(a)
+        walk(step.args)
+        runs, singles = [], []
+        for pos, idx, off in pointers:
+            if off:
+                singles.append((pos, idx, off))
+            elif runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == idx:
+                runs[-1][2] += 1
+            else:
+                runs.append([pos, idx, 1])
+        self.template = template
+        self.runs = tuple((pos, idx, idx + n, pos + n) for pos, idx, n in runs)
+        self.singles, self.special = tuple(singles), tuple(special)
+
+    def values(self, ptrs) -> list:
+        vals = self.template.copy()
+        for pos, lo, hi, end in self.runs:
+            vals[pos:end] = ptrs[lo:hi]
+        for pos, idx, off in self.singles:
+            vals[pos] = ptrs[idx] + off
+        for pos, a in self.special:
+            if type(a) is IsAligned:
+                vals[pos] = np.int32(ptrs[a.index] % a.alignment == 0)
+            else:
+                vals[pos:pos + TENSOR_MAP_WORDS] = tensor_map_words(ptrs[a.index], a)
+        return vals
+
+
+OUTPUT_ALIGN = 256   # bytes: each output of a call's one buffer starts at such an offset (as cudaMalloc's do)
+# the host cost model of torch outputs, in us (an H200 host, docs/perf.md "Host cost of a call"): a CUDA
+# torch.empty, and any other torch op on the host (a view, as_strided, unbind)
+EMPTY_US, VIEW_US = 3.2, 1.6
+
+
+class OutputPlan:
+    """The new outputs of one call signature carved out of one buffer: `entries` (array index, shape,
+    dtype, byte offset) laid out by element size and shape, `total` bytes. Outputs of one shape and element
+    size lie one after the other and are made as one strided view unbound along a new leading dimension
+    (one torch op for all of them). `scratch`: indices of outputs the launcher never returns (a workspace):
+    only their pointers are made. For torch, `separate` says whether one torch.empty per output is cheaper
+    than the buffer and its views (the cost model above: two small outputs)."""
+    __slots__ = ("entries", "total", "scratch", "separate", "_torch")
+
+    def __init__(self, new, scratch=()):
+        order = sorted(new, key=lambda e: (e[0] in scratch, -ITEMSIZE[e[2]], tuple(e[1])))
+        entries, off = [], 0
+        for i, shape, dtype in order:
+            entries.append((i, tuple(shape), dtype, off))
+            off += -(-math.prod(shape) * ITEMSIZE[dtype] // OUTPUT_ALIGN) * OUTPUT_ALIGN
+        self.entries, self.total, self.scratch, self._torch = tuple(entries), max(off, OUTPUT_ALIGN), scratch, None
+        ops = self._ops()
+        self.separate = EMPTY_US * len(new) <= EMPTY_US + VIEW_US * ops
+
+    def _groups(self):
+        """Runs of returned outputs of one shape and element size, back to back: [first entry, members]."""
+        groups = []
+        for e in self.entries:
+            i, shape, dtype, off = e
+            if i in self.scratch:
+                continue
+            g = groups[-1] if groups else None
+            if (g is not None and math.prod(shape) and g[0][1] == shape and ITEMSIZE[g[0][2]] == ITEMSIZE[dtype]
+                    and g[0][3] + len(g[1]) * self._step(g[0]) == off):
+                g[1].append(e)
+            else:
+                groups.append([e, [e]])
+        return groups
+
+    @staticmethod
+    def _step(e):
+        return -(-math.prod(e[1]) * ITEMSIZE[e[2]] // OUTPUT_ALIGN) * OUTPUT_ALIGN
+
+    def _ops(self) -> int:
+        """torch ops after the torch.empty: views of the base per dtype, as_strided per group, unbind per group
+        of more than one, a dtype view per member of another dtype than its group's."""
+        groups = self._groups()
+        base = self.entries[0][2]
+        typed = {g[0][2] for g in groups} - {base}
+        return (len(typed) + len(groups) + sum(len(m) > 1 for _, m in groups)
+                + sum(e[2] != g[2] for g, m in groups for e in m))
+
+    def _torch_plan(self):
+        """(base dtype, base elements, other dtypes to view the base as, groups, torch.empty): a group is
+        (dtype, shape, strides, element offset, index or None, members: None or ((index, cast or None), ...))."""
+        import torch
+        dt = _arrays.torch_dtype
+        plan = []
+        for g, members in self._groups():
+            _, shape, dtype, off = g
+            size = ITEMSIZE[dtype]
+            strides = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+            if len(members) == 1:
+                plan.append((dt(dtype), shape, strides, off // size, g[0], None))
+            else:
+                plan.append((dt(dtype), (len(members), *shape), (self._step(g) // size, *strides), off // size, None,
+                             tuple((e[0], None if e[2] == dtype else dt(e[2])) for e in members)))
+        first = self.entries[0][2]
+        others = tuple({p[0] for p in plan} - {dt(first)})
+        self._torch = (dt(first), self.total // ITEMSIZE[first], others, tuple(plan), torch.empty)
+        return self._torch
+
+    def allocate(self, kind: str, device: int, arrays: list, ptrs: list) -> None:
+        """Allocate the buffer on `device` and put the outputs (views of it) and their pointers in place."""
+        if kind == "torch":
+            base_dtype, elems, others, plan, empty = self._torch or self._torch_plan()
+            base = empty(elems, dtype=base_dtype, device=_arrays.torch_device(device))
+            typed = {base_dtype: base}
+            for d in others:
+                typed[d] = base.view(d)
+            for d, shape, strides, off, index, members in plan:
+                v = typed[d].as_strided(shape, strides, off)
+                if members is None:
+                    arrays[index] = v
+                else:
+                    for (index, cast), part in zip(members, v.unbind(0)):
+                        arrays[index] = part if cast is None else part.view(cast)
+            p0 = base.data_ptr()   # a scratch part lives as long as the returned views of the buffer (stream-ordered)
+        else:   # CuPy
+            import cupy
+            with cupy.cuda.Device(device):
+                base = cupy.empty(self.total, dtype=np.uint8)
+            mem, p0 = base.data, base.data.ptr
+            for index, shape, dtype, off in self.entries:
+                if index not in self.scratch:
+                    arrays[index] = cupy.ndarray(shape, {"bf16": np.uint16}.get(dtype, dtype), memptr=mem + off)
+        for index, _, _, off in self.entries:
+            ptrs[index] = p0 + off
+
+
 @dataclass
 class Prepared:
     """What the checks concluded for one call signature; everything except the pointers.
@@ -141,7 +302,9 @@ class Prepared:
     where not given) in a fixed order; `new` lists (index, shape, dtype) of those to allocate when
     not given. `aligned`: (index, bytes, message); `disjoint`: (a, a_bytes, b, b_bytes, exact_ok,
     message) pairs that must not overlap (exact_ok: the same pointer is allowed, an in-place op).
-    `result(arrays)` builds the launcher's return value from the final array list."""
+    `result(arrays)` builds the launcher's return value from the final array list.
+    Derived once: `plans` (StepPlan per step), `outputs` (OutputPlan of `new`), `bound` (the launches
+    bound to the kernel set's loaded modules, on the first call: run_call)."""
     device: int
     kind: str                       # "torch", "cupy" or "cai": the kind of arrays to allocate
     steps: tuple
@@ -149,9 +312,32 @@ class Prepared:
     new: tuple = ()
     aligned: tuple = ()
     disjoint: tuple = ()
+    scratch: tuple = ()             # indices of `new` the result never reads (a workspace): pointers only
+    plans: tuple = field(init=False, repr=False, compare=False)
+    outputs: object = field(init=False, repr=False, compare=False)
+    bound: object = field(init=False, default=None, repr=False, compare=False)
+    group_ok: object = field(init=False, default=None, repr=False, compare=False)
+    group_checks: object = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.steps = tuple(Step(s.kernel, s.grid, s.args, _param_fmt(s.args)) for s in self.steps)
+        self.plans = tuple(StepPlan(s) for s in self.steps)
+        self.outputs = OutputPlan(self.new, self.scratch) if self.new else None
+
+    def check_group_pointers(self, ptrs: list, group: int) -> None:
+        """check_pointers when arrays[group:] are a run of one signature (run_call's `group`): the checks of
+        the run's pointers are skipped when they are the pointers of the last call that passed them (the
+        same list of layer caches), the others always run."""
+        layers = ptrs[group:]
+        if layers != self.group_ok:
+            self.check_pointers(ptrs)
+            self.group_ok = layers
+            return
+        head = self.group_checks
+        if head is None or head[0] != group:
+            head = self.group_checks = (group, tuple(c for c in self.aligned if c[0] < group),
+                                        tuple(c for c in self.disjoint if c[0] < group or c[2] < group))
+        Prepared.check_pointers(_Checks(head[1], head[2]), ptrs)
 
     def check_pointers(self, ptrs: list) -> None:
         for i, alignment, message in self.aligned:
@@ -163,24 +349,71 @@ class Prepared:
                 raise ArgumentError(message)
 
 
-def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True):
+@dataclass
+class _Checks:
+    aligned: tuple
+    disjoint: tuple
+
+
+HOST_DEVICE = -1   # the device index run_call gives a torch CPU tensor: -1 (refused by the checks); the CPU
+                   # profile (scripts/profile_launch.py) sets 0, so that CPU tensors stand for CUDA ones
+_LAYER_META = operator.attrgetter("shape", "dtype")
+
+
+def _group_signature(arrays, first: int, ptrs: list, sigs: list) -> bool:
+    """The signature and pointers of arrays[first:], a run of torch tensors that must share one signature
+    (kv_commit's layer caches), read with one C-level map per attribute: True and ptrs/sigs extended when
+    they are all torch tensors of one shape, dtype and device, each C-contiguous (then their strides are
+    those of the shape wherever a stride matters); False otherwise (read one by one: run_call)."""
+    tensor = _arrays.TORCH_TENSOR[0]
+    group = arrays[first:]
+    n = len(group)
+    if tensor is None or not n:
+        return False
+    try:
+        lp = list(map(tensor.data_ptr, group))
+        meta = list(map(_LAYER_META, group))
+        contiguous = list(map(tensor.is_contiguous, group))
+        devices = list(map(tensor.get_device, group))
+    except TypeError:   # not torch tensors
+        return False
+    d0 = devices[0] if devices[0] >= 0 else HOST_DEVICE
+    if d0 < 0 or meta.count(meta[0]) != n or contiguous.count(True) != n or devices.count(devices[0]) != n:
+        return False
+    ptrs.extend(lp)
+    sigs.append(("group", n, *meta[0], d0))
+    return True
+
+
+def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
     """Run one launcher call: the cached Prepared of this signature (prepare() on a miss), the
     pointer checks, new outputs, the launches. `prepare()` takes no arguments (a closure over the
-    launcher's arguments); `key` holds the launcher's non-array arguments that prepare reads."""
-    ptrs, sigs = [], []
-    for i, a in enumerate(arrays):
+    launcher's arguments); `key` holds the launcher's non-array arguments that prepare reads.
+    `group`: arrays[group:] must share one signature (kv_commit's layers): read in one pass (_group_signature)."""
+    n = len(arrays) if group is None else group
+    ptrs, sigs = [0] * n, [None] * n
+    tensor = _arrays.TORCH_TENSOR[0]
+    for i in range(n):
+        a = arrays[i]
         if a is None:
-            ptrs.append(0)
-            sigs.append(None)
             continue
+        if type(a) is tensor:   # torch.Tensor, inline (the common case)
+            dev = a.get_device()
+            if dev >= 0 or (dev := HOST_DEVICE) >= 0:
+                ptrs[i] = a.data_ptr()
+                sigs[i] = (a.dtype, a.shape, a.stride(), dev)
+                continue
         p, s = fast_view(a)
         if s is None:   # not cacheable: checked in full by prepare(), which names what is wrong
             cache = False
             if dlpack_only(a):   # launched through its zero-copy CuPy view, returned as that view
                 arrays = (*arrays[:i], from_dlpack(a, "argument"), *arrays[i + 1:])
                 p, _ = fast_view(arrays[i])
-        ptrs.append(p)
-        sigs.append(s)
+        ptrs[i] = p
+        sigs[i] = s
+        tensor = _arrays.TORCH_TENSOR[0]
+    if group is not None and not _group_signature(arrays, group, ptrs, sigs):
+        return run_call(kset, prepare, arrays, key, cache=cache)
     prepared_calls = kset.prepared_calls
     k = (prepare.__code__, key, tuple(sigs)) if cache else None
     try:
@@ -191,17 +424,62 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         prep = prepare()
         if cache:
             prepared_calls[k] = prep
-    prep.check_pointers(ptrs)
+    if prep.aligned or prep.disjoint:
+        if group is None:
+            prep.check_pointers(ptrs)
+        else:
+            prep.check_group_pointers(ptrs, group)
+    bound = prep.bound
+    if bound is None:
+        bound = prep.bound = _bind(kset, prep)
     if prep.new:
         arrays = list(arrays)
-        for i, shape, dtype in prep.new:
-            if arrays[i] is None:
+        missing = [n for n in prep.new if arrays[n[0]] is None]
+        if len(missing) == len(prep.new) and prep.kind != "cai" and not (prep.kind == "torch" and
+                                                                         prep.outputs.separate):
+            prep.outputs.allocate(prep.kind, prep.device, arrays, ptrs)
+        else:   # some outputs given, or not a torch / CuPy caller: one allocation per output
+            for i, shape, dtype in missing:
                 arrays[i] = allocate(prep.kind, prep.device, shape, dtype)
                 ptrs[i] = pointer_of(arrays[i])
-    for step in prep.steps:
-        args = _values(step.args, ptrs)
-        kset.launch(step.kernel, grid=step.grid, args=args, device=prep.device, kind=prep.kind, fmt=step.fmt)
+    if bound:
+        _launch_bound(bound, ptrs, prep.device, prep.kind)
+    else:
+        for plan in prep.plans:
+            kset.launch(plan.kernel, grid=plan.grid, args=plan.values(ptrs), device=prep.device, kind=prep.kind,
+                        fmt=plan.fmt)
     return prep.result(arrays)
+
+
+def _bind(kset, prep: Prepared):
+    """prep's launches bound to kset's loaded modules (function, geometry, parameter buffer per step), or
+    False where kset is not a kernel set over DeviceModules with their launch (a test stand-in, a kernel set
+    whose launch is replaced): then run_call goes through kset.launch. Loads the modules (an ArgumentError if
+    a kernel cannot run on the device) before anything is allocated or launched."""
+    attrs = getattr(kset, "__dict__", None) or {}
+    modules = attrs.get("_modules")
+    if (not isinstance(modules, DeviceModules) or "launch" in attrs
+            or not getattr(getattr(type(kset), "launch", None), "direct", False)):
+        return False
+    return tuple(modules.bind(plan, prep.device) for plan in prep.plans) or False
+
+
+def _launch_bound(bound, ptrs, device: int, kind: str) -> None:
+    cuda = _CUDA or _cuda()
+    stream = cuda["torch_stream"](device) if kind == "torch" else cuda["cupy_stream"](device).ptr
+    launch = cuda["launch"]
+    previous = cuda["get_device"]()
+    if previous != device:
+        cuda["set_device"](device)
+    try:
+        for fn, gx, gy, gz, threads, smem, storage, params, lock, pack_into, plan, _ in bound:
+            vals = plan.values(ptrs)
+            with lock:   # the parameter buffer is reused; the driver copies it at launch
+                pack_into(storage, 0, *vals)
+                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
+    finally:
+        if previous != device:
+            cuda["set_device"](previous)
 
 
 def param_offsets(fmt: str) -> list:
@@ -412,6 +690,20 @@ class DeviceModules:
                 buf = self._params.setdefault(fmt, (storage, ctypes.addressof(params), threading.Lock(), flat,
                                                     params))
         return buf
+
+    def bind(self, plan: StepPlan, device: int) -> tuple:
+        """One step of a call bound to its function on `device` (loaded here) and a parameter buffer of its
+        own: what run_call's launch reads per call."""
+        _, fn, threads, smem = self._entry(plan.kernel, device)
+        fmt = plan.fmt
+        flat = fmt.replace("[", "").replace("]", "")
+        storage = ctypes.create_string_buffer(max(struct.calcsize(flat), 8))
+        base = ctypes.addressof(storage)
+        starts = [base + o for o in param_offsets(fmt)]
+        params = (ctypes.c_void_p * max(1, len(starts)))(*starts)
+        gx, gy, gz = (*plan.grid, 1, 1)[:3]
+        return (fn, gx, gy, gz, threads, smem, storage, ctypes.addressof(params), threading.Lock(),
+                struct.Struct(flat).pack_into, plan, params)
 
     def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         """Launch `name` on `device`'s current stream (switching the thread's device for the call only)."""

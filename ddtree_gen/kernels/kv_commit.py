@@ -35,7 +35,8 @@ def launch(kset, accepted, prefix_lens, kv_caches, block_table) -> None:
 
     def prepare():
         return _prepare(kset, arrays, stacked)
-    return run_call(kset, prepare, arrays, (stacked, len(layers)))
+    # the layers' signatures and pointers are read in one pass (runtime._group_signature)
+    return run_call(kset, prepare, arrays, (stacked, len(layers)), group=None if stacked else len(_INPUTS))
 
 
 def _prepare(kset, arrays, stacked) -> Prepared:

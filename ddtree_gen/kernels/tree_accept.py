@@ -59,11 +59,11 @@ def launch(kset, tree, target_tokens, prefix_lens, kv_cache=None, block_table=No
     kv_cache=None and block_table=None: the walk alone (outputs only); kv_commit then moves the
     accepted entries of every layer in one launch (the engine path for a many-layer model).
     """
-    fields = []
-    for name in _TREE:
-        if not hasattr(tree, name):
-            raise ArgumentError(f"tree: has no field {name!r} (expected the tree_build outputs)")
-        fields.append(getattr(tree, name))
+    try:
+        fields = (tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling)   # _TREE
+    except AttributeError:
+        name = next(f for f in _TREE if not hasattr(tree, f))
+        raise ArgumentError(f"tree: has no field {name!r} (expected the tree_build outputs)") from None
     given = ar.record_fields(out, TreeAcceptOutput) if out is not None else (None,) * len(TreeAcceptOutput._fields)
     arrays = (*fields, target_tokens, prefix_lens, kv_cache, block_table, *given)
 

@@ -147,7 +147,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
             steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
                                       spans if parts else np.uint64(0)))
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
-                    disjoint=tuple(ptrs.disjoint), result=lambda a: AttentionOutput(a[7], a[8]))
+                    disjoint=tuple(ptrs.disjoint), scratch=(WS,), result=lambda a: AttentionOutput(a[7], a[8]))
 
 
 def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:

@@ -1,0 +1,247 @@
+"""The per-call host path (issue 23 part 2) without a GPU: the caches it keeps and the work it skips.
+
+* kv_commit's layer list is read in one pass (runtime._group_signature): a hit for the same caches, a
+  miss (or the full checks) on each component of a layer's signature, the alignment of a new pointer
+  checked again, each call's pointers in the launch.
+* StepPlan.values (the parameter values of a step, compiled once) equals _values (walking the arguments).
+* OutputPlan: the outputs of a call carved out of one buffer: offsets, shapes, dtypes, pointers, the
+  workspace made as a pointer only, one torch.empty per output where that is cheaper.
+* The launch bound to a kernel set's modules (runtime._bind): function, geometry and each call's pointers
+  and stream, on a real KernelSet of stand-in binaries (scripts/profile_launch.py's stand-in).
+* scripts/profile_launch.py answers --help and runs without a GPU.
+"""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FakeCudaArray, FakeKernelSet
+from ddtree_gen import runtime
+from ddtree_gen.errors import ArgumentError
+from ddtree_gen.kernels.kv_commit import launch as kv_commit
+from ddtree_gen.plans.kv_commit import MAX_LAYERS
+from ddtree_gen.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Step, StepPlan, TensorMap
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import profile_launch  # noqa: E402
+
+SPEC = "kimi-k2.6-tp8"
+
+
+class Recorder(FakeKernelSet):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.seen = []
+
+    def launch(self, name, **kwargs):
+        self.seen.append((name, kwargs))
+
+
+@pytest.fixture
+def cpu_torch(monkeypatch):
+    """torch CPU tensors stand for CUDA tensors of device runtime.HOST_DEVICE (0), undone after the test."""
+    from ddtree_gen import arrays
+    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+
+
+def _spec():
+    from ddtree_gen.artifacts import find_spec
+    return find_spec(SPEC)
+
+
+def _commit(spec, layers=61, b=2):
+    d1 = spec.max_depth + 1
+    acc = type("Acc", (), {})()
+    acc.accept_lens = torch.zeros(b, dtype=torch.int32)
+    acc.accepted_nodes = torch.zeros((b, d1), dtype=torch.int32)
+    caches = [torch.zeros((3, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim), dtype=torch.bfloat16)
+              for _ in range(layers)]
+    return acc, torch.zeros(b, dtype=torch.int32), caches, torch.zeros((b, 4), dtype=torch.int32)
+
+
+def _prepared(kset) -> list:
+    return [v for v in kset.prepared_calls.values() if isinstance(v, Prepared)]
+
+
+def test_layer_list_hit_and_each_calls_pointers(cpu_torch):
+    spec = _spec()
+    kset = Recorder(spec)
+    acc, prefix, caches, table = _commit(spec)
+    kv_commit(kset, acc, prefix, caches, table)
+    kv_commit(kset, acc, prefix, caches, table)
+    assert len(_prepared(kset)) == 1
+    other = [c.clone() for c in caches]    # the same signatures, new pointers: the same entry, their pointers
+    kv_commit(kset, acc, prefix, other, table)
+    assert len(_prepared(kset)) == 1
+    for (_, kw), layers in zip(kset.seen, (caches, caches, other)):
+        assert kw["args"][4:4 + 61] == [c.data_ptr() for c in layers]
+        assert all(int(x) == 0 for x in kw["args"][4 + 61:4 + MAX_LAYERS])
+    key = next(k for k, v in kset.prepared_calls.items() if isinstance(v, Prepared))
+    assert ("group", 61, caches[0].shape, caches[0].dtype, 0) in key[2]
+
+
+def test_layer_list_misses_on_each_component(cpu_torch, monkeypatch):
+    spec = _spec()
+    acc, prefix, caches, table = _commit(spec)
+
+    def fresh():
+        kset = Recorder(spec)
+        kv_commit(kset, acc, prefix, caches, table)
+        return kset
+    # shape (another num_pages): another signature, its own entry
+    kset = fresh()
+    kv_commit(kset, acc, prefix, [torch.zeros((5, *c.shape[1:]), dtype=c.dtype) for c in caches], table)
+    assert len(_prepared(kset)) == 2 and kset.seen[-1][1]["args"][-2] == 5
+    # dtype, shape of one layer, stride (not contiguous): the full checks name the layer
+    for k, bad, word in ((7, torch.zeros(caches[0].shape, dtype=torch.float32), "kv_caches[7]: dtype"),
+                         (3, torch.zeros((4, *caches[0].shape[1:]), dtype=torch.bfloat16), "kv_caches[3]: shape"),
+                         (5, torch.zeros((caches[0].shape[0], caches[0].shape[2], caches[0].shape[1]),
+                                         dtype=torch.bfloat16).transpose(1, 2), "kv_caches[5]: not C-contiguous")):
+        kset = fresh()
+        layers = list(caches)
+        layers[k] = bad
+        with pytest.raises(ArgumentError, match=word.replace("[", r"\[").replace("]", r"\]")):
+            kv_commit(kset, acc, prefix, layers, table)
+        assert len(_prepared(kset)) == 1
+    # device: the layers on another device are another signature (and launch there)
+    kset = fresh()
+    monkeypatch.setattr(runtime, "HOST_DEVICE", 1)
+    acc1 = type("Acc", (), {"accept_lens": acc.accept_lens, "accepted_nodes": acc.accepted_nodes})()
+    kv_commit(kset, acc1, prefix, caches, table)
+    assert len(_prepared(kset)) == 2 and kset.seen[-1][1]["device"] == 1
+
+
+def test_layer_list_misaligned_pointer_after_a_hit(cpu_torch):
+    """The alignment of the layers is skipped only for the pointers that passed it last time."""
+    spec = _spec()
+    kset = Recorder(spec)
+    acc, prefix, caches, table = _commit(spec)
+    kv_commit(kset, acc, prefix, caches, table)
+    kv_commit(kset, acc, prefix, caches, table)
+    shape = caches[0].shape
+    big = torch.zeros(int(np.prod(shape)) + 8, dtype=torch.bfloat16)
+    layers = list(caches)
+    layers[9] = big[1:].as_strided(shape, (shape[1] * shape[2], shape[2], 1))   # 2 bytes past a 16-byte boundary
+    with pytest.raises(ArgumentError, match=r"kv_caches\[9\]: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
+        kv_commit(kset, acc, prefix, layers, table)
+    kv_commit(kset, acc, prefix, caches, table)   # back to the checked pointers
+    assert len(kset.seen) == 3
+
+
+def test_layer_list_of_other_arrays_is_read_one_by_one(fake_device):
+    """Not torch tensors (here __cuda_array_interface__ stand-ins): the layers' own signatures, as before."""
+    spec = _spec()
+    kset = Recorder(spec)
+    d1 = spec.max_depth + 1
+    acc = type("Acc", (), {"accept_lens": FakeCudaArray((2,), np.int32),
+                           "accepted_nodes": FakeCudaArray((2, d1), np.int32)})()
+    shape = (3, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim)
+    step = int(np.prod(shape)) * 2
+    caches = [FakeCudaArray(shape, np.uint16, ptr=(1 << 32) + k * step) for k in range(4)]
+    args = (acc, FakeCudaArray((2,), np.int32), caches, FakeCudaArray((2, 4), np.int32))
+    kv_commit(kset, *args)
+    kv_commit(kset, *args)
+    assert len(_prepared(kset)) == 1
+    key = next(k for k, v in kset.prepared_calls.items() if isinstance(v, Prepared))
+    assert not any(isinstance(s, tuple) and s[:1] == ("group",) for s in key[2])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_step_plan_values_equal_walking_the_arguments(seed, fake_device):
+    rng = np.random.default_rng(seed)
+    ptrs = [int(x) * 16 + int(rng.integers(0, 16)) for x in rng.integers(1 << 20, 1 << 40, 12)]
+    tm = TensorMap(2, 128, 576, 64, 64)
+    args = (0, 1, 2, (3, 4096), np.float32(0.5), IsAligned(4, 16), ParamStruct((5, 6, (7, 64), np.uint64(0))),
+            np.int32(3), 8, 9, tm, np.int64(7), 10, 11)
+    step = Prepared(device=0, kind="cai", steps=(Step("k", (1,), args),), result=lambda a: None).steps[0]
+    got = StepPlan(step).values(ptrs)
+    want = runtime._values(step.args, ptrs)
+    assert got == want and [type(x) for x in got] == [type(x) for x in want]
+    assert struct.calcsize(step.fmt.replace("[", "").replace("]", "")) >= 8 * len([a for a in got if type(a) is int])
+
+
+def test_output_plan_one_buffer(cpu_torch):
+    new = ((4, (2,), "int32"), (5, (2, 65), "int32"), (6, (2, 65), "int32"), (7, (2, 65), "float32"),
+           (8, (2, 65, 3), "uint32"), (9, (2, 65), "int32"), (10, (2, 65, 8, 512), "bf16"))
+    plan = OutputPlan(new)
+    offsets = [e[3] for e in plan.entries]
+    assert all(o % runtime.OUTPUT_ALIGN == 0 for o in offsets) and len(set(offsets)) == len(offsets)
+    assert not plan.separate
+    arrays, ptrs = [None] * 11, [0] * 11
+    plan.allocate("torch", 0, arrays, ptrs)
+    for i, shape, dtype in new:
+        a = arrays[i]
+        assert tuple(a.shape) == shape and a.is_contiguous() and a.data_ptr() == ptrs[i], i
+        assert a.dtype == {"int32": torch.int32, "float32": torch.float32, "uint32": torch.uint32,
+                           "bf16": torch.bfloat16}[dtype]
+    spans = sorted((ptrs[i], ptrs[i] + int(np.prod(s)) * {"bf16": 2}.get(d, 4)) for i, s, d in new)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "outputs overlap"
+    # each call its own buffer
+    again = [None] * 11
+    plan.allocate("torch", 0, again, [0] * 11)
+    assert again[5].data_ptr() != arrays[5].data_ptr()
+
+
+def test_output_plan_scratch_and_separate(cpu_torch):
+    plan = OutputPlan(((7, (1, 65, 8, 512), "bf16"), (8, (1, 65, 8), "float32"), (9, (4096,), "float32")),
+                      scratch=(9,))
+    arrays, ptrs = [None] * 10, [0] * 10
+    plan.allocate("torch", 0, arrays, ptrs)
+    base = min(ptrs[7], ptrs[8])
+    assert arrays[9] is None and ptrs[9] >= max(ptrs[7] + 65 * 8 * 512 * 2, ptrs[8] + 65 * 8 * 4)
+    assert all((p - base) % runtime.OUTPUT_ALIGN == 0 for p in ptrs[7:10])
+    assert ptrs[7] == arrays[7].data_ptr() and ptrs[8] == arrays[8].data_ptr()
+    # two outputs of two dtypes: one torch.empty each costs less than a buffer and its views
+    assert OutputPlan(((4, (1, 65, 8, 512), "bf16"), (5, (1, 65, 8), "float32"))).separate
+
+
+def test_bound_launch_packs_each_calls_pointers_and_stream(monkeypatch):
+    spec = _spec()
+    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
+    v, build, caches, target = profile_launch.inputs(spec)
+    streams = iter(range(100, 200))
+    monkeypatch.setitem(runtime._CUDA, "torch_stream", lambda d: next(streams))
+    outs = [kset.tree_build(*build, spec.max_tree_size - 1) for _ in range(2)]
+    prep = next(p for p in _prepared(kset) if p.steps and p.steps[0].kernel == "tree_build")
+    assert prep.bound and len(launches) == 2
+    (fn, grid, block, smem, stream0, params0), (_, _, _, _, stream1, _) = launches
+    assert grid == (1, 1, 1) and stream0 == 100 and stream1 == 101
+    assert fn == prep.bound[0][0] and block[0] == prep.bound[0][4]
+    storage, plan = prep.bound[0][6], prep.bound[0][10]
+    flat = plan.fmt.replace("[", "").replace("]", "")
+    packed = struct.unpack_from(flat, storage, 0)   # the last call's parameters
+    ptrs = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[1]]
+    assert list(packed) == [int(x) if not isinstance(x, np.floating) else float(x) for x in plan.values(ptrs)]
+    # outputs of one call are views of one buffer, each call its own
+    assert outs[0].tokens.untyped_storage().data_ptr() == outs[0].scores.untyped_storage().data_ptr()
+    assert outs[0].tokens.data_ptr() != outs[1].tokens.data_ptr()
+
+
+def test_bound_launch_not_used_when_launch_is_replaced(monkeypatch):
+    spec = _spec()
+    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
+    v, build, caches, target = profile_launch.inputs(spec)
+    seen = []
+    kset.launch = lambda name, **kw: seen.append(name)
+    kset.merge_states(v["q_nope"][:, :, :, :].clone(), torch.zeros(v["q_nope"].shape[:3]),
+                      v["q_nope"].clone(), torch.zeros(v["q_nope"].shape[:3]))
+    assert seen == ["merge_states"] and not launches
+    assert all(p.bound is False for p in _prepared(kset))
+
+
+def test_profile_launch_script_without_a_gpu():
+    script = ROOT / "scripts" / "profile_launch.py"
+    help_ = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and "--calls" in help_.stdout
+    run = subprocess.run([sys.executable, str(script), "--calls", "20"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    for row in ("tree_build", "tree_verify (auto)", "merge_states", "tree_accept", "kv_commit, 61 layers"):
+        assert row in run.stdout
