@@ -472,10 +472,13 @@ def _launch_bound(bound, ptrs, device: int, kind: str) -> None:
     if previous != device:
         cuda["set_device"](device)
     try:
-        for fn, gx, gy, gz, threads, smem, storage, params, lock, pack_into, plan, _ in bound:
-            vals = plan.values(ptrs)
+        for fn, gx, gy, gz, threads, smem, storage, params, lock, pack_into, plan, last, _ in bound:
             with lock:   # the parameter buffer is reused; the driver copies it at launch
-                pack_into(storage, 0, *vals)
+                # the values are a function of the pointers alone: the same pointers as the last launch of
+                # this step (the caching allocator hands the same blocks back), the buffer holds them already
+                if last[0] != ptrs:
+                    pack_into(storage, 0, *plan.values(ptrs))
+                    last[0] = ptrs
                 launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
     finally:
         if previous != device:
@@ -703,7 +706,7 @@ class DeviceModules:
         params = (ctypes.c_void_p * max(1, len(starts)))(*starts)
         gx, gy, gz = (*plan.grid, 1, 1)[:3]
         return (fn, gx, gy, gz, threads, smem, storage, ctypes.addressof(params), threading.Lock(),
-                struct.Struct(flat).pack_into, plan, params)
+                struct.Struct(flat).pack_into, plan, [None], params)
 
     def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         """Launch `name` on `device`'s current stream (switching the thread's device for the call only)."""

@@ -214,11 +214,22 @@ def test_bound_launch_packs_each_calls_pointers_and_stream(monkeypatch):
     (fn, grid, block, smem, stream0, params0), (_, _, _, _, stream1, _) = launches
     assert grid == (1, 1, 1) and stream0 == 100 and stream1 == 101
     assert fn == prep.bound[0][0] and block[0] == prep.bound[0][4]
-    storage, plan = prep.bound[0][6], prep.bound[0][10]
+    storage, plan, last = prep.bound[0][6], prep.bound[0][10], prep.bound[0][11]
     flat = plan.fmt.replace("[", "").replace("]", "")
     packed = struct.unpack_from(flat, storage, 0)   # the last call's parameters
     ptrs = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[1]]
     assert list(packed) == [int(x) if not isinstance(x, np.floating) else float(x) for x in plan.values(ptrs)]
+    assert last[0] == ptrs
+    # the same pointers again (given outputs): the buffer is not packed again, and still right
+    real, calls = StepPlan.values, []
+    monkeypatch.setattr(StepPlan, "values", lambda self, p: calls.append(1) or real(self, p))
+    for out in (outs[1], outs[1], outs[0]):
+        kset.tree_build(*build, spec.max_tree_size - 1, out=out)
+    assert calls == [1, 1] and len(launches) == 5
+    given = next(p for p in _prepared(kset) if p.steps and p.steps[0].kernel == "tree_build" and p is not prep)
+    ptrs0 = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[0]]
+    assert list(struct.unpack_from(flat, given.bound[0][6], 0)) == [
+        int(x) if not isinstance(x, np.floating) else float(x) for x in real(given.bound[0][10], ptrs0)]
     # outputs of one call are views of one buffer, each call its own
     assert outs[0].tokens.untyped_storage().data_ptr() == outs[0].scores.untyped_storage().data_ptr()
     assert outs[0].tokens.data_ptr() != outs[1].tokens.data_ptr()
