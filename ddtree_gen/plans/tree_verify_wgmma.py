@@ -92,17 +92,20 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "L2_EVICT_FIRST": sympy.Integer(1 if (config or {}).get("l2_hint") == "evict_first" else 0),
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and (config or {}).get("grid") == "parts" else 0),
                         "S_LOADED_ORDER": sympy.Integer(0 if (config or {}).get("s_order") == "slab" else 1),
+                        "SYNC_HANDOFFS": sympy.Integer(1 if (config or {}).get("sync_handoffs") else 0),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
 def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None, grid: str = "chunks",
-                s_order: str = "loaded") -> KernelDef:
+                s_order: str = "loaded", sync_handoffs: bool = False) -> KernelDef:
     """tree_verify_wgmma built with `schedule` (same name and entry as the registered kernel), for the
     comparison and ablation scripts; ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones
     (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint;
     grid "parts" (seesaw only): the balanced parts of the batch's key tiles (parts_for) instead of per-request chunks;
-    s_order "slab": WG1's S in slab order rather than in the order its slabs were loaded."""
-    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint, "grid": grid, "s_order": s_order}
+    s_order "slab": WG1's S in slab order rather than in the order its slabs were loaded; sync_handoffs: the
+    warpgroups' hand-offs as bar.sync on both sides (for racecheck: scripts/racecheck_seesaw.py)."""
+    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint, "grid": grid, "s_order": s_order,
+              "sync_handoffs": sync_handoffs}
     return KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
                      plan=functools.partial(verify_plan, kernel="tree_verify_wgmma", config=config),
                      context={"tail": False}, archs=ARCHS)

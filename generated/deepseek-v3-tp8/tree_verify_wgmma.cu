@@ -121,6 +121,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // WG1's S of its next tile in the order its slabs were loaded (1, the default: its own V_R and rope slabs first) or
 // in slab order (0; the config's "s_order": "slab")
 #define S_LOADED_ORDER 1
+#define SYNC_HANDOFFS 0      // the config's "sync_handoffs": both sides of a hand-off bar.sync
 
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
@@ -252,7 +253,12 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
 
 
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+// a hand-off's producer side: bar.arrive (a release: it does not wait for the consumer); SYNC_HANDOFFS (a build
+// option, for compute-sanitizer's racecheck, which reports the arrive -> sync hand-offs as hazards): bar.sync
+__device__ __forceinline__ void named_arrive(int id, int n) {
+    if (SYNC_HANDOFFS) asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+    else asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
 
 // S (+)= Q K^T: m64n64k16, Q and K K-major from shared memory; accumulate = 0 overwrites d
 __device__ __forceinline__ void wgmma_s_ss(float (&d)[NS], uint64_t a, uint64_t b, int accumulate) {

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""compute-sanitizer racecheck on the seesaw tree_verify_wgmma: the default build, and the same kernel with its
+warpgroup hand-offs as bar.sync on both sides (plans/tree_verify_wgmma.variant_def(..., sync_handoffs=True)).
+
+Why: `ddtree-gen sanitize --kernel tree_verify_wgmma` (H200, 2026-12-01) gave memcheck 0, synccheck 0 and 42
+racecheck reports at 5 sites, while every GPU test passes. Every ordering between the two warpgroups of the seesaw
+goes through a named barrier that one side arrives at (bar.arrive: a release) and the other syncs on (bar.sync:
+an acquire). If racecheck does not take bar.arrive as a release, it reports exactly those hand-offs; the
+sync_handoffs build orders the same accesses with bar.sync on both sides. Reports in the default build and none in
+sync_handoffs say the hazards are the tool's reading of bar.arrive; reports in both are races to fix.
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's hand-offs (docs/perf.md, "seesaw").
+Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build)
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+BUILDS = ("default", "sync_handoffs")
+
+
+def worker(build: str) -> None:
+    """Launch the build on a few shapes (one and two chunks, a partial last tile, tree tiles), then synchronize."""
+    import cupy
+    import numpy as np
+
+    from ddtree_gen import artifacts
+    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.kernel_set import KernelSet
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.tree_verify_mma import COMBINE
+    from ddtree_gen.plans.tree_verify_wgmma import variant_def
+    spec = artifacts.find_spec("kimi-k2.6-tp8")
+    kdef = variant_def("seesaw", sync_handoffs=build == "sync_handoffs")
+    ks = KernelSet(spec, {kdef.name: artifacts.compile_variant(spec, kdef),
+                          **artifacts.ensure_built(spec, kernels=[COMBINE])}, kdefs=[kdef, by_name(COMBINE)])
+    x = verify_inputs(spec, 2, np.array([300, 1000]), 65)
+    for splits in (1, 2):
+        res = ks.tree_verify_wgmma(**x, num_splits=splits)
+        cupy.cuda.Device().synchronize()
+        print(f"{build}: num_splits={splits}: lse finite {bool(np.isfinite(cupy.asnumpy(res.lse)).all())}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", choices=BUILDS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from ddtree_gen import DdtreeError, needs
+    try:
+        needs.require("scripts/racecheck_seesaw.py", gpu=True)
+    except DdtreeError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.worker:
+        worker(args.worker)
+        return 0
+    rc = 0
+    for build in BUILDS:
+        cmd = ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", sys.executable, __file__,
+               "--worker", build]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        lines = (r.stdout + r.stderr).splitlines()
+        summary = [ln for ln in lines if "ERROR SUMMARY" in ln or ln.startswith(build)]
+        print(f"{build}: exit {r.returncode}; " + "; ".join(summary))
+        rc |= r.returncode
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
