@@ -39,3 +39,13 @@ def require(what: str, *, gpu: bool = True, torch: bool = False) -> None:
     problems = [p for p, want in ((gpu_problem, gpu), (torch_problem, torch)) if want for p in [p()] if p]
     if problems:
         raise DdtreeError(f"{what} needs {' and '.join(needed)}: {'; '.join(problems)}")
+
+
+def script_requires(script_file: str, *, gpu: bool = True, torch: bool = False) -> None:
+    """require() for a script of scripts/ (pass its __file__): what is missing ends it with one line, exit 1."""
+    name = "scripts/" + script_file.replace("\\", "/").rsplit("/", 1)[-1]
+    try:
+        require(name, gpu=gpu, torch=torch)
+    except DdtreeError as e:
+        raise SystemExit(f"error: {e}") from None
+

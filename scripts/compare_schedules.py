@@ -45,11 +45,8 @@ def main() -> None:
     ap.add_argument("--l2-hint", action="store_true", help="also time the seesaw with L2 evict-first key loads")
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
-    from ddtree_gen import DdtreeError, needs
-    try:   # one line (exit 1) without a GPU or torch, not a CUDA traceback
-        needs.require("scripts/compare_schedules.py", gpu=True, torch=True)
-    except DdtreeError as e:
-        raise SystemExit(f"error: {e}") from None
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True, torch=True)
     from ddtree_gen import artifacts
     from ddtree_gen.bench import SPEC_BY_HEADS, flashmla_peers, graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.bench import verify_inputs

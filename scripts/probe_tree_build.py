@@ -11,13 +11,10 @@ Run: PYTHONPATH=. python scripts/probe_tree_build.py
 """
 import argparse
 
-from ddtree_gen import DdtreeError, needs
+from ddtree_gen import needs
 
 argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-try:   # before any CUDA call: one line, not a traceback, where no GPU is usable
-    needs.require("scripts/probe_tree_build.py", gpu=True)
-except DdtreeError as e:
-    raise SystemExit(f"error: {e}") from None
+needs.script_requires(__file__, gpu=True)
 
 import numpy as np  # noqa: E402
 import cupy  # noqa: E402

@@ -151,12 +151,9 @@ def _args_and_gpu():
     """--help works anywhere; without a usable GPU, one line saying so (exit 1) instead of a CUDA traceback."""
     import argparse
 
-    from ddtree_gen import DdtreeError, needs
+    from ddtree_gen import needs
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    try:
-        needs.require(f"scripts/{__file__.rsplit('/', 1)[-1]}", gpu=True)
-    except DdtreeError as e:
-        raise SystemExit(f"error: {e}") from None
+    needs.script_requires(__file__, gpu=True)
 
 
 if __name__ == "__main__":

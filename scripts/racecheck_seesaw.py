@@ -46,11 +46,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=BUILDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from ddtree_gen import DdtreeError, needs
-    try:
-        needs.require("scripts/racecheck_seesaw.py", gpu=True)
-    except DdtreeError as e:
-        raise SystemExit(f"error: {e}") from None
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True)
     if args.worker:
         worker(args.worker)
         return 0

@@ -78,11 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--write", action="store_true", help="store the table in the tuning file")
     args = p.parse_args(argv)
-    from ddtree_gen import DdtreeError, needs
-    try:   # one line, not a CUDA traceback, where no GPU is usable
-        needs.require("scripts/sweep_splits.py", gpu=True)
-    except DdtreeError as e:
-        raise SystemExit(f"error: {e}") from None
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True)
     sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])

@@ -246,11 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(mod.TUNING_FILE), help="tuning file to update")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
-    from ddtree_gen import DdtreeError, needs
-    try:   # one line, not a CUDA traceback, where no GPU is usable
-        needs.require("scripts/tune_tree_verify.py", gpu=True)
-    except DdtreeError as e:
-        raise SystemExit(f"error: {e}") from None
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True)
     import cupy
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     args.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
