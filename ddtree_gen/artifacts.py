@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,25 +28,13 @@ from .fileio import atomic_write, file_lock
 from .plans import KernelDef, all_kernels
 from .render import render, templates_digest
 from .resources import PtxasReport, compare
-from .spec import Spec, load_spec, spec_paths
+from .spec import Spec, load_spec
 
 MANIFEST = "manifest.json"
 
 
 def sha256(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
-
-
-def find_spec(name) -> Spec:
-    """A spec by name (specs/<name>.toml) or by path to a .toml file."""
-    p = Path(str(name))
-    if p.suffix == ".toml" or os.sep in str(name):
-        return load_spec(p)
-    path = paths.specs_dir() / f"{name}.toml"
-    if not path.exists():
-        known = ", ".join(q.stem for q in spec_paths(paths.specs_dir())) or "none"
-        raise SpecError(f"unknown spec {name!r}: no file {path} (known specs: {known})")
-    return load_spec(path)
 
 
 def shipped(spec: Spec) -> bool:
@@ -58,10 +45,6 @@ def shipped(spec: Spec) -> bool:
         return path.is_file() and load_spec(path) == spec
     except SpecError:
         return False
-
-
-def all_specs() -> list[Spec]:
-    return [load_spec(p) for p in spec_paths(paths.specs_dir())]
 
 
 def select_kernels(kernels=None) -> list[KernelDef]:

@@ -148,7 +148,7 @@ def cpu_heap_builder(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
 
 def bench_tree_build(args) -> None:
     import cupy
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     ks = load(spec, kernels=["tree_build"])
@@ -323,7 +323,7 @@ def flashmla_peers(ks, x):
 
 
 def bench_tree_verify(args) -> None:
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     peak = measured_peak_tflops()
     nq = 65
@@ -412,7 +412,7 @@ def spec_variant(base, heads: int, kv_dtype: str):
     """`base` with num_heads = heads and kv_dtype: the shipped spec with exactly those values if there is one
     (its builds may be cached already), else an unshipped variant named <base>-h<H>[-fp8] (built into the
     binary cache only, never into generated/)."""
-    from .artifacts import all_specs
+    from .spec import all_specs
     want = dataclasses.replace(base, num_heads=heads, kv_dtype=kv_dtype)
     for s in all_specs():
         if dataclasses.replace(s, name=want.name) == want:
@@ -436,7 +436,7 @@ def bench_kv_dtype(args) -> None:
     process: H comes from the config (variants of the spec with other H are built as needed), the fp8 cache holds
     the e4m3 bytes of the bf16 cache's samples. A table: config, impl, bf16 ms, fp8 ms, bf16/fp8 speed ratio,
     TFLOP/s and % of the measured bf16 matmul peak of each."""
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     base = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     peak = measured_peak_tflops()
@@ -505,7 +505,7 @@ def bench_draft_topk(args) -> None:
     bandwidth floor (the logits read once at the device-to-device copy rate measured in this run)."""
     import cupy
     import torch
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     from .kernels.draft_topk import workspace_elems
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])

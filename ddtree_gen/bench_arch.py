@@ -113,7 +113,7 @@ def _ratio(base_ms: float, forced_ms: float) -> str:
 
 def bench_arch(args) -> None:
     """The table of the module docstring, per spec of --spec (default kimi-k2.6-tp8)."""
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     specs = [find_spec(n) for n in (args.spec or ["kimi-k2.6-tp8"])]
     for spec in specs:

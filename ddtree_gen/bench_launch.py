@@ -184,7 +184,7 @@ def measure(spec_name: str) -> list[tuple]:
     import cupy
     import torch
 
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     spec = find_spec(spec_name)
     ks = load(spec)

@@ -52,7 +52,7 @@ def accept_tree(spec, b: int):
 def bench_tree_accept(args) -> None:
     import cupy
 
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     ks = load(spec)
@@ -97,7 +97,7 @@ def bench_tree_accept(args) -> None:
 def bench_step(args) -> None:
     import cupy
 
-    from .artifacts import find_spec
+    from .spec import find_spec
     from .kernel_set import load
     from .kernels.draft_topk import workspace_elems
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])

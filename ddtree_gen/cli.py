@@ -9,10 +9,11 @@ from .errors import DdtreeError
 
 
 def _specs(names):
-    from . import artifacts, paths
+    from . import paths
+    from .spec import all_specs, find_spec
     if names:
-        return [artifacts.find_spec(n) for n in names]
-    specs = artifacts.all_specs()
+        return [find_spec(n) for n in names]
+    specs = all_specs()
     if not specs:   # (an install without its specs printed nothing and built "all 0 variants" before issue 19)
         raise DdtreeError(f"no spec files (*.toml) in {paths.specs_dir()}: name a spec file, or set "
                           f"DDTREE_GEN_ROOT to a folder with specs/ and templates/")

@@ -15,7 +15,7 @@ from .kernels import LAUNCHERS
 from .plans import KernelDef, all_kernels
 from .plans import tree_verify_mma as mma_plans
 from .runtime import Binary, DeviceModules
-from .spec import Spec
+from .spec import Spec, find_spec
 
 __all__ = ["KernelSet", "load", "variant_set"]
 
@@ -141,7 +141,7 @@ def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
     Loading touches no GPU: modules are loaded on each device at its first launch, each kernel as the
     build of its targets that runs there (archs.py). `arch` ("sm_90a" / "sm_80"; default
     $DDTREE_GEN_ARCH, else none) forces one target on every device: only that one is built and loaded."""
-    spec = spec if isinstance(spec, Spec) else artifacts.find_spec(spec)
+    spec = spec if isinstance(spec, Spec) else find_spec(spec)
     forced = archs.forced(arch)
     if forced is not None and forced not in spec.archs:
         raise ArgumentError(f"arch: {forced} is forced, but spec {spec.name!r} is not built for it "

@@ -219,7 +219,7 @@ def compare(spec: Spec, kernel: str, bundle) -> list[str]:
 
 
 def main(args) -> int:
-    from .artifacts import all_specs, find_spec
+    from .spec import all_specs, find_spec
     from .errors import DdtreeError
     if paths.installed():
         raise DdtreeError("refs: refs/ (the KDTR bundles) is part of the repository, not of the installed package: "

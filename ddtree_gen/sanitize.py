@@ -160,13 +160,14 @@ def main(args) -> int:
     """Run the worker under each sanitizer tool; print the table; non-zero if any tool found errors."""
     from . import artifacts
     from .errors import DdtreeError
+    from .spec import find_spec
     specs = list(getattr(args, "specs", None) or [])
     tools = list(getattr(args, "tools", None) or DEFAULT_TOOLS)
     kernels = getattr(args, "kernels", None)
     out = getattr(args, "out", None)
     try:
         for name in specs:
-            artifacts.find_spec(name)
+            find_spec(name)
         if kernels:
             artifacts.select_kernels(kernels)
     except DdtreeError as e:
@@ -524,6 +525,7 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
     """Launch every kernel of every spec on its edge cases; 0 if every case ran, else 1."""
     from . import artifacts, kernel_set
     from .errors import DdtreeError
+    from .spec import all_specs, find_spec
     try:
         import cupy
         cupy.cuda.runtime.getDeviceCount()
@@ -533,7 +535,7 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
     cupy.cuda.set_allocator(None)         # one cudaMalloc per array: memcheck sees every overrun
     cupy.cuda.set_pinned_memory_allocator(None)
     try:
-        spec_objs = [artifacts.find_spec(s) for s in specs] if specs else artifacts.all_specs()
+        spec_objs = [find_spec(s) for s in specs] if specs else all_specs()
         registered = [k.name for k in artifacts.select_kernels(kernels)]
     except DdtreeError as e:
         print(f"sanitize worker: error: {e}", flush=True)

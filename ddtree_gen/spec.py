@@ -1,4 +1,4 @@
-"""Spec files (specs/*.toml): strict loading and validation.
+"""Spec files (specs/*.toml): strict loading and validation, and finding them (find_spec, all_specs).
 
 A spec is refused at load time, with a message naming the file and the field, when a field
 is unknown, missing, of the wrong type, or asks for something the templates cannot serve.
@@ -6,12 +6,14 @@ is unknown, missing, of the wrong type, or asks for something the templates cann
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import archs as _archs
+from . import paths
 from .errors import SpecError
 
 # The templates keep a tree-mask row in at most this many 32-bit words (registers / shared
@@ -166,6 +168,23 @@ def load_spec(path: str | Path) -> Spec:
 
 def spec_paths(specs_dir: Path) -> list[Path]:
     return sorted(specs_dir.glob("*.toml"))
+
+
+def find_spec(name) -> Spec:
+    """A spec by name (specs/<name>.toml) or by path to a .toml file."""
+    p = Path(str(name))
+    if p.suffix == ".toml" or os.sep in str(name):
+        return load_spec(p)
+    path = paths.specs_dir() / f"{name}.toml"
+    if not path.exists():
+        known = ", ".join(q.stem for q in spec_paths(paths.specs_dir())) or "none"
+        raise SpecError(f"unknown spec {name!r}: no file {path} (known specs: {known})")
+    return load_spec(path)
+
+
+def all_specs() -> list[Spec]:
+    """Every shipped spec (specs/*.toml), by file name."""
+    return [load_spec(p) for p in spec_paths(paths.specs_dir())]
 
 
 def load_all(specs_dir: Path) -> list[Spec]:

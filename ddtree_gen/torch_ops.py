@@ -34,7 +34,7 @@ def _kset(spec: str):
 @functools.lru_cache(maxsize=None)
 def _dims(spec: str) -> tuple[int, int, int]:
     """(N, W, D + 1) of a spec, for the fake implementations (no build needed)."""
-    from .artifacts import find_spec
+    from .spec import find_spec
     s = find_spec(spec)
     return s.max_tree_size, s.mask_words, s.max_depth + 1
 

@@ -30,9 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_gen import DdtreeError, artifacts, load, needs  # noqa: E402
+from ddtree_gen import DdtreeError, load, needs  # noqa: E402
 from ddtree_gen import model as M  # noqa: E402
 from ddtree_gen.model import tensor_parallel as TP  # noqa: E402  (compare_tokens: the near-tie rule)
+from ddtree_gen.spec import find_spec  # noqa: E402
 
 NEAR_TIE = 5e-3   # top-2 logit margin below which a bf16 rounding difference may flip a token
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         needs.require("examples/speculative_decode.py", gpu=True)
-        spec = artifacts.find_spec(args.spec)
+        spec = find_spec(args.spec)
     except DdtreeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -66,9 +66,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_gen import DdtreeError, artifacts, load, needs  # noqa: E402
+from ddtree_gen import DdtreeError, load, needs  # noqa: E402
 from ddtree_gen import model as M  # noqa: E402
 from ddtree_gen.model import tensor_parallel as TP  # noqa: E402
+from ddtree_gen.spec import find_spec  # noqa: E402
 
 NEAR_TIE = 5e-3
 
@@ -168,8 +169,8 @@ def rank_main(rank: int, local_rank: int, world: int, args) -> dict:
     """One rank's work (the process group is up); every rank returns the same gathered report."""
     import torch
     import torch.distributed as dist
-    full = artifacts.find_spec(args.spec)
-    spec_r = artifacts.find_spec(args.rank_spec) if args.rank_spec else TP.rank_spec(full, world)
+    full = find_spec(args.spec)
+    spec_r = find_spec(args.rank_spec) if args.rank_spec else TP.rank_spec(full, world)
     cfg = M.ModelConfig.from_spec(full)                     # the full model (all heads)
     weights = M.init_weights(cfg)                           # same seed on every rank ...
     cfg_r = TP.shard_config(cfg, world)

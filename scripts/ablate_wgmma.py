@@ -17,6 +17,7 @@ from ddtree_gen.kernel_set import KernelSet
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans.tree_verify_wgmma import variant_def
 from ddtree_gen.render import render
+from ddtree_gen.spec import find_spec
 
 REFILL = "if (nn < n_tiles) stage_tile(nn, next_src);"
 WAIT = "mbar_wait(sBar + 8 * stage, (uint32_t)(n / STAGES) & 1u);"
@@ -38,7 +39,7 @@ CUTS = {
 
 def main():
     for b, h, l in [(8, 128, 4096), (8, 64, 16384)]:
-        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        spec = find_spec(SPEC_BY_HEADS[h])
         base = artifacts.ensure_built(spec, kernels=["tree_verify_mma_combine"])
         base_defs = [by_name("tree_verify_mma_combine")]
         x = verify_inputs(spec, b, np.full(b, l), 65)

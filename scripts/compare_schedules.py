@@ -54,12 +54,13 @@ def main() -> None:
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE
     from ddtree_gen.plans.tree_verify_wgmma import schedule_for, variant_def
+    from ddtree_gen.spec import find_spec
 
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     peak = measured_peak_tflops()
     rows = []
     for b, h, L in shapes:
-        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        spec = find_spec(SPEC_BY_HEADS[h])
         assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
 

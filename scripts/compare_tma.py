@@ -15,6 +15,7 @@ from ddtree_gen.kernel_set import KernelSet
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans import tree_verify_wgmma as wg
 from ddtree_gen.plans.tree_verify_mma import COMBINE
+from ddtree_gen.spec import find_spec
 
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
 
@@ -38,7 +39,7 @@ def main() -> None:
     import cupy
     rows = []
     for b, h, L in SHAPES:
-        spec = artifacts.find_spec(SPEC_BY_HEADS[h])
+        spec = find_spec(SPEC_BY_HEADS[h])
         tma = lockstep_set(spec, True)
         assert tma.constants("tree_verify_wgmma")["USE_TMA"] == 1, "this spec's build does not use TMA"
         cp = lockstep_set(spec, False)

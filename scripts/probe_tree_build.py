@@ -19,7 +19,7 @@ needs.script_requires(__file__, gpu=True)
 import numpy as np  # noqa: E402
 import cupy  # noqa: E402
 import ddtree_gen  # noqa: E402
-from ddtree_gen.artifacts import find_spec  # noqa: E402
+from ddtree_gen.spec import find_spec  # noqa: E402
 from ddtree_gen.bench import graph_time_ms, tree_build_inputs  # noqa: E402
 
 spec = find_spec("kimi-k2.6-tp8")

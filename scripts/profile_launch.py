@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("profile_launch.py needs torch (its CPU build is enough): pip install torch")
         return 2
-    from ddtree_gen.artifacts import find_spec
+    from ddtree_gen.spec import find_spec
     spec = find_spec(args.spec)
     ks, launches = stand_in_kset(spec)
     table = calls(ks, spec)

@@ -31,7 +31,8 @@ def worker(build: str) -> None:
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE
     from ddtree_gen.plans.tree_verify_wgmma import variant_def
-    spec = artifacts.find_spec("kimi-k2.6-tp8")
+    from ddtree_gen.spec import find_spec
+    spec = find_spec("kimi-k2.6-tp8")
     kdef = variant_def("seesaw", sync_handoffs=build == "sync_handoffs")
     ks = KernelSet(spec, {kdef.name: artifacts.compile_variant(spec, kdef),
                           **artifacts.ensure_built(spec, kernels=[COMBINE])}, kdefs=[kdef, by_name(COMBINE)])

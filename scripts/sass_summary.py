@@ -20,10 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddtree_gen import artifacts
 from ddtree_gen.compile import OPTIONS
 from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.render import render
+from ddtree_gen.spec import find_spec
 
 
 def tool(name, bin_dir):
@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("kernels", nargs="*", default=["tree_verify_wgmma", "tree_verify_mma"])
     a = ap.parse_args()
     ptxas, nvdisasm = tool("ptxas", a.bin), tool("nvdisasm", a.bin)
-    spec = artifacts.find_spec(a.spec)
+    spec = find_spec(a.spec)
     names = a.kernels or [k.name for k in all_kernels()]
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

@@ -27,6 +27,7 @@ from tune_tree_verify import device_inputs, time_call  # noqa: E402
 import ddtree_gen  # noqa: E402
 from ddtree_gen import artifacts  # noqa: E402
 from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
+from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 MAX_SPLITS = 16
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    specs = [artifacts.find_spec(n) for n in args.specs] if args.specs else artifacts.all_specs()
+    specs = [find_spec(n) for n in args.specs] if args.specs else all_specs()
     summary, tables = [], {}
     for spec in specs:
         ks = ddtree_gen.load(spec, kernels=["tree_verify_wgmma", mod.COMBINE])

@@ -37,6 +37,7 @@ from ddtree_gen.bench import gpu_time_ms, graph_time_ms  # noqa: E402
 from ddtree_gen.kernel_set import variant_set  # noqa: E402
 from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
 from ddtree_gen.resources import compare  # noqa: E402
+from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
 
 OUT_TOL, LSE_TOL = 5e-3, 1e-3
 PEAK_TFLOPS = 760.0
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     args.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    specs = [artifacts.find_spec(n) for n in args.specs] if args.specs else artifacts.all_specs()
+    specs = [find_spec(n) for n in args.specs] if args.specs else all_specs()
     chosen = {}
     for spec in specs:
         entry = tune_spec(spec, args, sms)

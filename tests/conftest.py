@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 
-from ddtree_gen import artifacts
+from ddtree_gen.spec import all_specs
 
 
 def pytest_configure(config):
@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
                 it.add_marker(skip)
 
 
-SPECS = artifacts.all_specs()
+SPECS = all_specs()
 
 
 def pytest_generate_tests(metafunc):

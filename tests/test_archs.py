@@ -23,7 +23,7 @@ from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.resources import PtxasReport
 from ddtree_gen.runtime import DeviceInfo, DeviceModules
-from ddtree_gen.spec import parse_spec
+from ddtree_gen.spec import all_specs, find_spec, parse_spec
 from test_tree_verify_cpu import Arrays, verify_args
 
 BOTH = ("sm_90a", "sm_80")
@@ -126,7 +126,7 @@ def test_spec_archs_limit_what_is_built():
 
 
 def test_cache_key_differs_by_target():
-    spec = artifacts.find_spec("kimi-k2.6-tp8")
+    spec = find_spec("kimi-k2.6-tp8")
     kdef = by_name("tree_build")
     src = artifacts.render(spec, kdef)
     keys = {a: artifacts.cache_key(src, kdef, "13.0", a) for a in archs.ARCHS}
@@ -140,7 +140,7 @@ def test_cache_key_differs_by_target():
 
 def test_generated_manifests_list_targets():
     """The committed manifests: per kernel its targets, per target the source, binary kind and size."""
-    for spec in artifacts.all_specs():
+    for spec in all_specs():
         m = json.loads((artifacts.paths.generated_dir() / spec.name / artifacts.MANIFEST).read_text())
         assert set(m["targets"]) == set(spec.archs)
         assert m["targets"]["sm_80"]["binary"] == "ptx" and m["targets"]["sm_90a"]["binary"] == "cubin"
@@ -227,7 +227,7 @@ def fake_set(spec, names=None, arch=None) -> RecordingSet:
 @pytest.fixture
 def kimi():
     """One spec is enough: the kernel-set tests do not depend on its shape (conftest parametrizes `spec`)."""
-    return artifacts.find_spec("kimi-k2.6")
+    return find_spec("kimi-k2.6")
 
 
 WHERE = [   # device -> (target of tree_verify_mma or None, of tree_verify_wgmma, of tree_verify)

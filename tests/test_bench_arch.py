@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddtree_gen import artifacts, bench_arch, cli
+from ddtree_gen import bench_arch, cli
+from ddtree_gen import spec as SPEC_MODULE
 from ddtree_gen.errors import DdtreeError
-from ddtree_gen.spec import parse_spec
+from ddtree_gen.spec import find_spec, parse_spec
 from test_archs import VALID, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
 
 
@@ -24,16 +25,16 @@ def test_cli_knows_bench_arch(capsys):
 
 def test_verify_shapes():
     """The issue's shapes: B = 1 and 8 with the spec's H, B = 8 with H = 64; no repeats."""
-    assert bench_arch.verify_shapes(artifacts.find_spec("kimi-k2.6-tp8")) == [(1, 8), (8, 8), (8, 64)]
-    assert bench_arch.verify_shapes(artifacts.find_spec("kimi-k2.6")) == [(1, 64), (8, 64)]
-    assert bench_arch.verify_shapes(artifacts.find_spec("deepseek-v3")) == [(1, 128), (8, 128), (8, 64)]
+    assert bench_arch.verify_shapes(find_spec("kimi-k2.6-tp8")) == [(1, 8), (8, 8), (8, 64)]
+    assert bench_arch.verify_shapes(find_spec("kimi-k2.6")) == [(1, 64), (8, 64)]
+    assert bench_arch.verify_shapes(find_spec("deepseek-v3")) == [(1, 128), (8, 128), (8, 64)]
 
 
 def test_what_each_set_ran(fake_devices):  # noqa: F811
     """On an H200 (fake device 0): the default set runs wgmma (auto) and everything else as sm_90a cubins, the
     set forced to sm_80 runs mma.sync (auto) and the sm_80 PTX; an fp8 spec forced to sm_80 has no mma.sync
     kernels: auto is the CUDA-core kernel and impl="mma" is skipped, saying why."""
-    kimi = artifacts.find_spec("kimi-k2.6-tp8")
+    kimi = find_spec("kimi-k2.6-tp8")
     default, forced = fake_set(kimi), fake_set(kimi, arch="sm_80")
     assert [bench_arch.ran(default, "tree_verify", 0, impl) for impl in ("auto", "mma")] == \
         ["wgmma (sm_90a)", "mma (sm_90a)"]
@@ -42,7 +43,7 @@ def test_what_each_set_ran(fake_devices):  # noqa: F811
     assert [bench_arch.ran(ks, k, 0) for ks in (default, forced) for k in ("tree_build", "kv_commit")] == \
         ["sm_90a", "sm_90a", "sm_80", "sm_80"]
     assert all(bench_arch._why_not(ks, impl, 0) is None for ks in (default, forced) for impl in ("auto", "mma"))
-    fp8 = artifacts.find_spec("kimi-k2.6-tp8-fp8")
+    fp8 = find_spec("kimi-k2.6-tp8-fp8")
     default8, forced8 = fake_set(fp8), fake_set(fp8, arch="sm_80")
     assert bench_arch.ran(default8, "tree_verify", 0, "auto") == "wgmma (sm_90a)"
     assert bench_arch.ran(forced8, "tree_verify", 0, "auto") == "simple (sm_80)"
@@ -62,7 +63,7 @@ def test_no_gpu_is_a_clear_error(monkeypatch):
 
 def test_spec_without_sm80_is_refused_first(monkeypatch):
     only90 = parse_spec(dict(VALID, archs=["sm_90a"]), "t.toml")
-    monkeypatch.setattr(artifacts, "find_spec", lambda name: only90)
+    monkeypatch.setattr(SPEC_MODULE, "find_spec", lambda name: only90)
     with pytest.raises(DdtreeError, match="not built for sm_80"):
         bench_arch.bench_arch(SimpleNamespace(spec=["t"], out=None))
 

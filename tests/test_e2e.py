@@ -15,9 +15,8 @@ import functools
 import numpy as np
 import pytest
 
-from ddtree_gen import artifacts
 from ddtree_gen import model as M
-from ddtree_gen.spec import parse_spec
+from ddtree_gen.spec import find_spec, parse_spec
 
 SMALL = parse_spec({"name": "e2e-small", "num_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
                     "page_size": 16, "max_tree_size": 17, "max_depth": 6}, "tests/test_e2e.py")
@@ -36,7 +35,7 @@ def prompts_for(batch: int, vocab: int, max_len: int = 40, seed: int = 1) -> lis
 
 @functools.lru_cache(maxsize=None)
 def _model(spec_name: str) -> tuple:
-    spec = SMALL if spec_name == SMALL.name else artifacts.find_spec(spec_name)
+    spec = SMALL if spec_name == SMALL.name else find_spec(spec_name)
     cfg = M.ModelConfig.from_spec(spec)
     return spec, cfg, M.NumpyMLA(cfg)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_gen import artifacts, cli, fileio, paths
+from ddtree_gen.spec import find_spec
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = "kimi-k2.6-tp8"
@@ -92,8 +93,8 @@ def test_list_of_a_spec_by_path_says_not_shipped(root, tmp_path, capsys):
 
 
 def test_a_shipped_spec_by_path_is_the_shipped_one(root):
-    assert artifacts.shipped(artifacts.find_spec(str(root / "specs" / f"{SHIPPED}.toml")))
-    assert artifacts.shipped(artifacts.find_spec(SHIPPED))
+    assert artifacts.shipped(find_spec(str(root / "specs" / f"{SHIPPED}.toml")))
+    assert artifacts.shipped(find_spec(SHIPPED))
 
 
 def test_check_with_spec_names_checks_those_only(root, capsys):
@@ -208,7 +209,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
     import ddtree_gen
     from ddtree_gen.plans import all_kernels, by_name
     path = _shape_spec(tmp_path / "mine", "rank-320", 320)
-    spec = artifacts.find_spec(str(path))
+    spec = find_spec(str(path))
     skipped = {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma", "tree_verify_tail_wgmma"}
     assert {k.name for k in all_kernels() if not k.builds_for(spec)} == skipped
     assert all(by_name(k).archs_for(spec) == () for k in skipped)
@@ -228,7 +229,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
 def test_a_rank_past_the_cuda_core_kernel_says_its_limit():
     from ddtree_gen.plans import by_name
     from ddtree_gen.spec import parse_spec
-    spec = parse_spec({**artifacts.find_spec(SHIPPED).as_dict(), "name": "rank-704", "kv_lora_rank": 704}, "t")
+    spec = parse_spec({**find_spec(SHIPPED).as_dict(), "name": "rank-704", "kv_lora_rank": 704}, "t")
     why = by_name("tree_verify").why_not_built(spec)
     assert why.startswith("tree_verify: not built for spec 'rank-704': kv_lora_rank = 704") and "at most 180" in why
     assert by_name("tree_build").builds_for(spec) and by_name("kv_commit").builds_for(spec)

@@ -27,15 +27,15 @@ from ddtree_gen.kernels import tree_accept as tree_accept_mod
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tree_verify_mma as mma_launchers
 from ddtree_gen.plans import all_kernels, by_name
-from ddtree_gen.spec import KV_DTYPES, load_spec, parse_spec
+from ddtree_gen.spec import KV_DTYPES, all_specs, find_spec, load_spec, parse_spec
 from ddtree_gen.types import TreeAcceptOutput
 from test_archs import DEVICES, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
 from test_tree_verify_cpu import Arrays, MmaKernelSet, verify_args
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is a test dependency (pip install -e '.[test]')")
 
-FP8 = artifacts.find_spec("kimi-k2.6-tp8-fp8")
-BF16 = artifacts.find_spec("kimi-k2.6-tp8")          # the same spec with a bf16 cache
+FP8 = find_spec("kimi-k2.6-tp8-fp8")
+BF16 = find_spec("kimi-k2.6-tp8")          # the same spec with a bf16 cache
 VALID = dict(name="t", num_heads=8, kv_lora_rank=512, qk_rope_head_dim=64, page_size=64, max_tree_size=65,
              max_depth=15)
 LAUNCHERS = [("tree_verify", tv.tree_verify), ("tree_verify_tail", tv.tree_verify_tail)]
@@ -487,9 +487,9 @@ def test_kv_commit_layers_must_share_the_byte_type(fake_device):
 
 # ------------------------------------------------------------------------------- refs, sanitize
 
-@pytest.mark.parametrize("name", [s.name for s in artifacts.all_specs() if s.kv_fp8])
+@pytest.mark.parametrize("name", [s.name for s in all_specs() if s.kv_fp8])
 def test_fp8_refs_hold_bytes_and_scale(name):
-    spec = artifacts.find_spec(name)
+    spec = find_spec(name)
     for kernel in ("tree_verify", "tree_verify_tail"):
         a = kdtr.read(refs.bundle_path(spec, kernel, "prefix70")).arrays
         assert a["in.kv_cache"].dtype == np.uint8 and not np.isin(a["in.kv_cache"], fp8.NAN_BYTES).any()
@@ -527,7 +527,7 @@ def test_bench_kv_dtype_specs():
     assert bench.KV_DTYPE_CONFIGS == [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096),
                                       (8, 128, 4096)]
     assert "kv-dtype" in cli.BENCHES
-    shipped = {s.name for s in artifacts.all_specs()}
+    shipped = {s.name for s in all_specs()}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
         for kv_dtype in KV_DTYPES:
             s = bench.spec_variant(BF16, h, kv_dtype)

@@ -20,8 +20,8 @@ import functools
 import numpy as np
 import pytest
 
-from ddtree_gen import artifacts
 from ddtree_gen import model as M
+from ddtree_gen.spec import find_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +48,7 @@ def _ops():
 @functools.lru_cache(maxsize=None)
 def _setup(name: str):
     import ddtree_gen
-    spec = artifacts.find_spec(name)
+    spec = find_spec(name)
     cfg = M.ModelConfig.from_spec(spec)
     return spec, ddtree_gen.load(spec), cfg, M.init_weights(cfg)
 

@@ -40,8 +40,9 @@ import numpy as np
 import pytest
 
 from conftest import skip_unless_runs
-from ddtree_gen import artifacts, bf16, fp8, reference
+from ddtree_gen import bf16, fp8, reference
 from ddtree_gen.errors import ArgumentError
+from ddtree_gen.spec import all_specs
 from verify_cases import (VerifyInputs, bf16_nan, fresh_seed, kv_torch, make_inputs, random_bf16_bounded,
                           random_bf16_normal, to_device, to_host)
 
@@ -632,7 +633,7 @@ def bf16_twin(spec):
     """The shipped bf16 spec whose every other field is the fp8 spec's (kimi-k2.6-tp8 for kimi-k2.6-tp8-fp8)."""
     import dataclasses
     want = dataclasses.replace(spec, kv_dtype="bf16")
-    for s in artifacts.all_specs():
+    for s in all_specs():
         if dataclasses.replace(s, name=spec.name) == want:
             return s
     pytest.skip(f"no shipped bf16 spec equals {spec.name!r} but for its kv_dtype")

@@ -52,7 +52,7 @@ def cpu_torch(monkeypatch):
 
 
 def _spec():
-    from ddtree_gen.artifacts import find_spec
+    from ddtree_gen.spec import find_spec
     return find_spec(SPEC)
 
 

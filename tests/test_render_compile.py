@@ -110,8 +110,8 @@ ptxas info    : Used 168 registers
 
 
 def _any_spec():
-    from ddtree_gen import artifacts
-    return artifacts.find_spec("kimi-k2.6-tp8")
+    from ddtree_gen.spec import find_spec
+    return find_spec("kimi-k2.6-tp8")
 
 
 def test_jinja_environment_is_strict():

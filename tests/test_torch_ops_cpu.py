@@ -66,8 +66,8 @@ class _NotRun(Exception):
 def test_a_step_compiles_to_one_graph_on_fake_tensors():
     """torch.compile(fullgraph=True) traces tree_build -> tree_verify -> tree_walk -> kv_commit through the
     fake implementations (dynamo runs them on fake tensors): one graph, no break, the ops in order."""
-    from ddtree_gen import artifacts
-    spec = artifacts.find_spec("kimi-k2.6-tp8")
+    from ddtree_gen.spec import find_spec
+    spec = find_spec("kimi-k2.6-tp8")
     n, h, r, p, b = spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 2
     name = spec.name
 

@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddtree_gen import artifacts
 from ddtree_gen import model as M
 from ddtree_gen.model import tensor_parallel as TP
 from ddtree_gen.model.cache import make_block_table
-from ddtree_gen.spec import parse_spec
+from ddtree_gen.spec import find_spec, parse_spec
 
 SMALL = parse_spec({"name": "tp-small", "num_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
                     "page_size": 16, "max_tree_size": 17, "max_depth": 6}, "tests/test_tp.py")
@@ -96,7 +95,7 @@ def run_ranks(world: int, fn):
 
 @functools.lru_cache(maxsize=None)
 def _full(spec_name: str):
-    spec = SMALL if spec_name == SMALL.name else artifacts.find_spec(spec_name)
+    spec = SMALL if spec_name == SMALL.name else find_spec(spec_name)
     cfg = M.ModelConfig.from_spec(spec)
     return spec, cfg, M.init_weights(cfg)
 
@@ -178,14 +177,14 @@ def test_sharded_projections_sum_to_the_full_ones():
 
 
 def test_rank_spec_picks_the_matching_spec():
-    ds, kimi = artifacts.find_spec("deepseek-v3-tp8"), artifacts.find_spec("kimi-k2.6-tp8")
+    ds, kimi = find_spec("deepseek-v3-tp8"), find_spec("kimi-k2.6-tp8")
     # the GPU example's pair: every field but num_heads agrees
     assert {k: v for k, v in ds.as_dict().items() if k not in ("name", "num_heads")} == \
            {k: v for k, v in kimi.as_dict().items() if k not in ("name", "num_heads")}
     assert TP.rank_spec(ds, 2) == kimi
-    assert TP.rank_spec(artifacts.find_spec("deepseek-v3"), 2) == artifacts.find_spec("kimi-k2.6")
+    assert TP.rank_spec(find_spec("deepseek-v3"), 2) == find_spec("kimi-k2.6")
     assert TP.rank_spec(ds, 1) is ds
-    made = TP.rank_spec(artifacts.find_spec("kimi-k2.6"), 2)           # no 32-head spec: one is made
+    made = TP.rank_spec(find_spec("kimi-k2.6"), 2)           # no 32-head spec: one is made
     assert made.num_heads == 32 and made.max_tree_size == 65 and made.name == "kimi-k2.6-tp2-rank"
     with pytest.raises(ValueError):
         TP.rank_spec(ds, 3)

@@ -643,7 +643,7 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
 def test_split_table_per_family(monkeypatch):
     """choose_splits reads the wgmma family's own table ("wgmma" -> "splits") for the wgmma kernels and the
     mma.sync table for the mma.sync ones; no table: the wave model; never past the useful chunks."""
-    from ddtree_gen.artifacts import find_spec
+    from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     base = 32 * -(-65 * spec.num_heads // mma_plans.BM)          # 288 blocks: shape class "512"
     fake = {spec.name: {"config": mma_plans.config_for(spec), "splits": {"512": 2}, "wgmma": {"splits": {"512": 5}}}}
@@ -694,9 +694,9 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
 
 def test_parts_for():
     """The seesaw kernel's parts: one wave of row tiles x parts, at most the batch's key tiles, at most MAX_SPLITS."""
-    from ddtree_gen import artifacts
     from ddtree_gen.plans.tree_verify_wgmma import parts_for
-    kimi8, ds128 = artifacts.find_spec("kimi-k2.6-tp8"), artifacts.find_spec("deepseek-v3")
+    from ddtree_gen.spec import find_spec
+    kimi8, ds128 = find_spec("kimi-k2.6-tp8"), find_spec("deepseek-v3")
     assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks
     assert parts_for(ds128, 8, 65, 4224, 132) == 1           # 130 row tiles: one wave already
     assert parts_for(kimi8, 1, 65, 64, 132) == 1             # one key tile in the batch

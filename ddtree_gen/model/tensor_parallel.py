@@ -82,7 +82,7 @@ def rank_spec(spec, tp: int, specs=None):
     if tp == 1:
         return spec
     if specs is None:
-        from ..artifacts import all_specs
+        from ..spec import all_specs
         specs = all_specs()
     for s in specs:
         if s.num_heads == hi - lo and all(getattr(s, f) == getattr(spec, f) for f in _MATCH):
