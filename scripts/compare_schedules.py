@@ -5,7 +5,8 @@ the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is imp
 CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
 --ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose);
---parts the seesaw on the balanced "parts" grid, --l2-hint with L2 evict-first key loads.
+--parts the seesaw on the balanced "parts" grid, --l2-hint with L2 evict-first key loads; --rescale the seesaw's
+other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
 """
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--slab-order", action="store_true", help="also time the seesaw with WG1's S in slab order")
     ap.add_argument("--parts", action="store_true", help="also time the seesaw on the balanced 'parts' grid")
     ap.add_argument("--l2-hint", action="store_true", help="also time the seesaw with L2 evict-first key loads")
+    ap.add_argument("--rescale", action="store_true", help="also time the seesaw's rescale modes exact and skip")
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
     from ddtree_gen import needs
@@ -64,8 +66,8 @@ def main() -> None:
         assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
 
-        def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded"):
-            kdef = variant_def(schedule, ablate, l2_hint, grid, s_order)
+        def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded", rescale="lazy"):
+            kdef = variant_def(schedule, ablate, l2_hint, grid, s_order, rescale=rescale)
             built = artifacts.compile_variant(spec, kdef)
             return KernelSet(spec, {kdef.name: built, **artifacts.ensure_built(spec, kernels=[COMBINE])},
                              kdefs=[kdef, by_name(COMBINE)])
@@ -76,6 +78,9 @@ def main() -> None:
             sets["seesaw parts"] = variant("seesaw", grid="parts")
         if args.l2_hint:
             sets["seesaw evict_first"] = variant("seesaw", l2_hint="evict_first")
+        if args.rescale:
+            for mode in ("exact", "skip"):
+                sets[f"seesaw rescale {mode}"] = variant("seesaw", rescale=mode)
         if args.ablate:
             for name, bits in (("seesaw no S", 1), ("seesaw no PV", 2), ("seesaw no S no PV", 3)):
                 sets[name] = variant("seesaw", bits)

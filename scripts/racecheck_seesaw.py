@@ -9,19 +9,60 @@ an acquire). If racecheck does not take bar.arrive as a release, it reports exac
 sync_handoffs build orders the same accesses with bar.sync on both sides. Reports in the default build and none in
 sync_handoffs say the hazards are the tool's reading of bar.arrive; reports in both are races to fix.
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's hand-offs (docs/perf.md, "seesaw").
-Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build)
+Controls (2026-12-01): both builds gave reports (default 10 sites, sync_handoffs 12, H200), among them a write and
+a read of the epilogue's row sums separated by two __syncthreads(), which no execution can order wrongly. So the
+script also runs two small kernels with no race at all: "control-even" (a hand-off through bar.sync 1, 256 on both
+sides, then __syncthreads and a write/read across it) and "control-uneven" (the same, but one warpgroup also passes
+a barrier of its own 128 threads first, as the seesaw's warpgroups do when a tile's V rows are zeroed). Reports on
+control-uneven and none on control-even say racecheck miscounts named barriers that only part of the block passes.
+Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build;
+it prints each build's distinct reported sites, file:line of the rendered source, compiled with -lineinfo)
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
-BUILDS = ("default", "sync_handoffs")
+BUILDS = ("default", "sync_handoffs", "control-even", "control-uneven")
+
+CONTROL = r"""
+extern "C" __global__ void control(float* out, int uneven) {
+    __shared__ float a[128], b[256];
+    const int t = threadIdx.x;
+    if (t < 128) {                        // warpgroup 0 writes a, then hands it to warpgroup 1
+        a[t] = (float)t;
+        if (uneven) asm volatile("bar.sync 5, 128;" ::: "memory");   // a barrier of its own threads only
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+    } else {
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        out[t] = a[t - 128];
+    }
+    __syncthreads();
+    b[t] = (float)t;                      // a write and a read across __syncthreads
+    __syncthreads();
+    out[t] += b[255 - t];
+}
+"""
+
+
+def control(uneven: bool) -> None:
+    """The control kernels: no race in either; see the docstring."""
+    import cupy
+    out = cupy.zeros(256, cupy.float32)
+    cupy.RawKernel(CONTROL, "control", options=("-lineinfo",))((1,), (256,), (out, cupy.int32(uneven)))
+    cupy.cuda.Device().synchronize()
+    want = [(t - 128 if t >= 128 else 0) + 255 - t for t in range(256)]
+    print(f"control-{'uneven' if uneven else 'even'}: result {'correct' if out.get().tolist() == want else 'WRONG'}",
+          flush=True)
 
 
 def worker(build: str) -> None:
     """Launch the build on a few shapes (one and two chunks, a partial last tile, tree tiles), then synchronize."""
+    if build.startswith("control"):
+        control(build == "control-uneven")
+        return
     import cupy
     import numpy as np
 
@@ -43,6 +84,17 @@ def worker(build: str) -> None:
         print(f"{build}: num_splits={splits}: lse finite {bool(np.isfinite(cupy.asnumpy(res.lse)).all())}", flush=True)
 
 
+def sites(lines: list[str]) -> list[str]:
+    """The distinct reported pairs of racecheck's output ('Write at x.cu:534 / Read at x.cu:589': lines of the
+    rendered source; without line information, none)."""
+    found = set()
+    for ln, nxt in zip(lines, lines[1:] + [""]):
+        if "Race reported" in ln:
+            pair = re.findall(r"(Read|Write) access at .*? in (\S+:\d+)", ln + " " + nxt)
+            found.add(" / ".join(f"{kind} at {src}" for kind, src in pair))
+    return sorted(found)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=BUILDS, help=argparse.SUPPRESS)
@@ -58,8 +110,10 @@ def main() -> int:
                "--worker", build]
         r = subprocess.run(cmd, capture_output=True, text=True)
         lines = (r.stdout + r.stderr).splitlines()
-        summary = [ln for ln in lines if "ERROR SUMMARY" in ln or ln.startswith(build)]
+        summary = [ln for ln in lines if "SUMMARY" in ln or ln.startswith(build)]
         print(f"{build}: exit {r.returncode}; " + "; ".join(summary))
+        for site in sites(lines)[:12]:
+            print(f"    {site}")
         rc |= r.returncode
     return rc
 

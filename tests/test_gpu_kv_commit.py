@@ -97,6 +97,7 @@ def test_commit_of_given_paths(spec, kset, accept):
     dev = SimpleNamespace(accept_lens=cupy.asarray(lens), accepted_nodes=cupy.asarray(nodes))
     seq = [cupy.asarray(c) for c in caches]
     p, t = cupy.asarray(prefix), cupy.asarray(table)
+    cupy.cuda.get_current_stream().synchronize()   # the copies above land before the non-blocking stream runs
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         kset.kv_commit(dev, p, [cupy.asarray(c) for c in caches], t)   # prepares outside the capture

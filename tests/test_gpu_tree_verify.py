@@ -482,6 +482,10 @@ def test_cuda_graph_capture(spec, impl):
     tag = f"{impl} {spec.name} graph seed={seed}"
     check_rows_written(to_host(eager_o), to_host(eager_l), inp.q_lens, f"{tag} eager")
     out, lse = poisoned(inp.shape)
+    # the poison's host-to-device copies ran on the current stream, which the non-blocking capture stream does not
+    # wait for: without this, a copy that lands after the replay leaves poison in `out` (seen on the H200 under
+    # pytest -n 8, on the lockstep and the seesaw builds alike: 2026-12-01)
+    cupy.cuda.get_current_stream().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

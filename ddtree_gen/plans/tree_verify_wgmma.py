@@ -60,6 +60,9 @@ def uses_tma(spec, kernel: str) -> bool:
 # rescale factors and the row sums of both warpgroups (5 x BM floats), one mbarrier per slab of each tile buffer
 SEESAW_SMEM = 3 * TILE + mma.BM * BN * 2 + 5 * mma.BM * 4 + 2 * SLABS * 8
 SCHEDULES = ("seesaw", "lockstep")
+# the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
+# the default (docs/perf.md, "fewer instructions per tile")
+RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1)}
 
 
 def seesaw_fits(spec, kernel: str) -> bool:
@@ -93,19 +96,25 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and (config or {}).get("grid") == "parts" else 0),
                         "S_LOADED_ORDER": sympy.Integer(0 if (config or {}).get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if (config or {}).get("sync_handoffs") else 0),
+                        **({k: sympy.Integer(v) for k, v in      # the seesaw's rescale mode (its template only)
+                            zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA"),
+                                RESCALES[(config or {}).get("rescale") or "lazy"])} if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
 def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None, grid: str = "chunks",
-                s_order: str = "loaded", sync_handoffs: bool = False) -> KernelDef:
+                s_order: str = "loaded", sync_handoffs: bool = False, rescale: str = "lazy") -> KernelDef:
     """tree_verify_wgmma built with `schedule` (same name and entry as the registered kernel), for the
     comparison and ablation scripts; ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones
     (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint;
     grid "parts" (seesaw only): the balanced parts of the batch's key tiles (parts_for) instead of per-request chunks;
     s_order "slab": WG1's S in slab order rather than in the order its slabs were loaded; sync_handoffs: the
-    warpgroups' hand-offs as bar.sync on both sides (for racecheck: scripts/racecheck_seesaw.py)."""
+    warpgroups' hand-offs as bar.sync on both sides (for racecheck: scripts/racecheck_seesaw.py); rescale (seesaw
+    only, RESCALES): "exact" (the first seesaw), "skip" or "lazy" (the default)."""
+    if rescale not in RESCALES:
+        raise SpecError(f"rescale {rescale!r}: one of {', '.join(RESCALES)}")
     config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint, "grid": grid, "s_order": s_order,
-              "sync_handoffs": sync_handoffs}
+              "sync_handoffs": sync_handoffs, "rescale": rescale}
     return KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
                      plan=functools.partial(verify_plan, kernel="tree_verify_wgmma", config=config),
                      context={"tail": False}, archs=ARCHS)

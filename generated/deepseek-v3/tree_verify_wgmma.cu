@@ -122,6 +122,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // in slab order (0; the config's "s_order": "slab")
 #define S_LOADED_ORDER 1
 #define SYNC_HANDOFFS 0      // the config's "sync_handoffs": both sides of a hand-off bar.sync
+// The config's "rescale" (docs/perf.md, "fewer instructions per tile"): "exact" (0, 0, 0) is the first seesaw;
+// "skip" (1, 0, 0) leaves out a rescale of O or P whose factors are all 1 in the warp (the same results);
+// "lazy" (1, 8, 1), the default: also a running max that moves only when a row's max would grow by more than
+// MAX_SLACK (base 2; p <= 2^MAX_SLACK, exact softmax, other rounding), and the scale folded into the exponent's fma
+#define RESCALE_SKIP 1
+#define MAX_SLACK 8
+#define EXP_FMA 1
 
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
@@ -491,8 +498,10 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             const int nv = src < 0 ? 0 : min(BN, n_keys - rel0);     // key columns [0, nv) are keys of the chunk
             const bool tail_tile = rel0 + BN > pre;                  // some column may be a tree node
             if (nv == BN && !tail_tile) {
-                #pragma unroll
-                for (int i = 0; i < NS; ++i) s[i] *= scale_log2;
+                if (!EXP_FMA) {
+                    #pragma unroll
+                    for (int i = 0; i < NS; ++i) s[i] *= scale_log2;
+                }
             } else {
                 #pragma unroll
                 for (int j = 0; j < NS / 4; ++j) {
@@ -504,8 +513,9 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                             v0 = v0 && mask_bit(mrow[0], rel - pre);   // rel - pre < q_len <= 32 W when col < nv
                             v1 = v1 && mask_bit(mrow[1], rel - pre);
                         }
-                        s[4 * j + e] = v0 ? s[4 * j + e] * scale_log2 : DDT_NEG_INF;
-                        s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * scale_log2 : DDT_NEG_INF;
+                        const float c = EXP_FMA ? 1.0f : scale_log2;     // EXP_FMA: scaled in the exponent
+                        s[4 * j + e] = v0 ? s[4 * j + e] * c : DDT_NEG_INF;
+                        s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * c : DDT_NEG_INF;
                     }
                 }
                 if (nv < BN) {               // block-uniform, rare: zero the V rows that are not keys
@@ -526,17 +536,25 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 for (int j = 0; j < NS / 4; ++j) x = fmaxf(x, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
                 x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
                 x = fmaxf(x, __shfl_xor_sync(FULL, x, 2));
+                if (EXP_FMA) x *= scale_log2;   // the max of the scaled row: rounding is monotonic, the scale > 0
                 const float m_old = sM[r];
-                const float m_new = fmaxf(m_old, x);
+                // MAX_SLACK: the max moves only past m_old + MAX_SLACK (-inf stays -inf: the first visible key moves it)
+                const float m_new = MAX_SLACK ? (x > m_old + (float)MAX_SLACK ? x : m_old) : fmaxf(m_old, x);
                 const float m_use = m_new == DDT_NEG_INF ? 0.0f : m_new;   // nothing visible yet: p = 0
-                fac[half] = ex2(m_old - m_use);                            // m_old = -inf: 0 (O and l are 0)
+                // m_old = -inf: 0 (O and l are 0); RESCALE_SKIP: an unmoved max gives exactly 1
+                fac[half] = RESCALE_SKIP && m_new == m_old ? 1.0f : ex2(m_old - m_use);
                 __syncwarp();                                              // the quad has read sM[r]
                 if (qd == 0) { sM[r] = m_new; sScale[r] = fac[half]; }
                 float sum = 0.0f;
                 #pragma unroll
                 for (int j = 0; j < NS / 4; ++j) {
-                    s[4 * j + 2 * half] = ex2(s[4 * j + 2 * half] - m_use);
-                    s[4 * j + 2 * half + 1] = ex2(s[4 * j + 2 * half + 1] - m_use);
+                    if (EXP_FMA) {
+                        s[4 * j + 2 * half] = ex2(fmaf(s[4 * j + 2 * half], scale_log2, -m_use));
+                        s[4 * j + 2 * half + 1] = ex2(fmaf(s[4 * j + 2 * half + 1], scale_log2, -m_use));
+                    } else {
+                        s[4 * j + 2 * half] = ex2(s[4 * j + 2 * half] - m_use);
+                        s[4 * j + 2 * half + 1] = ex2(s[4 * j + 2 * half + 1] - m_use);
+                    }
                     sum += s[4 * j + 2 * half] + s[4 * j + 2 * half + 1];
                 }
                 l_part[half] = fmaf(l_part[half], fac[half], sum);
@@ -544,7 +562,13 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             #pragma unroll
             for (int q = 0; q < 16; ++q) pb[q] = pack_bf16(s[2 * q], s[2 * q + 1]);
         };
+        // RESCALE_SKIP: a warp whose 16 rows all have factor 1 leaves O as it is (warp-uniform; most tiles once the
+        // max has settled)
+        auto all_one = [&](const float (&f)[2]) -> bool {
+            return RESCALE_SKIP && !__any_sync(FULL, f[0] != 1.0f || f[1] != 1.0f);
+        };
         auto scale_o = [&](const float (&f)[2]) {
+            if (all_one(f)) return;
             #pragma unroll
             for (int j = 0; j < NO / 4; ++j) {
                 o[4 * j] *= f[0]; o[4 * j + 1] *= f[0];
@@ -587,12 +611,21 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
-                #pragma unroll
-                for (int j = 0; j < NS / 4; ++j) {
-                    const int c = 8 * j + 2 * qd;
-                    *reinterpret_cast<uint32_t*>(sP0 + p_off(r0, c)) = pack_bf16(s[4 * j] * f1[0], s[4 * j + 1] * f1[0]);
-                    *reinterpret_cast<uint32_t*>(sP0 + p_off(r0 + 8, c)) =
-                        pack_bf16(s[4 * j + 2] * f1[1], s[4 * j + 3] * f1[1]);
+                if (all_one(f1)) {           // P_a unscaled: its bf16 fragments as they are
+                    #pragma unroll
+                    for (int j = 0; j < NS / 4; ++j) {
+                        const int c = 8 * j + 2 * qd;
+                        *reinterpret_cast<uint32_t*>(sP0 + p_off(r0, c)) = pb[2 * j];
+                        *reinterpret_cast<uint32_t*>(sP0 + p_off(r0 + 8, c)) = pb[2 * j + 1];
+                    }
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < NS / 4; ++j) {
+                        const int c = 8 * j + 2 * qd;
+                        *reinterpret_cast<uint32_t*>(sP0 + p_off(r0, c)) = pack_bf16(s[4 * j] * f1[0], s[4 * j + 1] * f1[0]);
+                        *reinterpret_cast<uint32_t*>(sP0 + p_off(r0 + 8, c)) =
+                            pack_bf16(s[4 * j + 2] * f1[1], s[4 * j + 3] * f1[1]);
+                    }
                 }
                 fence_proxy_async();
                 named_arrive(BAR_P0, 256);
