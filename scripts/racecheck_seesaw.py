@@ -13,8 +13,10 @@ Controls (2026-12-01): both builds gave reports (default 10 sites, sync_handoffs
 a read of the epilogue's row sums separated by two __syncthreads(), which no execution can order wrongly. So the
 script also runs two small kernels with no race at all: "control-even" (a hand-off through bar.sync 1, 256 on both
 sides, then __syncthreads and a write/read across it) and "control-uneven" (the same, but one warpgroup also passes
-a barrier of its own 128 threads first, as the seesaw's warpgroups do when a tile's V rows are zeroed). Reports on
-control-uneven and none on control-even say racecheck miscounts named barriers that only part of the block passes.
+a barrier of its own 128 threads first, as the seesaw's warpgroups do when a tile's V rows are zeroed), and
+"control-mbarrier" (control-uneven after every thread has waited on an mbarrier, as the seesaw's threads wait on
+its tile barriers). First run (H200): control-even and control-uneven 0 hazards, so named barriers that part of the
+block passes are not what racecheck misreads.
 Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build;
 it prints each build's distinct reported sites, file:line of the rendered source, compiled with -lineinfo)
 """
@@ -25,12 +27,23 @@ import re
 import subprocess
 import sys
 
-BUILDS = ("default", "sync_handoffs", "control-even", "control-uneven")
+BUILDS = ("default", "sync_handoffs", "control-even", "control-uneven", "control-mbarrier")
 
+CONTROLS = ["control-even", "control-uneven", "control-mbarrier"]   # the control kernel's modes 0, 1, 2
 CONTROL = r"""
-extern "C" __global__ void control(float* out, int uneven) {
+extern "C" __global__ void control(float* out, int mode) {
     __shared__ float a[128], b[256];
+    __shared__ unsigned long long bar;
     const int t = threadIdx.x;
+    const int uneven = mode >= 1;
+    if (mode == 2) {                      // every thread first waits on an mbarrier (the seesaw's tile barriers)
+        const unsigned addr = (unsigned)__cvta_generic_to_shared(&bar);
+        if (t == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(addr) : "memory");
+        __syncthreads();
+        if (t == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(addr) : "memory");
+        asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra WAIT;\n}\n"
+                     :: "r"(addr) : "memory");
+    }
     if (t < 128) {                        // warpgroup 0 writes a, then hands it to warpgroup 1
         a[t] = (float)t;
         if (uneven) asm volatile("bar.sync 5, 128;" ::: "memory");   // a barrier of its own threads only
@@ -47,21 +60,20 @@ extern "C" __global__ void control(float* out, int uneven) {
 """
 
 
-def control(uneven: bool) -> None:
+def control(mode: int) -> None:
     """The control kernels: no race in either; see the docstring."""
     import cupy
     out = cupy.zeros(256, cupy.float32)
-    cupy.RawKernel(CONTROL, "control", options=("-lineinfo",))((1,), (256,), (out, cupy.int32(uneven)))
+    cupy.RawKernel(CONTROL, "control", options=("-lineinfo", "-arch=sm_90"))((1,), (256,), (out, cupy.int32(mode)))
     cupy.cuda.Device().synchronize()
     want = [(t - 128 if t >= 128 else 0) + 255 - t for t in range(256)]
-    print(f"control-{'uneven' if uneven else 'even'}: result {'correct' if out.get().tolist() == want else 'WRONG'}",
-          flush=True)
+    print(f"{CONTROLS[mode]}: result {'correct' if out.get().tolist() == want else 'WRONG'}", flush=True)
 
 
 def worker(build: str) -> None:
     """Launch the build on a few shapes (one and two chunks, a partial last tile, tree tiles), then synchronize."""
-    if build.startswith("control"):
-        control(build == "control-uneven")
+    if build in CONTROLS:
+        control(CONTROLS.index(build))
         return
     import cupy
     import numpy as np
