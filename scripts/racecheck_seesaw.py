@@ -27,11 +27,12 @@ import re
 import subprocess
 import sys
 
-BUILDS = ("default", "sync_handoffs", "control-even", "control-uneven", "control-mbarrier")
+BUILDS = ("default", "sync_handoffs", "control-even", "control-uneven", "control-mbarrier", "control-loop-arrive",
+          "control-loop-sync")
 
-CONTROLS = ["control-even", "control-uneven", "control-mbarrier"]   # the control kernel's modes 0, 1, 2
+CONTROLS = ["control-even", "control-uneven", "control-mbarrier", "control-loop-arrive", "control-loop-sync"]  # modes 0-4
 CONTROL = r"""
-extern "C" __global__ void control(float* out, int mode) {
+extern "C" __global__ void control(float* out, float* sums, int mode) {
     __shared__ float a[128], b[256];
     __shared__ unsigned long long bar;
     const int t = threadIdx.x;
@@ -43,6 +44,26 @@ extern "C" __global__ void control(float* out, int mode) {
         if (t == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(addr) : "memory");
         asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra WAIT;\n}\n"
                      :: "r"(addr) : "memory");
+    }
+    if (mode >= 3) {                      // the seesaw's pattern: two hand-offs per iteration, the barriers reused
+        float acc = 0.0f;
+        for (int it = 0; it < 8; ++it) {
+            if (t < 128) {
+                a[t] = (float)(t + it);
+                if (mode == 3) asm volatile("bar.arrive 1, 256;" ::: "memory");
+                else asm volatile("bar.sync 1, 256;" ::: "memory");
+                asm volatile("bar.sync 2, 256;" ::: "memory");
+                acc += b[t];
+            } else {
+                asm volatile("bar.sync 1, 256;" ::: "memory");
+                acc += a[t - 128];
+                b[t - 128] = (float)it;
+                if (mode == 3) asm volatile("bar.arrive 2, 256;" ::: "memory");
+                else asm volatile("bar.sync 2, 256;" ::: "memory");
+            }
+        }
+        sums[t] = acc;                    // 28 (warpgroup 0), 28 + 8 (t - 128) (warpgroup 1)
+        __syncthreads();
     }
     if (t < 128) {                        // warpgroup 0 writes a, then hands it to warpgroup 1
         a[t] = (float)t;
@@ -63,11 +84,14 @@ extern "C" __global__ void control(float* out, int mode) {
 def control(mode: int) -> None:
     """The control kernels: no race in either; see the docstring."""
     import cupy
-    out = cupy.zeros(256, cupy.float32)
-    cupy.RawKernel(CONTROL, "control", options=("-lineinfo", "-arch=sm_90"))((1,), (256,), (out, cupy.int32(mode)))
+    out, sums = cupy.zeros(256, cupy.float32), cupy.zeros(256, cupy.float32)
+    cupy.RawKernel(CONTROL, "control", options=("-lineinfo", "-arch=sm_90"))((1,), (256,), (out, sums, cupy.int32(mode)))
     cupy.cuda.Device().synchronize()
     want = [(t - 128 if t >= 128 else 0) + 255 - t for t in range(256)]
-    print(f"{CONTROLS[mode]}: result {'correct' if out.get().tolist() == want else 'WRONG'}", flush=True)
+    ok = out.get().tolist() == want
+    if mode >= 3:
+        ok = ok and sums.get().tolist() == [28.0 + (8.0 * (t - 128) if t >= 128 else 0.0) for t in range(256)]
+    print(f"{CONTROLS[mode]}: result {'correct' if ok else 'WRONG'}", flush=True)
 
 
 def worker(build: str) -> None:
@@ -107,15 +131,46 @@ def sites(lines: list[str]) -> list[str]:
     return sorted(found)
 
 
+def stress(n: int) -> int:
+    """The default build launched n times per case on the same inputs: every output bitwise equal to the first.
+    A race on the hand-offs would show as a difference now and then (no atomics: the kernel is deterministic)."""
+    import cupy
+    import numpy as np
+
+    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.kernel_set import load
+    from ddtree_gen.spec import find_spec
+    bad = 0
+    for name, lens in (("kimi-k2.6-tp8", [300, 1000]), ("kimi-k2.6-tp8", [4096] * 8), ("kimi-k2.6", [3000])):
+        ks = load(find_spec(name), kernels=["tree_verify_wgmma", "tree_verify_mma_combine"])
+        x = verify_inputs(ks.spec, len(lens), np.array(lens), 65, seed=7)
+        for splits in (1, 2, None):
+            first = ks.tree_verify_wgmma(**x, num_splits=splits)
+            want = (cupy.asnumpy(first.out), cupy.asnumpy(first.lse).view(np.uint32))
+            diff = 0
+            for _ in range(n):
+                r = ks.tree_verify_wgmma(**x, num_splits=splits, out=first.out, lse=first.lse)
+                got = (cupy.asnumpy(r.out), cupy.asnumpy(r.lse).view(np.uint32))
+                diff += not (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]))
+            print(f"stress {name} lens={lens[:3]}{'...' if len(lens) > 3 else ''} num_splits={splits}: "
+                  f"{diff} of {n} runs differ from the first", flush=True)
+            bad += diff
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=BUILDS, help=argparse.SUPPRESS)
+    ap.add_argument("--stress", type=int, metavar="N",
+                    help="instead: launch the default build N times per case, outputs compared bitwise")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)
     if args.worker:
         worker(args.worker)
         return 0
+    if args.stress:
+        return stress(args.stress)
     rc = 0
     for build in BUILDS:
         cmd = ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1", sys.executable, __file__,
