@@ -74,11 +74,6 @@ class Built:
         """The kind of the shipped binary: 'cubin' or 'ptx'."""
         return archs.BINARY[self.arch]
 
-    @property
-    def cubin(self) -> bytes:   # the name before there were PTX builds
-        return self.binary
-
-
 def variants(spec: Spec, kdefs, arch: str | None = None) -> list[tuple[KernelDef, str]]:
     """(kernel, target) pairs a spec builds, in build order: every target of each kernel (KernelDef.archs_for),
     or only `arch` when given."""

@@ -65,10 +65,6 @@ class Spec:
 
 
 # field -> (type, check(value, fields) -> problem or None)
-def _positive(v, f):
-    return None if v >= 1 else "must be >= 1"
-
-
 def _fields():
     return {
         "name": (str, lambda v, f: None if NAME_RE.fullmatch(v) else
@@ -185,7 +181,3 @@ def find_spec(name) -> Spec:
 def all_specs() -> list[Spec]:
     """Every shipped spec (specs/*.toml), by file name."""
     return [load_spec(p) for p in spec_paths(paths.specs_dir())]
-
-
-def load_all(specs_dir: Path) -> list[Spec]:
-    return [load_spec(p) for p in spec_paths(specs_dir)]

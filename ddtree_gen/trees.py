@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-TREE_KINDS = ("chain", "star", "binary", "random")
-
-
 def tree_parents(kind: str, q: int, rng) -> np.ndarray:
     """parents[j] < j, parents[0] = -1: a chain, a star (all children of the root), a full binary
     tree, or a random tree (parent of node j uniform in 0..j-1, drawn in order j = 1..q-1)."""
