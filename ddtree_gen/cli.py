@@ -176,8 +176,8 @@ def _is_cached(spec, kdef, arch) -> bool:
 
 
 def cmd_refs(args) -> int:
-    from . import refs
-    return refs.main(args)
+    from . import bundles
+    return bundles.main(args)
 
 
 BENCHES = ("tree_build", "draft_topk", "tree_verify", "kv-dtype", "arch", "tree_accept", "step", "launch")

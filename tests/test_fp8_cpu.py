@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
-from ddtree_gen import artifacts, bf16, cli, fp8, kdtr, paths, reference, refs, sanitize
+from ddtree_gen import artifacts, bf16, bundles, cli, fp8, kdtr, paths, reference, sanitize
 from ddtree_gen.arrays import KV_CACHE_DTYPES, _TORCH_DTYPES
 from ddtree_gen.errors import ArgumentError, BuildError, SpecError
 from ddtree_gen.kernels import kv_commit as kv_commit_mod
@@ -491,11 +491,11 @@ def test_kv_commit_layers_must_share_the_byte_type(fake_device):
 def test_fp8_refs_hold_bytes_and_scale(name):
     spec = find_spec(name)
     for kernel in ("tree_verify", "tree_verify_tail"):
-        a = kdtr.read(refs.bundle_path(spec, kernel, "prefix70")).arrays
+        a = kdtr.read(bundles.bundle_path(spec, kernel, "prefix70")).arrays
         assert a["in.kv_cache"].dtype == np.uint8 and not np.isin(a["in.kv_cache"], fp8.NAN_BYTES).any()
         scale = a["in.kv_scale"]
         assert scale.dtype == np.float32 and scale.shape == () and 0.01 <= float(scale) <= 2.0
-    a = kdtr.read(refs.bundle_path(spec, "tree_accept", "walks")).arrays
+    a = kdtr.read(bundles.bundle_path(spec, "tree_accept", "walks")).arrays
     assert a["in.kv_cache"].dtype == a["out.kv_cache_after"].dtype == np.uint8
 
 

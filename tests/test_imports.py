@@ -20,7 +20,7 @@ LAYERS = [
     ["resources", "kdtr"],                                               # resource model, bundle format
     ["plans"],                                                           # the kernel registry (build data)
     ["render", "compile", "reference"],
-    ["artifacts", "refs", "arrays"],                                     # build products; caller arrays
+    ["artifacts", "bundles", "arrays"],                                  # build products (bundles: refs/); caller arrays
     ["runtime"],                                                         # modules per device, launches
     ["kernels"],                                                         # launchers
     ["kernel_set"],                                                      # launchers bound to a spec's binaries

@@ -1,4 +1,6 @@
-"""refs/: small KDTR bundles of reference inputs and outputs, regenerated with fixed seeds.
+"""The KDTR bundles in refs/: small sets of reference inputs and outputs, regenerated with fixed seeds.
+
+(The numpy references themselves are ddtree_gen.reference; this module writes and checks what they give.)
 
 `ddtree-gen refs` rewrites refs/<spec>/<kernel>-<case>.kdtr from the numpy references;
 `ddtree-gen refs --check` recomputes every bundle's outputs from its stored inputs and
