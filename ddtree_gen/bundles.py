@@ -12,16 +12,19 @@ floats, no NaN bytes), and the attention cases its scale as `in.kv_scale`, a flo
 """
 from __future__ import annotations
 
+import inspect
 import zlib
 
 import numpy as np
 
-from . import bf16, fp8, kdtr, paths, reference
+from . import bf16, fp8, kdtr, paths, reference, registry
 from .spec import Spec
 from .trees import ancestor_mask
+from .types import TreeAcceptOutput
 
 INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask", "first_child", "next_sibling",
-            "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after", "topk_ids"}
+            "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after", "kv_caches_after",
+            "topk_ids"}
 
 
 def _seed(spec: Spec, kernel: str, case: str) -> int:
@@ -122,65 +125,79 @@ def _accept_inputs(spec, rng, case):
             "kv_cache": kv, "block_table": table}
 
 
-def _draft_topk_inputs(spec, rng, case):
-    k = spec.max_tree_size - 1
-    if case == "bf16":        # two requests, 3 depths, a vocabulary above one chunk (16384): the merge
-        logits = bf16.to_bits(rng.standard_normal((2, 3, 20000)) * 3)
-        return {"logits": logits, "k": np.array(k, np.int32), "temperature": np.array(0.8, np.float64)}
-    # float32 edge rows: ties (a few values), NaN and -inf, all -inf, +inf, k = V at the end
-    v = max(k, 300)
-    x = rng.integers(-4, 4, size=(1, 6, v)).astype(np.float32)
-    x[0, 1, ::5] = np.nan
-    x[0, 1, 1::7] = -np.inf
-    x[0, 2] = -np.inf
-    x[0, 2, 3::11] = np.nan
-    x[0, 3, [5, 77, 200]] = np.inf
-    x[0, 4] = rng.standard_normal(v).astype(np.float32)
-    x[0, 5] = 0.0
-    x[0, 5, ::2] = -0.0
-    return {"logits": x, "k": np.array(k, np.int32), "temperature": np.array(1.0, np.float64)}
-
-
 class _Tree:
     def __init__(self, a):
         self.num_nodes, self.tokens = a["num_nodes"], a["tokens"]
         self.first_child, self.next_sibling = a["first_child"], a["next_sibling"]
 
 
-def _run(spec: Spec, kernel: str, a: dict) -> dict:
-    """Reference outputs for stored inputs (the same function builds and checks bundles)."""
-    if kernel == "tree_build":
-        out = reference.tree_build(a["topk_ids"], a["topk_logprobs"], a["root_tokens"], a["prefix_lens"],
-                                   int(a["budget"]), max_tree_size=spec.max_tree_size)
-        return dict(out._asdict())
-    if kernel in ("tree_verify", "tree_verify_tail"):
-        fn = getattr(reference, kernel)
-        out = fn(a["q_nope"], a["q_pe"], a["kv_cache"], a["block_table"], a["prefix_lens"], a["q_lens"],
-                 a["tree_mask"], float(a["softmax_scale"]),
-                 kv_scale=float(a["kv_scale"]) if "kv_scale" in a else None)
-        return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
-    if kernel == "merge_states":
-        out = reference.merge_states(a["o_a"], a["lse_a"], a["o_b"], a["lse_b"])
-        return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
-    if kernel == "tree_accept":
-        kv = a["kv_cache"].copy()
-        out = reference.tree_accept(_Tree(a), a["target_tokens"], a["prefix_lens"], kv, a["block_table"],
-                                    max_depth=spec.max_depth)
-        return dict(out._asdict()) | {"kv_cache_after": kv}
-    if kernel == "draft_topk":
-        out = reference.draft_topk(a["logits"], int(a["k"]), float(a["temperature"]))
-        return {"topk_ids": out.topk_ids, "topk_logprobs": out.topk_logprobs.astype(np.float32)}
-    raise KeyError(kernel)
+def _commit_inputs(spec, rng, case):
+    """kv_commit of 2 requests (prefix 0, and 63: moves across a page boundary) in 2 layer caches stacked
+    [2, num_pages, page_size, R+P] over one block table: request 0 accepts D nodes, request 1 three, each path
+    of increasing node ids."""
+    n, d = spec.max_tree_size, spec.max_depth
+    prefix = np.array([0, 63], np.int32)
+    lens = np.array([d, min(3, d)], np.int32)
+    nodes = np.full((2, d + 1), -1, np.int32)
+    nodes[:, 0] = 0
+    for b in range(2):
+        nodes[b, 1:lens[b] + 1] = np.sort(rng.choice(np.arange(1, n), lens[b], replace=False))
+    kv, table = _paged(spec, rng, prefix + n, extra_pages=0)
+    other = rng.standard_normal(kv.shape)
+    other = fp8.from_float(other.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(other)
+    return {"accept_lens": lens, "accepted_nodes": nodes, "prefix_lens": prefix, "kv_caches": np.stack([kv, other]),
+            "block_table": table}
 
 
-CASES = {
-    "tree_build": (_tree_build_inputs, ["full", "ties", "nan-inf", "chain", "budget0"]),
-    "tree_verify": (_verify_inputs, ["prefix70"]),
-    "tree_verify_tail": (_verify_inputs, ["prefix70"]),
-    "merge_states": (_merge_inputs, ["empty-sides"]),
-    "tree_accept": (_accept_inputs, ["walks"]),
-    "draft_topk": (_draft_topk_inputs, ["bf16", "edges"]),
-}
+# --------------------------------------------------------------------- reference runs of stored inputs
+
+def _run_tree_build(spec, a):
+    out = reference.tree_build(a["topk_ids"], a["topk_logprobs"], a["root_tokens"], a["prefix_lens"],
+                               int(a["budget"]), max_tree_size=spec.max_tree_size)
+    return dict(out._asdict())
+
+
+def _run_attention(spec, a, kernel):
+    out = registry.reference(kernel)(a["q_nope"], a["q_pe"], a["kv_cache"], a["block_table"], a["prefix_lens"],
+                                     a["q_lens"], a["tree_mask"], float(a["softmax_scale"]),
+                                     kv_scale=float(a["kv_scale"]) if "kv_scale" in a else None)
+    return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
+
+
+def _run_tree_accept(spec, a):
+    kv = a["kv_cache"].copy()
+    out = reference.tree_accept(_Tree(a), a["target_tokens"], a["prefix_lens"], kv, a["block_table"],
+                                max_depth=spec.max_depth)
+    return dict(out._asdict()) | {"kv_cache_after": kv}
+
+
+def _run_kv_commit(spec, a):
+    kv = a["kv_caches"].copy()
+    acc = TreeAcceptOutput(a["accept_lens"], a["accepted_nodes"], None, None)
+    reference.kv_commit(acc, a["prefix_lens"], kv, a["block_table"])
+    return {"kv_caches_after": kv}
+
+
+def _scalar(v):
+    v = np.asarray(v)
+    return v if v.ndim else (int(v) if v.dtype.kind in "iu" else float(v))
+
+
+def run_reference(spec, kernel: str, a: dict) -> dict:
+    """The reference's outputs for a bundle's inputs `a`: the declared run(spec, a), else the reference called
+    with the inputs by name (0-d arrays as Python scalars; a parameter not among them: the spec's field of that
+    name), its record's fields as outputs (float64 as float32)."""
+    run = registry.bundle_cases()[kernel].run
+    if run:
+        fn = registry.resolve(run)
+        return fn(spec, a, kernel) if "kernel" in inspect.signature(fn).parameters else fn(spec, a)
+    ref = registry.reference(kernel)
+    params = inspect.signature(ref).parameters
+    kwargs = {k: _scalar(a[k]) if k in a else getattr(spec, k) for k in params
+              if k in a or (params[k].default is inspect.Parameter.empty and hasattr(spec, k))}
+    out = ref(**kwargs)
+    return {k: (np.asarray(v).astype(np.float32) if np.asarray(v).dtype == np.float64 else v)
+            for k, v in out._asdict().items()}
 
 
 def bundle_path(spec: Spec, kernel: str, case: str):
@@ -189,9 +206,9 @@ def bundle_path(spec: Spec, kernel: str, case: str):
 
 def make(spec: Spec, kernel: str, case: str) -> dict:
     seed = _seed(spec, kernel, case)
-    make_inputs, _ = CASES[kernel]
+    make_inputs = registry.resolve(registry.bundle_cases()[kernel].inputs)
     inputs = make_inputs(spec, np.random.default_rng(seed), case)
-    outputs = _run(spec, kernel, inputs)
+    outputs = run_reference(spec, kernel, inputs)
     arrays = {f"in.{k}": np.asarray(v) for k, v in inputs.items()}
     arrays.update({f"out.{k}": np.asarray(v) for k, v in outputs.items()})
     return {"seed": seed, "arrays": arrays}
@@ -201,7 +218,7 @@ def compare(spec: Spec, kernel: str, bundle) -> list[str]:
     """Recompute a bundle's outputs from its inputs; differences as messages."""
     inputs = {k[3:]: v for k, v in bundle.arrays.items() if k.startswith("in.")}
     stored = {k[4:]: v for k, v in bundle.arrays.items() if k.startswith("out.")}
-    got = {k: np.asarray(v) for k, v in _run(spec, kernel, inputs).items()}
+    got = {k: np.asarray(v) for k, v in run_reference(spec, kernel, inputs).items()}
     problems = []
     if set(got) != set(stored):
         return [f"outputs {sorted(stored)} stored, reference gives {sorted(got)}"]
@@ -234,9 +251,9 @@ def main(args) -> int:
             raise DdtreeError(f"refs: the fp8 specs' bundles: {e}") from None
     bad = 0
     for spec in specs:
-        wanted = {bundle_path(spec, k, c) for k, (_, cases) in CASES.items() for c in cases}
-        for kernel, (_, cases) in CASES.items():
-            for case in cases:
+        wanted = {bundle_path(spec, k, c) for k, b in registry.bundle_cases().items() for c in b.cases}
+        for kernel, b in registry.bundle_cases().items():
+            for case in b.cases:
                 path = bundle_path(spec, kernel, case)
                 if args.check:
                     try:

@@ -140,13 +140,13 @@ def _resource_table(rows) -> None:
 
 
 def cmd_list(args) -> int:
-    from . import artifacts
+    from . import artifacts, registry
     for spec in _specs(args.specs):
         print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
               f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} kv_dtype={spec.kv_dtype} "
               f"targets={','.join(spec.archs)}")
         state = artifacts.generated_state(spec)
-        for kdef in artifacts.select_kernels():
+        for kdef in (d.build for d in registry.declarations()):   # every declared kernel, in build order
             order = kdef.archs_for(spec)
             if not order:
                 why = (f"it reads {', '.join(kdef.kv_dtypes)} caches, the spec's kv_dtype is {spec.kv_dtype}"

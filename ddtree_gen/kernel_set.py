@@ -1,27 +1,30 @@
-"""KernelSet: a spec's compiled kernels with their launchers bound as methods, and load().
+"""KernelSet: a spec's compiled kernels with their launchers as methods, and load().
 
 The top of the import graph: it joins the build layer (artifacts), the runtime and the
-launchers (kernels/). One KernelSet serves every GPU of the process and every thread: modules are
-loaded per device on first use, and launches go to the current stream of the inputs' device.
+launchers (kernels/, through the declarations: registry). One KernelSet serves every GPU of the process
+and every thread: modules are loaded per device on first use, and launches go to the current stream of
+the inputs' device. StandInKernelSet is the same interface without a GPU (what the launchers ask of a
+kernel set: kernels.KernelSetLike), for CPU tests and host-side profiling.
 """
 from __future__ import annotations
 
-import functools
 import threading
+import types
 
-from . import archs, artifacts, runtime
+from . import archs, artifacts, registry, runtime
 from .errors import ArgumentError
-from .kernels import LAUNCHERS
-from .plans import KernelDef, all_kernels
+from .plans import KernelDef, all_kernels, by_name
 from .plans import tree_verify_mma as mma_plans
 from .runtime import Binary, DeviceModules
 from .spec import Spec, find_spec
 
-__all__ = ["KernelSet", "load", "variant_set"]
+__all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
 
 
 class KernelSet:
-    """The compiled kernels of one spec. Launchers are attributes: kset.tree_build(...)."""
+    """The compiled kernels of one spec. Each kernel's launcher is a method: kset.tree_build(...) (one per
+    declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); a kernel this set
+    was not loaded with raises ArgumentError saying so."""
 
     def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None, arch: str | None = None):
         """`built`: kernel name -> {target: artifacts.Built} (or one Built); `kdefs`: the KernelDefs (default:
@@ -43,7 +46,6 @@ class KernelSet:
             builds = builds if isinstance(builds, dict) else {builds.arch: builds}
             builds = {a: builds[a] for a in archs.ordered(builds) if arch is None or a == arch}
             self._defs[kdef.name] = kdef
-            setattr(self, kdef.name, _bind(LAUNCHERS[kdef.name], self))
             if not builds:
                 continue
             per_arch = {}
@@ -63,6 +65,12 @@ class KernelSet:
     def kernels(self) -> list[str]:
         """The kernels with a build in this set (on a given device: kernels_on(device))."""
         return self._modules.names
+
+    @property
+    def requested(self) -> tuple:
+        """The kernels this set was loaded with: those of `kernels`, and those it holds no build of for its
+        targets (a wgmma kernel when sm_80 is forced, an mma.sync one for an fp8 spec: unavailable() says why)."""
+        return tuple(self._defs)
 
     @property
     def archs(self) -> tuple:
@@ -124,12 +132,73 @@ class KernelSet:
         return f"KernelSet({self.spec.name!r}, kernels={self.kernels}{forced})"
 
 
-def _bind(launch, kset):
-    # a partial, not a closure: one Python frame less per call
-    bound = functools.partial(launch, kset)
-    bound.__name__ = launch.__name__
-    bound.__doc__ = launch.__doc__
-    return bound
+class StandInKernelSet:
+    """A kernel set without a GPU (kernels.KernelSetLike): the spec's plans and constants (of each kernel's
+    sm_90a build, as KernelSet.plan without a device), every kernel of `kernels` (default: every kernel the
+    spec gets) running there as its first target, and a launch that records what it was given in
+    `launches` (name, grid, args) instead of launching. The launchers' checks and their per-signature cache
+    (prepared_calls) run as on a GPU; with torch or CuPy absent, the arrays may be any objects with
+    __cuda_array_interface__ (tests/conftest.FakeCudaArray)."""
+
+    def __init__(self, spec, kernels=None):
+        self.spec = spec
+        self.forced_arch = None
+        names = {k.name for k in all_kernels()}
+        self.kernels = [k.name for k in all_kernels() if k.archs_for(spec)] if kernels is None else list(kernels)
+        unknown = [k for k in self.kernels if k not in names]
+        if unknown:
+            raise ArgumentError(f"kernels: unknown kernel {unknown[0]!r}")
+        self.prepared_calls: dict = {}
+        self.launches: list = []
+
+    @property
+    def requested(self) -> tuple:
+        return tuple(self.kernels)
+
+    def unavailable(self, name: str, device: int) -> str | None:
+        why = by_name(name).why_not_built(self.spec) if name in {k.name for k in all_kernels()} else None
+        if why is None and name not in self.kernels:
+            return f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
+        return why
+
+    def require(self, name: str, device: int) -> str:
+        why = self.unavailable(name, device)
+        if why:
+            raise ArgumentError(why)
+        return by_name(name).archs_for(self.spec)[0]
+
+    def arch_for(self, name: str, device: int) -> str | None:
+        return None if self.unavailable(name, device) else by_name(name).archs_for(self.spec)[0]
+
+    def plan(self, name, device: int | None = None):
+        return by_name(name).plan_for(self.spec)     # the sm_90a build's
+
+    def constants(self, name, device: int | None = None) -> dict:
+        return self.plan(name).template_constants()
+
+    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
+        self.launches.append((name, grid, args))
+
+    def __repr__(self):
+        return f"StandInKernelSet({self.spec.name!r}, kernels={self.kernels})"
+
+
+def _method(name: str, launch):
+    """The launcher `launch(kset, ...)` as the method `name`: the same code (no frame added to a call), named
+    for the kernel, with the launcher's signature and docstring."""
+    f = types.FunctionType(launch.__code__, launch.__globals__, name, launch.__defaults__, launch.__closure__)
+    f.__kwdefaults__ = launch.__kwdefaults__
+    f.__doc__ = launch.__doc__
+    f.__annotations__ = dict(launch.__annotations__)
+    f.__module__ = launch.__module__
+    f.__qualname__ = f"KernelSet.{name}"
+    return f
+
+
+for _d in registry.declarations():   # one method per declared kernel (the declarations' launchers)
+    setattr(KernelSet, _d.name, _method(_d.name, registry.launcher(_d.name)))
+    setattr(StandInKernelSet, _d.name, _method(_d.name, registry.launcher(_d.name)))
+del _d
 
 
 _LOADED: dict = {}

@@ -14,7 +14,8 @@ import numpy as np
 
 from . import bf16, fp8
 from .errors import ArgumentError
-from .types import AttentionOutput, DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
+from .plans.draft_topk import DraftTopkOutput
+from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
            "merge_states", "tree_accept", "kv_commit", "draft_topk"]

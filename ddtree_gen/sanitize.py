@@ -24,8 +24,9 @@ full and random paths, bad block-table entries and nodes, in a sequence of layer
 one; draft_topk with bf16 and float32 rows of one and several chunks, a vocabulary of scalar loads,
 ties that overflow its candidates, NaN / -inf / +inf rows and k = V. An fp8 spec (kv_dtype "fp8_e4m3") runs the same cases on e4m3 caches (finite bytes) with a
 kv_scale; its mma.sync kernels are not built and are skipped with that reason. CuPy's memory pool is turned
-off so that every array is its own allocation and memcheck sees every overrun. A kernel the
-worker has no cases for is skipped with a note. The worker
+off so that every array is its own allocation and memcheck sees every overrun. Each kernel's cases are
+those its declaration names (plans/: Declaration.sanitize); a kernel without cases (the split-KV combine,
+launched by the tensor-core kernels' cases) is skipped with its declaration's reason. The worker
 exits 1 if any case raised.
 """
 from __future__ import annotations
@@ -449,31 +450,6 @@ def _commit_cases(spec, rng):
                                  kv_caches=np.stack(layers(3)), block_table=table)
 
 
-def _draft_topk_cases(spec, rng):
-    """draft_topk: bf16 and float32 rows of one and of several chunks (the merge), a vocabulary that is not a
-    multiple of the 16-byte vector (scalar loads), ties that overflow the candidate list (a constant row),
-    NaN / -inf / all -inf / +inf rows, k = 1 and N-1, a temperature."""
-    from . import bf16
-    kmax = spec.max_tree_size - 1
-
-    def rows(b, dp, v, scale=3.0):
-        return rng.standard_normal((b, dp, v)) * scale
-
-    yield "bf16, V = 129280", dict(logits=bf16.to_bits(rows(1, 2, 129280)), k=kmax)
-    yield "float32, V = 40001, T = 0.7", dict(logits=rows(2, 2, 40001).astype(np.float32), k=kmax, temperature=0.7)
-    yield "bf16, V = 1001 (scalar loads), k = 1", dict(logits=bf16.to_bits(rows(3, 1, 1001)), k=1)
-    edge = rows(1, 5, 40000).astype(np.float32)
-    edge[0, 0] = 0.0                        # a constant row: ties overflow the candidates
-    edge[0, 1] = -np.inf                    # all -inf
-    edge[0, 1, 7::13] = np.nan
-    edge[0, 2, ::3] = np.nan
-    edge[0, 3, [3, 20000, 39999]] = np.inf
-    edge[0, 4] = np.sort(edge[0, 4])        # ascending: the candidates sit in few threads
-    yield "float32 edge rows", dict(logits=edge, k=kmax)
-    yield "bf16 edge rows", dict(logits=bf16.to_bits(edge), k=kmax)
-    yield "k = V", dict(logits=rows(1, 1, kmax).astype(np.float32), k=kmax)
-
-
 def _verify_mma_cases(spec, rng):
     """The tree_verify cases with the launcher's own split choice, then forced split-KV (combine kernel)."""
     for i, (case, inputs) in enumerate(_verify_cases(spec, rng)):
@@ -481,15 +457,6 @@ def _verify_mma_cases(spec, rng):
         if i < 2 or "out-of-range" in case:
             yield f"{case}, num_splits 3", dict(inputs, num_splits=3)
             yield f"{case}, num_splits 32", dict(inputs, num_splits=32)   # more chunks than keys
-
-
-CASES = {"tree_build": _tree_build_cases, "tree_verify": _verify_cases, "tree_verify_tail": _verify_cases,
-         "merge_states": _merge_cases, "tree_accept": _accept_cases, "kv_commit": _commit_cases,
-         "draft_topk": _draft_topk_cases,
-         "tree_verify_mma": _verify_mma_cases, "tree_verify_tail_mma": _verify_mma_cases,
-         "tree_verify_wgmma": _verify_mma_cases, "tree_verify_tail_wgmma": _verify_mma_cases}
-# registered kernels that are launched by another kernel's cases rather than on their own
-LAUNCHED_BY = {"tree_verify_mma_combine": "the tensor-core tree_verify kernels with num_splits > 1"}
 
 
 def _to_device(value, cupy):
@@ -520,9 +487,10 @@ def _run_case(kset, kernel, inputs, cupy):
 
 def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) -> int:
     """Launch every kernel of every spec on its edge cases; 0 if every case ran, else 1."""
-    from . import artifacts, kernel_set
+    from . import artifacts, kernel_set, registry
     from .errors import DdtreeError
     from .spec import all_specs, find_spec
+    cases = registry.sanitizer_cases()
     try:
         import cupy
         cupy.cuda.runtime.getDeviceCount()
@@ -547,18 +515,16 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
             failures.append((spec.name, "*", "load"))
             continue
         for kernel in wanted:
-            if kernel in LAUNCHED_BY:
-                print(f"{spec.name} {kernel}: no cases of its own: launched by {LAUNCHED_BY[kernel]}", flush=True)
+            if kernel not in cases:   # its declaration says why (launched by another kernel's cases)
+                print(f"{spec.name} {kernel}: no cases of its own: {registry.declaration(kernel).missing['sanitize']}",
+                      flush=True)
                 continue
-            if kernel not in CASES:
-                print(f"{spec.name} {kernel}: skipped: the sanitizer worker has no cases for this kernel", flush=True)
-                continue
-            why = kset.unavailable(kernel, cupy.cuda.Device().id) if hasattr(type(kset), "unavailable") else None
+            why = kset.unavailable(kernel, cupy.cuda.Device().id)
             if why:   # e.g. the wgmma kernels off Hopper or with DDTREE_GEN_ARCH=sm_80
                 print(f"{spec.name} {kernel}: skipped: {why}", flush=True)
                 continue
             rng = np.random.default_rng(seed)
-            for case, inputs in CASES[kernel](spec, rng):
+            for case, inputs in cases[kernel](spec, rng):
                 t0 = time.perf_counter()
                 try:
                     _run_case(kset, kernel, inputs, cupy)

@@ -11,9 +11,11 @@
     out, lse = torch.ops.ddtree.tree_verify("kimi-k2.6-tp8-fp8", q_nope, q_pe, kv_fp8, block_table, prefix_lens,
                                             q_lens, tree[6], softmax_scale, "auto", kv_scale)
 
-The first argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
-plain launcher's record as a tuple, in the record's order (DraftTopkOutput, TreeBuildOutput, AttentionOutput,
-TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
+The ops are those of the kernels' declarations (plans/: Declaration.torch_ops, a schema and a fake each);
+an op without an `impl` of its own calls the kernel's launcher with its arguments positionally. The first
+argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
+plain launcher's record as a tuple, in the record's order (its declaration's output: DraftTopkOutput,
+TreeBuildOutput, AttentionOutput, TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
 running it; tree_accept's schema declares the KV cache it moves (Tensor(a!)). The ops call the
 plain launchers: same checks, same kernels, on the current stream of the inputs' device.
 """
@@ -23,8 +25,10 @@ import functools
 
 import torch
 
+from . import registry
 from .kernel_set import load
-from .types import AttentionOutput, DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
+from .types import TreeAcceptOutput, TreeBuildOutput
+
 
 @functools.lru_cache(maxsize=None)
 def _kset(spec: str):
@@ -32,56 +36,74 @@ def _kset(spec: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _dims(spec: str) -> tuple[int, int, int]:
-    """(N, W, D + 1) of a spec, for the fake implementations (no build needed)."""
+def _spec(spec: str):
+    """The Spec of a name, for the fake implementations (no build needed)."""
     from .spec import find_spec
-    s = find_spec(spec)
-    return s.max_tree_size, s.mask_words, s.max_depth + 1
+    return find_spec(spec)
 
 
 # Defined through torch.library.Library rather than the torch.library.custom_op decorator: the
 # decorator adds a Python autograd layer to every call (tens of microseconds), and these ops have
-# no gradient. The schema below is what custom_op would infer; "(a!)" marks the cache tree_accept
-# writes.
+# no gradient. The schemas (the declarations') are what custom_op would infer; "(a!)" marks the
+# caches tree_accept and kv_commit write.
 _LIB = torch.library.Library("ddtree", "DEF")
-_ATTENTION_ARGS = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor prefix_lens, "
-                   "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto', float? kv_scale=None")
-SCHEMAS = {
-    "tree_build": "tree_build(str spec, Tensor topk_ids, Tensor topk_logprobs, Tensor root_tokens, "
-                  "Tensor prefix_lens, int budget) -> (" + ", ".join(["Tensor"] * 9) + ")",
-    "tree_verify": f"tree_verify(str spec, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
-    "tree_verify_tail": f"tree_verify_tail(str spec, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
-    "merge_states": "merge_states(str spec, Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> (Tensor, Tensor)",
-    "tree_accept": "tree_accept(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
-                   "Tensor target_tokens, Tensor prefix_lens, Tensor(a!) kv_cache, Tensor block_table) "
-                   "-> (Tensor, Tensor, Tensor, Tensor)",
-    "tree_walk": "tree_walk(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
-                 "Tensor target_tokens, Tensor prefix_lens) -> (Tensor, Tensor, Tensor, Tensor)",
-    "draft_topk": "draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
-    "kv_commit": "kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
-                 "Tensor(a!)[] kv_caches, Tensor block_table) -> ()",
-}
+_IMPLS: dict = {}      # op name -> its CUDA implementation (implementation())
 
 
-def _op(name: str):
-    """Register `name` (its schema above): the decorated function is the CUDA implementation, and
-    `.fake` registers the shape function torch.compile traces with."""
-    def register(impl):
-        _LIB.define(SCHEMAS[name])
-        _LIB.impl(name, impl, "CUDA")
-        impl.fake = lambda fake: torch.library.register_fake(f"ddtree::{name}", lib=_LIB)(fake)
-        return impl
-    return register
+def _positional(name: str):
+    """The op of kernel `name` whose implementation is the launcher, its arguments given positionally."""
+    def impl(spec, *args):
+        return tuple(getattr(_kset(spec), name)(*args))
+    impl.__name__ = name
+    return impl
 
 
-@_op("tree_build")
-def tree_build(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
-    return tuple(_kset(spec).tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget))
+def _with_spec(fake):
+    """A declared fake, fake(spec: Spec, *args), as torch calls it: with the spec's name first."""
+    return lambda spec, *args: fake(_spec(spec), *args)
 
 
-@tree_build.fake
-def _(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
-    n, w, _ = _dims(spec)
+def implementation(op: str):
+    """The CUDA implementation registered for torch.ops.ddtree.<op> (scripts/profile_launch.py registers it
+    for the CPU key too)."""
+    return _IMPLS[op]
+
+
+# --------------------------------------------------------------- the implementations named by declarations
+
+def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                impl="auto", kv_scale=None):
+    return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                         softmax_scale, impl=impl, kv_scale=kv_scale))
+
+
+def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                     impl="auto", kv_scale=None):
+    return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                              softmax_scale, impl=impl, kv_scale=kv_scale))
+
+
+def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
+                block_table):
+    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
+    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table))
+
+
+def tree_walk(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
+    """tree_accept without a cache: the walk alone (kv_commit then moves every layer's entries)."""
+    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
+    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens))
+
+
+def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+    acc = TreeAcceptOutput(accept_lens, accepted_nodes, None, None)
+    _kset(spec).kv_commit(acc, prefix_lens, list(kv_caches), block_table)
+
+
+# --------------------------------------------------------------------- fakes (spec: a Spec)
+
+def tree_build_fake(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
+    n, w = spec.max_tree_size, spec.mask_words
     b = topk_ids.shape[0]
     i32 = dict(dtype=torch.int32)
     return (topk_ids.new_empty((b,), **i32), *(topk_ids.new_empty((b, n), **i32) for _ in range(4)),
@@ -89,91 +111,39 @@ def _(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
             topk_ids.new_empty((b, n), **i32), topk_ids.new_empty((b, n), **i32))
 
 
-def _attention_fake(spec, q_nope, *args):
+def attention_fake(spec, q_nope, *args):
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:3], dtype=torch.float32)
 
 
-@_op("tree_verify")
-def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                impl="auto", kv_scale=None):
-    return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                         softmax_scale, impl=impl, kv_scale=kv_scale))
-
-
-tree_verify.fake(_attention_fake)
-
-
-@_op("tree_verify_tail")
-def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     impl="auto", kv_scale=None):
-    return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                              softmax_scale, impl=impl, kv_scale=kv_scale))
-
-
-tree_verify_tail.fake(_attention_fake)
-
-
-@_op("merge_states")
-def merge_states(spec, o_a, lse_a, o_b, lse_b):
-    return tuple(_kset(spec).merge_states(o_a, lse_a, o_b, lse_b))
-
-
-@merge_states.fake
-def _(spec, o_a, lse_a, o_b, lse_b):
+def merge_states_fake(spec, o_a, lse_a, o_b, lse_b):
     return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
 
 
-@_op("tree_accept")
-def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
-                block_table):
-    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
-    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table))
-
-
-@tree_accept.fake
-def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache, block_table):
-    _, _, d1 = _dims(spec)
-    b = tokens.shape[0]
+def _walk_fake(spec, tokens):
+    d1, b = spec.max_depth + 1, tokens.shape[0]
     return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
 
 
-@_op("tree_walk")
-def tree_walk(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
-    """tree_accept without a cache: the walk alone (kv_commit then moves every layer's entries)."""
-    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
-    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens))
+def tree_accept_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
+                     block_table):
+    return _walk_fake(spec, tokens)
 
 
-@tree_walk.fake
-def _(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
-    _, _, d1 = _dims(spec)
-    b = tokens.shape[0]
-    return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
+def tree_walk_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
+    return _walk_fake(spec, tokens)
 
 
-@_op("kv_commit")
-def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
-    acc = TreeAcceptOutput(accept_lens, accepted_nodes, None, None)
-    _kset(spec).kv_commit(acc, prefix_lens, list(kv_caches), block_table)
-
-
-@kv_commit.fake
-def _(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+def kv_commit_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
     return None
 
 
-@_op("draft_topk")
-def draft_topk(spec, logits, k, temperature=1.0):
-    return tuple(_kset(spec).draft_topk(logits, k, temperature))
+def _register():
+    for decl, op in registry.torch_ops():
+        impl = registry.resolve(op.impl) if op.impl else _positional(decl.name)
+        _LIB.define(op.schema)
+        _LIB.impl(op.name, impl, "CUDA")
+        torch.library.register_fake(f"ddtree::{op.name}", lib=_LIB)(_with_spec(registry.resolve(op.fake)))
+        _IMPLS[op.name] = impl
 
 
-@draft_topk.fake
-def _(spec, logits, k, temperature=1.0):
-    b, dp = logits.shape[:2]
-    return (logits.new_empty((b, dp, k), dtype=torch.int32), logits.new_empty((b, dp, k), dtype=torch.float32))
-
-
-OPS = {"draft_topk": (draft_topk, DraftTopkOutput), "tree_build": (tree_build, TreeBuildOutput), "tree_verify": (tree_verify, AttentionOutput),
-       "tree_verify_tail": (tree_verify_tail, AttentionOutput), "merge_states": (merge_states, AttentionOutput),
-       "tree_accept": (tree_accept, TreeAcceptOutput), "tree_walk": (tree_walk, TreeAcceptOutput),
-       "kv_commit": (kv_commit, None)}
+_register()

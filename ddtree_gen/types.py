@@ -24,8 +24,3 @@ class TreeAcceptOutput(NamedTuple):
     accepted_nodes: Any   # [B, D+1] int32, -1 padded
     out_tokens: Any       # [B, D+1] int32, -1 padded
     new_prefix_lens: Any  # [B] int32
-
-
-class DraftTopkOutput(NamedTuple):
-    topk_ids: Any         # [B, D', k] int32: token ids, by descending logit, equal logits lowest id first
-    topk_logprobs: Any    # [B, D', k] float32 (float64 in the reference): log-softmax over the vocabulary

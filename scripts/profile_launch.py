@@ -142,7 +142,7 @@ def calls(ks, spec):
     """name -> (plain call, torch-op call or None): the calls of `bench launch`, and kv_commit of 61 layers."""
     import torch
 
-    from ddtree_gen import torch_ops
+    from ddtree_gen import registry, torch_ops
     v, (ids, lps, roots, prefix), caches, target = inputs(spec)
     budget = spec.max_tree_size - 1
     tree = ks.tree_build(ids, lps, roots, prefix, budget)
@@ -152,8 +152,8 @@ def calls(ks, spec):
     # the torch ops: their CUDA implementations, registered for the CPU key, on this kernel set
     torch_ops._kset = lambda name: ks
     lib = torch.library.Library("ddtree", "IMPL")
-    for name, (impl, _) in torch_ops.OPS.items():
-        lib.impl(name, impl, "CPU")
+    for _, op in registry.torch_ops():
+        lib.impl(op.name, torch_ops.implementation(op.name), "CPU")
     calls.lib = lib   # kept alive
     ops, s = torch.ops.ddtree, spec.name
     vargs = (v["q_nope"], v["q_pe"], v["kv_cache"], v["block_table"], v["prefix_lens"], v["q_lens"], v["tree_mask"],

@@ -6,6 +6,7 @@ import functools
 import numpy as np
 import pytest
 
+from ddtree_gen.kernel_set import StandInKernelSet
 from ddtree_gen.spec import all_specs
 
 
@@ -74,22 +75,23 @@ class LaunchReached(AssertionError):
     """Raised by FakeKernelSet.launch: the launcher passed every check and tried to launch."""
 
 
-class FakeKernelSet:
-    """A KernelSet stand-in: the spec, and a launch that refuses to run (CPU tests of the checks)."""
+def cuda_core_kernels(spec) -> list:
+    """The kernels the spec gets, without the tensor-core tree_verify kernels (the combine kernel stays):
+    FakeKernelSet's default, so that impl="auto" is the CUDA-core kernel."""
+    from ddtree_gen import registry
+    return [d.name for d in registry.declarations()
+            if d.build.archs_for(spec) and not (d.serves and d.serves[1] in ("mma", "wgmma"))]
 
-    def __init__(self, spec):
-        self.spec = spec
-        self.prepared_calls = {}   # runtime.run_call's per-signature cache
+
+class FakeKernelSet(StandInKernelSet):
+    """The package's CPU stand-in (kernel_set.StandInKernelSet) with a launch that refuses to run (CPU tests
+    of the checks: LaunchReached). Loaded kernels: by default cuda_core_kernels(spec)."""
+
+    def __init__(self, spec, kernels=None):
+        super().__init__(spec, cuda_core_kernels(spec) if kernels is None else kernels)
 
     def launch(self, name, **kwargs):
         raise LaunchReached(name)
-
-    def plan(self, name, device=None):
-        from ddtree_gen.plans import by_name
-        return by_name(name).plan_for(self.spec)     # the sm_90a build's
-
-    def constants(self, name, device=None):
-        return self.plan(name).template_constants()
 
 
 def fake_tensor_map(ptr, tm):

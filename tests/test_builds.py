@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_gen import artifacts, cli, paths, resources, sanitize
+from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
 from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.spec import load_spec, spec_paths
 
@@ -702,7 +702,6 @@ def _fake_gpu(monkeypatch, spec_launch=None):
 
     from conftest import FakeKernelSet, fake_tensor_map
     from ddtree_gen import arrays, runtime
-    from ddtree_gen.kernels import LAUNCHERS
 
     next_ptr = [1 << 20]
 
@@ -714,7 +713,8 @@ def _fake_gpu(monkeypatch, spec_launch=None):
 
     cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(deviceSynchronize=lambda: None, getDeviceCount=lambda: 1),
-        set_allocator=lambda *a: None, set_pinned_memory_allocator=lambda *a: None)
+        set_allocator=lambda *a: None, set_pinned_memory_allocator=lambda *a: None,
+        Device=lambda *a: types.SimpleNamespace(id=0))
     fake_cupy = types.SimpleNamespace(asarray=fake_array, cuda=cuda)
     monkeypatch.setattr(runtime, "allocate",
                         lambda kind, device, shape, dtype: fake_array(np.empty(shape, {"bf16": np.uint16}.get(dtype, dtype))))
@@ -722,12 +722,11 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 0)
     monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)
 
-    class Kset(FakeKernelSet):
+    class Kset(FakeKernelSet):   # every kernel of the spec loaded (the worker loads them all)
         launched: list = []
 
-        def __getattr__(self, name):
-            launch = LAUNCHERS[name]
-            return lambda **kw: launch(self, **kw)
+        def __init__(self, spec):
+            super().__init__(spec, [k.name for k in all_kernels() if k.archs_for(spec)])
 
         def launch(self, name, **kwargs):
             if spec_launch is None:
@@ -738,7 +737,7 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     return fake_cupy, Kset
 
 
-@pytest.mark.parametrize("kernel", sorted(sanitize.CASES))
+@pytest.mark.parametrize("kernel", sorted(registry.sanitizer_cases()))
 def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
     """Every worker case gets through its launcher's host-side checks to the launch (CPU, fake arrays)."""
     import numpy as np
@@ -748,7 +747,7 @@ def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
     if not by_name(kernel).builds_for(spec):   # the worker skips it with the kernel set's reason
         pytest.skip(by_name(kernel).why_not_built(spec))
     fake_cupy, Kset = _fake_gpu(monkeypatch)
-    cases = list(sanitize.CASES[kernel](spec, np.random.default_rng(0)))
+    cases = list(registry.sanitizer_cases()[kernel](spec, np.random.default_rng(0)))
     assert len(cases) >= 3
     for case, inputs in cases:
         with pytest.raises(LaunchReached):
@@ -767,12 +766,12 @@ def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
     assert sanitize.worker(["kimi-k2.6-tp8"]) == 0
     out = capsys.readouterr().out
     for k in registered:
-        if k.name in sanitize.CASES:
+        if k.name in registry.sanitizer_cases():
             assert f"kimi-k2.6-tp8 {k.name} [" in out and "FAILED" not in out
         else:
             assert f"kimi-k2.6-tp8 {k.name}: " in out  # a note: launched by another kernel, or no cases
     assert "0 failed" in out
-    assert set(Kset.launched) >= {k.name for k in registered if k.name in sanitize.CASES}
+    assert set(Kset.launched) >= {k.name for k in registered if k.name in registry.sanitizer_cases()}
 
     def boom(name):
         if name == "merge_states":

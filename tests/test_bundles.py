@@ -1,9 +1,9 @@
 """The numpy references against the committed KDTR bundles in refs/ (CPU)."""
 import pytest
 
-from ddtree_gen import bundles, kdtr
+from ddtree_gen import bundles, kdtr, registry
 
-CASES = [(k, c) for k, (_, cases) in bundles.CASES.items() for c in cases]
+CASES = [(k, c) for k, b in registry.bundle_cases().items() for c in b.cases]
 
 
 @pytest.mark.parametrize("kernel,case", CASES, ids=[f"{k}-{c}" for k, c in CASES])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
-from ddtree_gen import artifacts, bf16, bundles, cli, fp8, kdtr, paths, reference, sanitize
+from ddtree_gen import artifacts, bf16, bundles, cli, fp8, kdtr, paths, reference, registry, sanitize
 from ddtree_gen.arrays import KV_CACHE_DTYPES, _TORCH_DTYPES
 from ddtree_gen.errors import ArgumentError, BuildError, SpecError
 from ddtree_gen.kernels import kv_commit as kv_commit_mod
@@ -503,7 +503,7 @@ def test_sanitizer_cases_use_the_spec_cache(spec):
     """The sanitizer's attention and commit cases hold the spec's cache type (an fp8 spec: e4m3 bytes without
     NaN, with a kv_scale); test_builds.py runs every case through its launcher's checks."""
     for kernel in ("tree_verify", "tree_verify_tail", "tree_accept", "kv_commit"):
-        for case, inputs in sanitize.CASES[kernel](spec, np.random.default_rng(0)):
+        for case, inputs in registry.sanitizer_cases()[kernel](spec, np.random.default_rng(0)):
             cache = inputs.get("kv_cache", inputs.get("kv_caches"))
             first = cache[0] if isinstance(cache, (list, tuple)) else cache
             assert first.dtype == (np.uint8 if spec.kv_fp8 else np.uint16), (kernel, case)
@@ -513,9 +513,10 @@ def test_sanitizer_cases_use_the_spec_cache(spec):
 
 
 def test_sanitizer_runs_every_kernel_with_cases():
-    """kv_commit has cases of its own; the combine kernel is launched by the tensor-core ones."""
-    names = {k.name for k in all_kernels()}
-    assert names <= set(sanitize.CASES) | set(sanitize.LAUNCHED_BY)
+    """kv_commit has cases of its own; the combine kernel is launched by the tensor-core ones (its declaration
+    says so; tests/test_declarations.py holds every kernel to a case list or a reason)."""
+    assert "kv_commit" in registry.sanitizer_cases()
+    assert "tensor-core" in registry.declaration("tree_verify_mma_combine").missing["sanitize"]
 
 
 def test_bench_kv_dtype_specs():

@@ -20,11 +20,13 @@ LAYERS = [
     ["resources", "kdtr"],                                               # resource model, bundle format
     ["plans"],                                                           # the kernel registry (build data)
     ["render", "compile", "reference"],
-    ["artifacts", "bundles", "arrays"],                                  # build products (bundles: refs/); caller arrays
+    ["artifacts", "arrays"],                                             # build products; caller arrays
     ["runtime"],                                                         # modules per device, launches
     ["kernels"],                                                         # launchers
+    ["registry"],                                                        # the declarations' strings resolved
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "bench_arch", "bench_launch", "bench_step", "sanitize"],         # users of kernel sets
+    ["torch_ops", "model", "bench", "bench_arch", "bench_launch", "bench_step", "sanitize",         # users of kernel sets
+     "bundles"],                                                         # and of the declarations (bundles: refs/)
     ["cli", "__main__", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -128,3 +130,19 @@ def test_function_level_imports_count():
     src = "def f():\n    from . import runtime\n"
     node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
     assert _resolve("ddtree_gen.artifacts", False, node) == ["ddtree_gen.runtime"]
+
+
+def test_declared_strings_name_modules_below_the_registry():
+    """A declaration's "module:attribute" strings are imports the AST cannot see: the modules they name
+    must lie in a layer the registry may import (below it), or be a user of the registry resolving its own."""
+    from ddtree_gen import registry
+    users = {"torch_ops", "sanitize", "bundles"}   # resolve strings that name themselves
+    wrong = []
+    for d in registry.declarations():
+        refs = [d.launcher, d.reference, d.output, d.sanitize, *(r for op in d.torch_ops for r in (op.fake, op.impl)),
+                *((d.bundles.inputs, d.bundles.run) if d.bundles else ())]
+        for ref in filter(None, refs):
+            top = ref.split(":")[0].split(".")[0]
+            if top not in users and _layer(f"ddtree_gen.{top}") >= _layer("ddtree_gen.registry"):
+                wrong.append(f"{d.name}: {ref}")
+    assert not wrong, "declared strings naming modules at or above the registry:\n" + "\n".join(wrong)

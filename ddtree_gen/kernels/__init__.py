@@ -1,24 +1,45 @@
-"""The launchers, one module per kernel family; LAUNCHERS maps a kernel name to its launcher.
+"""The launchers, one module per kernel family, and KernelSetLike: what a launcher asks of its kernel set.
 
 A launcher is `launch(kset, *args, **kwargs)`: it checks its arguments (kernels/checks.py, once
-per call signature) and launches through the runtime. The build data of each kernel (template,
-entry, resource plan) is in ddtree_gen.plans, which imports nothing from here.
+per call signature) and launches through the runtime. Each kernel's declaration (ddtree_gen.plans)
+names its launcher; ddtree_gen.kernel_set makes it the KernelSet method of the kernel's name. The build
+data of each kernel (template, entry, resource plan) is in ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
-from . import draft_topk, kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
+from typing import Protocol, runtime_checkable
 
-LAUNCHERS = {
-    "tree_build": tree_build.launch,
-    "tree_verify": tree_verify.tree_verify,
-    "tree_verify_tail": tree_verify.tree_verify_tail,
-    "merge_states": tree_verify.merge_states,
-    "tree_verify_mma": tree_verify_mma.tree_verify,
-    "tree_verify_tail_mma": tree_verify_mma.tree_verify_tail,
-    "tree_verify_mma_combine": tree_verify_mma.combine,
-    "tree_verify_wgmma": tree_verify_wgmma.tree_verify,
-    "tree_verify_tail_wgmma": tree_verify_wgmma.tree_verify_tail,
-    "tree_accept": tree_accept.launch,
-    "kv_commit": kv_commit.launch,
-    "draft_topk": draft_topk.launch,
-}
+
+@runtime_checkable
+class KernelSetLike(Protocol):
+    """The kernel set a launcher is given: kernel_set.KernelSet (a spec's compiled kernels), or
+    kernel_set.StandInKernelSet (the same without a GPU: CPU tests, host-side profiling)."""
+
+    spec: object               # the Spec
+    prepared_calls: dict       # call signature -> runtime.Prepared (runtime.run_call's cache)
+
+    @property
+    def kernels(self) -> list:
+        """The kernels with a build in this set."""
+
+    @property
+    def requested(self) -> tuple:
+        """The kernels the set was loaded with (also those without a build for its targets)."""
+
+    def unavailable(self, name: str, device: int) -> str | None:
+        """None if kernel `name` runs on `device`, else why not."""
+
+    def require(self, name: str, device: int) -> str:
+        """The target `name` runs as on `device`; ArgumentError (unavailable()'s message) if none."""
+
+    def plan(self, name: str, device: int | None = None):
+        """The resource plan of `name`'s build for `device`."""
+
+    def constants(self, name: str, device: int | None = None) -> dict:
+        """The template constants of `name`'s build for `device`."""
+
+    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
+        """Launch kernel `name` on `device`'s current stream."""
+
+
+__all__ = ["KernelSetLike"]

@@ -13,10 +13,9 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, chunks
+from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, DraftTopkOutput, chunks
 from ..reference import temperature_arg
 from ..runtime import IsAligned, Prepared, Step, run_call
-from ..types import DraftTopkOutput
 from .checks import INT32_MAX
 
 KERNEL = "draft_topk"
@@ -98,6 +97,13 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))
     return Prepared(device=device, kind=lg.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(aligned),
                     disjoint=tuple(disjoint), result=lambda a: DraftTopkOutput(a[1], a[2]))
+
+
+def torch_fake(spec, logits, k, temperature=1.0):
+    """torch.ops.ddtree.draft_topk's fake (meta) implementation: the outputs' shapes, for torch.compile."""
+    import torch
+    b, dp = logits.shape[:2]
+    return (logits.new_empty((b, dp, k), dtype=torch.int32), logits.new_empty((b, dp, k), dtype=torch.float32))
 
 
 __all__ = ["launch", "workspace_elems", "CHUNK"]

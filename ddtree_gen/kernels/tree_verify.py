@@ -27,7 +27,6 @@ o_a or o_b, and lse to be lse_a or lse_b (in-place merge); any other overlap is 
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
@@ -50,11 +49,7 @@ _TENSOR_CORE = {"wgmma": tree_verify_wgmma, "mma": tree_verify_mma}
 
 
 def _loaded(kset, name: str) -> bool:
-    """Whether kernel `name` is loaded in kset (KernelSet.kernels). A kernel set without a `kernels`
-    list (a test stand-in) has the CUDA-core kernels only; looked up statically, so that a stand-in's
-    __getattr__ is not asked."""
-    if inspect.getattr_static(kset, "kernels", None) is None:
-        return False
+    """Whether kernel `name` is loaded in kset (KernelSet.kernels: it has a build there)."""
     return name in kset.kernels
 
 
@@ -88,7 +83,7 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
     missing = [k for k in (f"{name}_{impl}", COMBINE)
-               if not _loaded(kset, k) and inspect.getattr_static(kset, k, None) is None]
+               if not _loaded(kset, k) and k not in kset.requested]
     if missing:
         raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
                             f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")

@@ -24,13 +24,11 @@ templates/tree_verify_wgmma.cu.j2 hold the kernel designs, docs/perf.md the perf
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
 
 from .. import arrays as ar
-from ..archs import PRIMARY
 from ..errors import ArgumentError
 from ..plans import by_name
 from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
@@ -58,17 +56,9 @@ def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens
                                             type(kv_scale), kv_scale), cache=not validate)
 
 
-def require(kset, name: str, device: int) -> str:
-    """The target kernel `name` runs as on `device` (KernelSet.require: ArgumentError if it cannot run
-    there). A stand-in kernel set without `require` (CPU tests) runs everything as sm_90a."""
-    if inspect.getattr_static(kset, "require", None) is None:
-        return PRIMARY
-    return kset.require(name, device)
-
-
 def available(kset, name: str, device: int) -> bool:
-    """Whether kernel `name` runs on `device` (a stand-in kernel set without `unavailable`: yes)."""
-    return inspect.getattr_static(kset, "unavailable", None) is None or kset.unavailable(name, device) is None
+    """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
+    return kset.unavailable(name, device) is None
 
 
 def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
@@ -82,7 +72,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    arch = require(kset, name, qn.device)
+    arch = kset.require(name, qn.device)
     consts = kset.constants(name, qn.device)
     bn = consts["BN"]
     # a seesaw build with the "parts" grid (plans/tree_verify_wgmma.variant_def) cuts the batch's key tiles into
@@ -100,12 +90,11 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
     if parts and b * -(-max_keys // bn) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
-    loaded = inspect.getattr_static(kset, "kernels", None)   # (static: a test stand-in may answer any name)
-    if splits > 1 and loaded is not None and COMBINE not in kset.kernels:
+    if splits > 1 and COMBINE not in kset.kernels:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
                             f"spec {spec.name!r} (load it, or pass num_splits=1)")
     if splits > 1:
-        require(kset, COMBINE, qn.device)
+        kset.require(COMBINE, qn.device)
     if b * splits * row_tiles > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied

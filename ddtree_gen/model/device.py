@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..types import DraftTopkOutput, TreeAcceptOutput, TreeBuildOutput
+from ..plans.draft_topk import DraftTopkOutput
+from ..types import TreeAcceptOutput, TreeBuildOutput
 from .backends import CupyOps, ReferenceKernels
 from .cache import _capacity, chain_mask, make_block_table
 from .config import GREEDY, Drafter, Generation, ModelConfig, Sampling, _check_prompts, _tree_sizes
@@ -109,7 +110,9 @@ class DeviceDecoder:
             self.topk_lps = xp.empty((bsz, self.dp, self.k), xp.float32)
             # an exact drafter (no noise): the generated draft_topk on the logits, same tokens and log-probs
             # (log_softmax(logits / T), descending, ties lower id); a noisy one keeps ops.draft_topk
-            self.device_topk = self.drafter.noise == 0 and hasattr(self.kernels, "draft_topk")
+            # (a KernelSet has every kernel's method: `requested` says whether it was loaded with draft_topk)
+            self.device_topk = (self.drafter.noise == 0 and hasattr(self.kernels, "draft_topk")
+                                and "draft_topk" in getattr(self.kernels, "requested", ("draft_topk",)))
             if self.device_topk:
                 from ..kernels.draft_topk import workspace_elems
                 self.topk = DraftTopkOutput(self.topk_ids, self.topk_lps)

@@ -1,17 +1,36 @@
-"""The kernel registry: plain build data, one module per kernel family.
+"""The kernel registry: one declaration per kernel (plans/declaration.py), one module per kernel family.
 
-Each family module defines the resource plans (sympy formulas of the spec, see resources.py) and
-the KernelDefs of its kernels. The build layer (render, compile, artifacts) and the runtime read
-this registry; nothing here imports a launcher (ddtree_gen.kernels) or the runtime.
+Each family module defines the resource plans (sympy formulas of the spec, see resources.py), the
+KernelDefs of its kernels and their DECLARATIONS (the launcher, reference, torch op, ... named by strings,
+resolved in ddtree_gen/registry.py). A module of this package with DECLARATIONS is a family: a new kernel's
+module is found by being here (docs/adding-a-kernel.md). The build layer (render, compile, artifacts) and the
+runtime read this registry; nothing here imports a launcher (ddtree_gen.kernels) or the runtime.
 """
 from __future__ import annotations
 
-from . import draft_topk, kv_commit, tree_accept, tree_build, tree_verify, tree_verify_mma, tree_verify_wgmma
+import importlib
+import pkgutil
+
+from .declaration import FACETS, Bundles, Declaration, TorchOp
 from .kernel_def import KernelDef
 
-_ALL = (*tree_build.KERNELS, *tree_verify.KERNELS, *tree_verify_mma.KERNELS, *tree_verify_wgmma.KERNELS,
-        *tree_accept.KERNELS, *kv_commit.KERNELS, *draft_topk.KERNELS)
+# the families in build order (the order of `build`, `list` and the sanitizer's runs); a family module not
+# named here comes after them, by name
+_ORDER = ("tree_build", "tree_verify", "tree_verify_mma", "tree_verify_wgmma", "tree_accept", "kv_commit")
+
+
+def _families() -> list:
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("declaration", "kernel_def")]
+    names.sort(key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
+    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
+    return [m for m in modules if hasattr(m, "DECLARATIONS")]
+
+
+_DECLS = tuple(d for m in _families() for d in m.DECLARATIONS)
+_ALL = tuple(d.build for d in _DECLS)
 _BY_NAME = {k.name: k for k in _ALL}
+_DECL_BY_NAME = {d.name: d for d in _DECLS}
+assert len(_BY_NAME) == len(_ALL), "two declarations of one kernel name"
 
 
 def all_kernels() -> list[KernelDef]:
@@ -23,4 +42,14 @@ def by_name(name: str) -> KernelDef:
     return _BY_NAME[name]
 
 
-__all__ = ["KernelDef", "all_kernels", "by_name"]
+def declarations() -> list[Declaration]:
+    """Every kernel's declaration, in build order (its strings unresolved: ddtree_gen.registry resolves them)."""
+    return list(_DECLS)
+
+
+def declaration(name: str) -> Declaration:
+    return _DECL_BY_NAME[name]
+
+
+__all__ = ["FACETS", "Bundles", "Declaration", "KernelDef", "TorchOp", "all_kernels", "by_name", "declaration",
+           "declarations"]

@@ -1,9 +1,15 @@
-"""draft_topk's resource plan: the drafter's top-k per depth, one block per chunk of a row, then a merge per row."""
+"""draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth, one block
+per chunk of a row, then a merge per row), its output record, and the inputs of its bundles and sanitizer cases."""
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import numpy as np
 import sympy
 
+from ..bf16 import to_bits
 from ..resources import N, Plan
+from .declaration import Bundles, Declaration, TorchOp
 from .kernel_def import KernelDef
 
 THREADS = 256
@@ -33,3 +39,62 @@ def plan(spec) -> Plan:
 
 
 KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan)]
+
+
+class DraftTopkOutput(NamedTuple):
+    topk_ids: Any         # [B, D', k] int32: token ids, by descending logit, equal logits lowest id first
+    topk_logprobs: Any    # [B, D', k] float32 (float64 in the reference): log-softmax over the vocabulary
+
+
+def bundle_inputs(spec, rng, case) -> dict:
+    """The inputs of refs/<spec>/draft_topk-<case>.kdtr: "bf16" (a vocabulary above one chunk: the merge) or
+    "edges" (float32 rows of ties, NaN and -inf, all -inf, +inf, +-0; k = N-1)."""
+    k = spec.max_tree_size - 1
+    if case == "bf16":        # two requests, 3 depths, a vocabulary above one chunk (16384): the merge
+        logits = to_bits(rng.standard_normal((2, 3, 20000)) * 3)
+        return {"logits": logits, "k": np.array(k, np.int32), "temperature": np.array(0.8, np.float64)}
+    # float32 edge rows: ties (a few values), NaN and -inf, all -inf, +inf, k = V at the end
+    v = max(k, 300)
+    x = rng.integers(-4, 4, size=(1, 6, v)).astype(np.float32)
+    x[0, 1, ::5] = np.nan
+    x[0, 1, 1::7] = -np.inf
+    x[0, 2] = -np.inf
+    x[0, 2, 3::11] = np.nan
+    x[0, 3, [5, 77, 200]] = np.inf
+    x[0, 4] = rng.standard_normal(v).astype(np.float32)
+    x[0, 5] = 0.0
+    x[0, 5, ::2] = -0.0
+    return {"logits": x, "k": np.array(k, np.int32), "temperature": np.array(1.0, np.float64)}
+
+
+def sanitizer_cases(spec, rng):
+    """`ddtree-gen sanitize`: bf16 and float32 rows of one and of several chunks (the merge), a vocabulary that is
+    not a multiple of the 16-byte vector (scalar loads), ties that overflow the candidate list (a constant row),
+    NaN / -inf / all -inf / +inf rows, k = 1 and N-1, a temperature."""
+    kmax = spec.max_tree_size - 1
+
+    def rows(b, dp, v, scale=3.0):
+        return rng.standard_normal((b, dp, v)) * scale
+
+    yield "bf16, V = 129280", dict(logits=to_bits(rows(1, 2, 129280)), k=kmax)
+    yield "float32, V = 40001, T = 0.7", dict(logits=rows(2, 2, 40001).astype(np.float32), k=kmax, temperature=0.7)
+    yield "bf16, V = 1001 (scalar loads), k = 1", dict(logits=to_bits(rows(3, 1, 1001)), k=1)
+    edge = rows(1, 5, 40000).astype(np.float32)
+    edge[0, 0] = 0.0                        # a constant row: ties overflow the candidates
+    edge[0, 1] = -np.inf                    # all -inf
+    edge[0, 1, 7::13] = np.nan
+    edge[0, 2, ::3] = np.nan
+    edge[0, 3, [3, 20000, 39999]] = np.inf
+    edge[0, 4] = np.sort(edge[0, 4])        # ascending: the candidates sit in few threads
+    yield "float32 edge rows", dict(logits=edge, k=kmax)
+    yield "bf16 edge rows", dict(logits=to_bits(edge), k=kmax)
+    yield "k = V", dict(logits=rows(1, 1, kmax).astype(np.float32), k=kmax)
+
+
+DECLARATIONS = [Declaration(
+    KERNELS[0], launcher="kernels.draft_topk:launch", reference="reference:draft_topk",
+    output="plans.draft_topk:DraftTopkOutput",
+    torch_ops=(TorchOp("draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
+                       fake="kernels.draft_topk:torch_fake"),),
+    sanitize="plans.draft_topk:sanitizer_cases",
+    bundles=Bundles("plans.draft_topk:bundle_inputs", ("bf16", "edges")))]

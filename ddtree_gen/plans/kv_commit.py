@@ -5,6 +5,7 @@ import sympy
 
 from ..resources import D, Plan
 from .kernel_def import KernelDef
+from .declaration import Bundles, Declaration, TorchOp
 from .tree_accept import ENTRY, chunks
 
 MAX_LAYERS = 128    # layer pointers passed by value in the parameters (8 bytes each: 1 KB)
@@ -20,3 +21,13 @@ def plan(spec) -> Plan:
 
 
 KERNELS = [KernelDef(name="kv_commit", template="kv_commit.cu.j2", entry="ddtree_kv_commit", plan=plan)]
+
+
+DECLARATIONS = [Declaration(
+    KERNELS[0], launcher="kernels.kv_commit:launch", reference="reference:kv_commit",
+    torch_ops=(TorchOp("kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+                       "Tensor(a!)[] kv_caches, Tensor block_table) -> ()", fake="torch_ops:kv_commit_fake",
+                       impl="torch_ops:kv_commit"),),
+    sanitize="sanitize:_commit_cases",
+    bundles=Bundles("bundles:_commit_inputs", ("layers",), run="bundles:_run_kv_commit"),
+    missing={"output": "none: it moves the caches in place and returns None"})]

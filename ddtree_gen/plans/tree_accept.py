@@ -5,6 +5,7 @@ import sympy
 
 from ..resources import D, N, P, PAGE, R, Plan
 from .kernel_def import KernelDef
+from .declaration import Bundles, Declaration, TorchOp
 
 ENTRY = R + P                          # elements per cache entry (latent, then rope)
 NPAGES = sympy.ceiling((N - 2) / PAGE) + 1  # block-table entries covering positions [L+1, L+N-1]
@@ -32,3 +33,17 @@ def plan(spec) -> Plan:
 
 
 KERNELS = [KernelDef(name="tree_accept", template="tree_accept.cu.j2", entry="ddtree_tree_accept", plan=plan)]
+
+
+DECLARATIONS = [Declaration(
+    KERNELS[0], launcher="kernels.tree_accept:launch", reference="reference:tree_accept", output="types:TreeAcceptOutput",
+    torch_ops=(TorchOp("tree_accept(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                       "Tensor target_tokens, Tensor prefix_lens, Tensor(a!) kv_cache, Tensor block_table) "
+                       "-> (Tensor, Tensor, Tensor, Tensor)", fake="torch_ops:tree_accept_fake",
+                       impl="torch_ops:tree_accept"),
+               # the walk alone (no cache): kv_commit then moves every layer's entries
+               TorchOp("tree_walk(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                       "Tensor target_tokens, Tensor prefix_lens) -> (Tensor, Tensor, Tensor, Tensor)",
+                       fake="torch_ops:tree_walk_fake", impl="torch_ops:tree_walk")),
+    sanitize="sanitize:_accept_cases",
+    bundles=Bundles("bundles:_accept_inputs", ("walks",), run="bundles:_run_tree_accept"))]

@@ -5,6 +5,7 @@ import sympy
 
 from ..resources import D, N, Plan
 from .kernel_def import KernelDef
+from .declaration import Bundles, Declaration, TorchOp
 
 CANDIDATES = 2 * N - 1  # the root's first child, then at most a sibling and a child per pop
 THREADS = 128           # 4 warps stage the table and write the outputs; warp 0 runs the pops
@@ -25,3 +26,13 @@ def plan(spec) -> Plan:
 
 
 KERNELS = [KernelDef(name="tree_build", template="tree_build.cu.j2", entry="ddtree_tree_build", plan=plan)]
+
+
+DECLARATIONS = [Declaration(
+    KERNELS[0], launcher="kernels.tree_build:launch", reference="reference:tree_build", output="types:TreeBuildOutput",
+    torch_ops=(TorchOp("tree_build(str spec, Tensor topk_ids, Tensor topk_logprobs, Tensor root_tokens, "
+                       "Tensor prefix_lens, int budget) -> (" + ", ".join(["Tensor"] * 9) + ")",
+                       fake="torch_ops:tree_build_fake"),),
+    sanitize="sanitize:_tree_build_cases",
+    bundles=Bundles("bundles:_tree_build_inputs", ("full", "ties", "nan-inf", "chain", "budget0"),
+                    run="bundles:_run_tree_build"))]

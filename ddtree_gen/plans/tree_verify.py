@@ -13,6 +13,7 @@ import sympy
 from ..errors import SpecError
 from ..resources import SM90_STATIC_SMEM, H, P, R, Plan
 from .kernel_def import KernelDef
+from .declaration import Bundles, Declaration, TorchOp
 
 _MAX_LIVE = 180   # registers per thread the verify kernel may spend on q and accumulators
 
@@ -70,4 +71,28 @@ KERNELS = [
     KernelDef(name="tree_verify_tail", template="tree_verify.cu.j2", entry="ddtree_tree_verify_tail",
               plan=tail_plan, context={"tail": True}),
     KernelDef(name="merge_states", template="merge_states.cu.j2", entry="ddtree_merge_states", plan=merge_plan),
+]
+
+
+# the torch ops' attention arguments (tree_verify, tree_verify_tail: the same schema)
+ATTENTION_ARGS = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor prefix_lens, "
+           "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto', float? kv_scale=None")
+_VERIFY_BUNDLES = Bundles("bundles:_verify_inputs", ("prefix70",), run="bundles:_run_attention")
+
+DECLARATIONS = [
+    Declaration(KERNELS[0], launcher="kernels.tree_verify:tree_verify", reference="reference:tree_verify",
+                output="types:AttentionOutput", serves=("tree_verify", "simple"),
+                torch_ops=(TorchOp(f"tree_verify(str spec, {ATTENTION_ARGS}) -> (Tensor, Tensor)",
+                                   fake="torch_ops:attention_fake", impl="torch_ops:tree_verify"),),
+                sanitize="sanitize:_verify_cases", bundles=_VERIFY_BUNDLES),
+    Declaration(KERNELS[1], launcher="kernels.tree_verify:tree_verify_tail", reference="reference:tree_verify_tail",
+                output="types:AttentionOutput", serves=("tree_verify_tail", "simple"),
+                torch_ops=(TorchOp(f"tree_verify_tail(str spec, {ATTENTION_ARGS}) -> (Tensor, Tensor)",
+                                   fake="torch_ops:attention_fake", impl="torch_ops:tree_verify_tail"),),
+                sanitize="sanitize:_verify_cases", bundles=_VERIFY_BUNDLES),
+    Declaration(KERNELS[2], launcher="kernels.tree_verify:merge_states", reference="reference:merge_states",
+                output="types:AttentionOutput",
+                torch_ops=(TorchOp("merge_states(str spec, Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) "
+                                   "-> (Tensor, Tensor)", fake="torch_ops:merge_states_fake"),),
+                sanitize="sanitize:_merge_cases", bundles=Bundles("bundles:_merge_inputs", ("empty-sides",))),
 ]

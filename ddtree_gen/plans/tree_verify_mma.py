@@ -29,6 +29,7 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import SM80_SMEM_PER_BLOCK, SM90_MAX_REGS_PER_THREAD, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from .kernel_def import KernelDef
+from .declaration import Declaration
 
 TUNING_FILE = Path(__file__).with_name("tree_verify_mma_tuning.json")
 COMBINE = "tree_verify_mma_combine"   # the split-KV combine of both tensor-core families
@@ -268,3 +269,27 @@ def variant_defs(config) -> list[KernelDef]:
                       entry="ddtree_tree_verify_tail_mma", plan=functools.partial(tail_plan, config=cfg),
                       context={"tail": True, "combine": False}, kv_dtypes=MMA_KV_DTYPES),
             KERNELS[2]]
+
+_SERVED = ("served by the torch op of {0} (impl='{1}'), which dispatches to it")
+_SAME_BUNDLES = ("the math of {0}: its bundles (refs/<spec>/{0}-*.kdtr) hold the inputs and outputs of this "
+                 "kernel too")
+
+
+def _tensor_core(kdef, launcher, public, impl, sanitize):
+    """The declaration of a tensor-core kernel serving `public`(impl=`impl`) (also the wgmma family's)."""
+    return Declaration(kdef, launcher=launcher, reference=f"reference:{public}", output="types:AttentionOutput",
+                       serves=(public, impl), sanitize=sanitize,
+                       missing={"torch_ops": _SERVED.format(public, impl), "bundles": _SAME_BUNDLES.format(public)})
+
+
+DECLARATIONS = [
+    _tensor_core(KERNELS[0], "kernels.tree_verify_mma:tree_verify", "tree_verify", "mma", "sanitize:_verify_mma_cases"),
+    _tensor_core(KERNELS[1], "kernels.tree_verify_mma:tree_verify_tail", "tree_verify_tail", "mma",
+                 "sanitize:_verify_mma_cases"),
+    Declaration(KERNELS[2], launcher="kernels.tree_verify_mma:combine", output="types:AttentionOutput",
+                missing={"reference": "a step of the tensor-core tree_verify kernels with num_splits > 1 (checked "
+                                      "through their references); its math is merge_states' over the chunks",
+                         "torch_ops": "a step of the tensor-core tree_verify kernels, not an op of its own",
+                         "sanitize": "launched by the tensor-core tree_verify kernels' cases with num_splits > 1",
+                         "bundles": "a step of the tensor-core tree_verify kernels (their bundles are tree_verify's)"}),
+]

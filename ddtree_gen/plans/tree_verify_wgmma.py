@@ -23,6 +23,7 @@ import functools
 import sympy
 
 from ..errors import SpecError
+from .tree_verify_mma import _tensor_core
 from ..resources import P, R, Plan
 from . import tree_verify_mma as mma
 from .kernel_def import KernelDef
@@ -142,3 +143,10 @@ def parts_for(spec, b: int, nq: int, max_keys: int, sms: int) -> int:
     most = max(1, b * -(-int(max_keys) // BN))
     return max(1, min(sms // max(1, row_tiles), most, mma.MAX_SPLITS))
 
+
+DECLARATIONS = [
+    _tensor_core(KERNELS[0], "kernels.tree_verify_wgmma:tree_verify", "tree_verify", "wgmma",
+                 "sanitize:_verify_mma_cases"),
+    _tensor_core(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
+                 "sanitize:_verify_mma_cases"),
+]
