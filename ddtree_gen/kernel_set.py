@@ -23,8 +23,8 @@ __all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
 
 class KernelSet:
     """The compiled kernels of one spec. Each kernel's launcher is a method: kset.tree_build(...) (one per
-    declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); a kernel this set
-    was not loaded with raises ArgumentError saying so."""
+    declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); the launch of a
+    kernel this set was not loaded with raises ArgumentError (no build of it for the device)."""
 
     def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None, arch: str | None = None):
         """`built`: kernel name -> {target: artifacts.Built} (or one Built); `kdefs`: the KernelDefs (default:
