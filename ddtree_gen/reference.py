@@ -9,16 +9,16 @@ tree_accept and kv_commit move its bytes. Bad arguments raise ArgumentError nami
 """
 import heapq
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import bf16, fp8
 from .errors import ArgumentError
-from .plans.draft_topk import DraftTopkOutput
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
-           "merge_states", "tree_accept", "kv_commit", "draft_topk"]
+           "merge_states", "tree_accept", "kv_commit", "draft_topk", "DraftTopkOutput"]
 
 _I32_MAX = 2**31 - 1
 
@@ -550,6 +550,12 @@ def kv_commit(accepted, prefix_lens, kv_caches, block_table):
 # ----------------------------------------------------------------------------- draft_topk
 
 MAX_VOCAB = 262144   # draft_topk: the largest vocabulary (the last dimension of logits)
+
+
+class DraftTopkOutput(NamedTuple):
+    """draft_topk's record (the launcher's and this reference's; its order is tree_build's first two arguments)."""
+    topk_ids: Any         # [B, D', k] int32: token ids, by descending logit, equal logits lowest id first
+    topk_logprobs: Any    # [B, D', k] float32 (float64 here): log-softmax over the vocabulary
 
 
 def temperature_arg(temperature) -> tuple[float, float, float]:

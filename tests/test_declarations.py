@@ -96,7 +96,7 @@ def test_stand_in_records_launches(spec, fake_device):
     import numpy as np
 
     from conftest import FakeCudaArray
-    from ddtree_gen.plans.draft_topk import DraftTopkOutput
+    from ddtree_gen.reference import DraftTopkOutput
     ks = kernel_set.StandInKernelSet(spec)
     b, dp, v, k = 2, 1, 1000, 4
     out = DraftTopkOutput(FakeCudaArray((b, dp, k), np.int32, ptr=2 << 30),

@@ -11,7 +11,7 @@ import pytest
 
 from ddtree_gen import bf16, reference
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.plans.draft_topk import DraftTopkOutput
+from ddtree_gen.reference import DraftTopkOutput
 
 
 def _row_oracle(row, k, t):

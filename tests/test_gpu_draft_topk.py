@@ -14,7 +14,7 @@ import pytest
 from ddtree_gen import bf16
 from ddtree_gen import reference as ref
 from ddtree_gen.plans.draft_topk import NVEC, THREADS   # a chunk: THREADS x NVEC 16-byte vectors
-from ddtree_gen.plans.draft_topk import DraftTopkOutput
+from ddtree_gen.reference import DraftTopkOutput
 
 pytestmark = pytest.mark.gpu
 

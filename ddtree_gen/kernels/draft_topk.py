@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, DraftTopkOutput, chunks
-from ..reference import temperature_arg
+from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, chunks
+from ..reference import DraftTopkOutput, temperature_arg
 from ..runtime import IsAligned, Prepared, Step, run_call
 from .checks import INT32_MAX
 

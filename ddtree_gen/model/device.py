@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..plans.draft_topk import DraftTopkOutput
+from ..reference import DraftTopkOutput
 from ..types import TreeAcceptOutput, TreeBuildOutput
 from .backends import CupyOps, ReferenceKernels
 from .cache import _capacity, chain_mask, make_block_table

@@ -1,8 +1,7 @@
 """draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth, one block
-per chunk of a row, then a merge per row), its output record, and the inputs of its bundles and sanitizer cases."""
+per chunk of a row, then a merge per row), and the inputs of its bundles and sanitizer cases (its output record,
+DraftTopkOutput, is beside its numpy reference)."""
 from __future__ import annotations
-
-from typing import Any, NamedTuple
 
 import numpy as np
 import sympy
@@ -39,11 +38,6 @@ def plan(spec) -> Plan:
 
 
 KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan)]
-
-
-class DraftTopkOutput(NamedTuple):
-    topk_ids: Any         # [B, D', k] int32: token ids, by descending logit, equal logits lowest id first
-    topk_logprobs: Any    # [B, D', k] float32 (float64 in the reference): log-softmax over the vocabulary
 
 
 def bundle_inputs(spec, rng, case) -> dict:
@@ -93,7 +87,7 @@ def sanitizer_cases(spec, rng):
 
 DECLARATIONS = [Declaration(
     KERNELS[0], launcher="kernels.draft_topk:launch", reference="reference:draft_topk",
-    output="plans.draft_topk:DraftTopkOutput",
+    output="reference:DraftTopkOutput",
     torch_ops=(TorchOp("draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
                        fake="kernels.draft_topk:torch_fake"),),
     sanitize="plans.draft_topk:sanitizer_cases",
