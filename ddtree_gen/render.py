@@ -28,12 +28,8 @@ def _environment(root: str) -> jinja2.Environment:
 def context(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> dict:
     plan = kdef.plan_for(spec, arch)
     plan.check_fits()
-    ctx = {
-        "spec": spec, "kernel": kdef.name, "entry": kdef.entry,
-        "H": spec.num_heads, "R": spec.kv_lora_rank, "P": spec.qk_rope_head_dim,
-        "N": spec.max_tree_size, "D": spec.max_depth, "W": spec.mask_words, "PAGE": spec.page_size,
-        "KV_FP8": spec.kv_fp8,
-    }
+    # the spec's fields by their aliases (H, R, P, PAGE, N, D; spec.FIELDS) and what derives from them (W, KV_FP8)
+    ctx = {"spec": spec, "kernel": kdef.name, "entry": kdef.entry, **spec.template_values()}
     ctx.update(plan.template_constants())
     ctx.update(kdef.context)
     return ctx

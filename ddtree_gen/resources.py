@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 import sympy
 
 from .errors import SpecError
-from .spec import Spec
+from .spec import FIELDS, Spec
 
-# Spec symbols.
-H, R, P, N, D, PAGE = sympy.symbols("H R P N D PAGE", positive=True, integer=True)
+# Spec symbols: one per int field with an alias (spec.FIELDS), named by the alias.
+SYMBOLS = {f.alias: sympy.Symbol(f.alias, positive=True, integer=True) for f in FIELDS if f.symbolic}
+H, R, P, N, D, PAGE = (SYMBOLS[a] for a in ("H", "R", "P", "N", "D", "PAGE"))
 W = sympy.ceiling(N / 32)  # tree-mask words per row
+_SYMBOL_FIELDS = tuple((SYMBOLS[f.alias], f.name) for f in FIELDS if f.symbolic)
 
 # sm_90 (H100 / H200) limits a plan must respect.
 SM90_SMEM_PER_BLOCK = 227 * 1024      # opt-in dynamic maximum per block
@@ -32,8 +34,8 @@ SM80_SMEM_PER_BLOCK = 163 * 1024
 
 
 def symbols_of(spec: Spec) -> dict:
-    return {H: spec.num_heads, R: spec.kv_lora_rank, P: spec.qk_rope_head_dim,
-            N: spec.max_tree_size, D: spec.max_depth, PAGE: spec.page_size}
+    """The spec's value of every spec symbol."""
+    return {sym: getattr(spec, name) for sym, name in _SYMBOL_FIELDS}
 
 
 def evaluate(expr, spec: Spec) -> int:

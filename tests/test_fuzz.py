@@ -19,15 +19,20 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from ddtree_gen.errors import KdtrError, SpecError
+from ddtree_gen.spec import FIELDS as SPEC_FIELDS
 from ddtree_gen.spec import Spec, load_spec, parse_spec
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=False, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
-FIELDS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "page_size", "max_tree_size",
-          "max_depth")
+# the declared fields (ddtree_gen/spec.py FIELDS): the required ones, the optional ones and their defaults
+FIELDS = tuple(f.name for f in SPEC_FIELDS if f.required)
+OPTIONAL = tuple(f.name for f in SPEC_FIELDS if not f.required)
+NUMERIC = tuple(f.name for f in SPEC_FIELDS if f.required and f.types == (int,))
 VALID = dict(name="t", num_heads=8, kv_lora_rank=512, qk_rope_head_dim=64, page_size=64,
              max_tree_size=65, max_depth=15)
+# what as_dict() holds of the optional fields of a spec that leaves them out
+DEFAULTS = {k: v for k, v in Spec(**VALID).as_dict().items() if k in OPTIONAL}
 
 
 # ================================================================== spec loader
@@ -59,7 +64,7 @@ def test_spec_random_bytes(spec_file, data):
 
 # TOML-ish text: lines of `key = value` with keys from the spec's fields (and a few others),
 # values from a small TOML value grammar, sprinkled with junk.
-_keys = st.sampled_from(FIELDS + ("num_layers", "Name", "name.x", '"name"', "[t]", ""))
+_keys = st.sampled_from(FIELDS + OPTIONAL + ("num_layers", "Name", "name.x", '"name"', "[t]", ""))
 _scalars = st.one_of(
     st.integers(min_value=-2**70, max_value=2**70).map(str),
     st.sampled_from(["0", "1", "16", "64", "65", "128", "129", "-0", "+64", "0x40", "0o100", "0b1",
@@ -87,15 +92,15 @@ def test_spec_random_toml_text(spec_file, lines, start_valid):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(FIELDS), st.sampled_from([0, 1, 2, 15, 16, 63, 64, 65, 127, 128, 129,
-                                                                  512, 1024, -1]), min_size=7))
+@given(st.dictionaries(st.sampled_from(NUMERIC), st.sampled_from([0, 1, 2, 15, 16, 63, 64, 65, 127, 128, 129,
+                                                                   512, 1024, -1]), min_size=len(NUMERIC)))
 def test_spec_values_in_file(spec_file, values):
     """Numeric fields only: a spec is either refused or loaded with exactly those values."""
     values = dict(values, name="t")
     spec_file.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
     spec = _load_bytes(spec_file, spec_file.read_bytes())
     if spec is not None:
-        assert spec.as_dict() == dict(values, archs=["sm_90a", "sm_80"], kv_dtype="bf16")   # optional: defaults
+        assert spec.as_dict() == dict(values, **DEFAULTS)   # the optional fields: their defaults
         assert 2 <= spec.max_tree_size <= 128 and 1 <= spec.max_depth < spec.max_tree_size
         assert spec.kv_lora_rank % 16 == 0 and spec.qk_rope_head_dim % 16 == 0
 
@@ -111,7 +116,8 @@ _any_value = st.recursive(
 
 
 @FUZZ
-@given(st.dictionaries(st.one_of(st.sampled_from(FIELDS), st.text(max_size=10)), _any_value, max_size=9),
+@given(st.dictionaries(st.one_of(st.sampled_from(FIELDS + OPTIONAL), st.text(max_size=10)), _any_value,
+                       max_size=len(FIELDS + OPTIONAL)),
        st.booleans())
 def test_parse_spec_random_dicts(data, fill):
     if fill:  # keep most fields valid so that the later checks are reached too

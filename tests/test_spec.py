@@ -276,3 +276,47 @@ def test_cli_invalid_spec_file_exits_2(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert str(bad) in r.stderr and "'num_heads'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ fields declared once
+
+def test_fields_are_declared_once():
+    """Spec's attributes, the loader's fields, the template variables and the sympy symbols all come from
+    spec.FIELDS."""
+    import dataclasses
+
+    from ddtree_gen import render, resources
+    from ddtree_gen import spec as S
+    from ddtree_gen.plans import by_name
+    assert [f.name for f in dataclasses.fields(Spec)] == [f.name for f in S.FIELDS]
+    spec = load_spec(paths.specs_dir() / "kimi-k2.6-tp8.toml")
+    ctx = render.context(spec, by_name("tree_build"))
+    for f in S.FIELDS:
+        if f.alias:
+            assert ctx[f.alias] == getattr(spec, f.name)
+    assert {str(s) for s in resources.symbols_of(spec)} == {f.alias for f in S.FIELDS if f.symbolic}
+    assert resources.symbols_of(spec)[resources.R] == spec.kv_lora_rank
+
+
+def test_an_optional_field_at_its_default_changes_no_manifest(monkeypatch):
+    """A new optional field (here declared for the test only) left at its default leaves as_dict() and digest()
+    -- the manifests' spec_values and spec_sha256 -- as they were; set, it is in both and in the templates."""
+    import json
+
+    from ddtree_gen import spec as S
+    extra = S.Field("extra_knob", (int,), "int", lambda v, f: None if v >= 0 else "must be >= 0", default=0,
+                    alias="EXTRA")
+    fields = (*S.FIELDS, extra)
+    monkeypatch.setattr(S, "FIELDS", fields)
+    monkeypatch.setattr(S, "FIELD", {f.name: f for f in fields})
+    monkeypatch.setattr(S, "Spec", S._spec_class())
+    manifest = json.loads((paths.generated_dir() / "kimi-k2.6-tp8" / "manifest.json").read_text())
+    spec = load_spec(paths.specs_dir() / "kimi-k2.6-tp8.toml")
+    assert spec.extra_knob == 0
+    assert spec.as_dict() == manifest["spec_values"] and spec.digest() == manifest["spec_sha256"]
+    knob = S.parse_spec(dict(spec.as_dict(), extra_knob=3), "t.toml")
+    assert knob.as_dict()["extra_knob"] == 3 and knob.digest() != spec.digest()
+    assert knob.template_values()["EXTRA"] == 3
+    with pytest.raises(SpecError, match="field 'extra_knob' = -1 must be >= 0"):
+        S.parse_spec(dict(spec.as_dict(), extra_knob=-1), "t.toml")
+

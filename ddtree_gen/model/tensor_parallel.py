@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..spec import FIELDS
 from .config import ModelConfig
 
 SHARDED = ("wq_b", "w_uk_t", "w_uv", "wo")
@@ -71,12 +72,14 @@ def shard_weights(weights: dict, cfg: ModelConfig, rank: int, tp: int) -> dict:
     return {**weights, "layers": layers}
 
 
-_MATCH = ("kv_lora_rank", "qk_rope_head_dim", "page_size", "max_tree_size", "max_depth", "kv_dtype")
+# what a rank's spec shares with the whole model's: every field but the name, the heads (H / tp) and the build
+# targets (a rank's own)
+_MATCH = tuple(f.name for f in FIELDS if f.name not in ("name", "num_heads", "archs"))
 
 
 def rank_spec(spec, tp: int, specs=None):
     """The spec a rank runs: one of `specs` (default: every spec in specs/) with num_heads
-    H / tp and the same R, P, page size, N, D and kv_dtype as `spec`. None there: a Spec of those values
+    H / tp and the same R, P, page size, N, D and kv_dtype (every field of _MATCH) as `spec`. None there: a Spec of those values
     named '<spec>-tp<tp>-rank' (ddtree_gen.load compiles it through the cache)."""
     lo, hi = head_range(spec.num_heads, 0, tp)
     if tp == 1:
