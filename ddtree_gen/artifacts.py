@@ -1,13 +1,15 @@
 """Artifacts: the content-hashed binary cache, generated/<spec>/, manifests and drift checks.
 
+- Builds are of variants (plans/variant.py: kernel, spec, target, config); the shipped ones are the default
+  variants (the policy's config), a script's others are named by their procedural name (Variant.name).
 - Cache (outside git, paths.cache_dir()): <key>.cubin (sm_90a) or <key>.ptx (sm_80) + <key>.json,
-  key = hash of the rendered source, the target's compile options, NVRTC version and entry: the
-  same source built for two targets has two keys. The json holds the binary's SHA-256, so a
+  key = hash of the rendered source, the target's compile options, NVRTC version and entry, and, for a
+  variant that is not a default one, its name: the same source built for two targets has two keys. The json holds the binary's SHA-256, so a
   truncated or corrupted binary is detected and rebuilt, never loaded.
 - generated/<spec>/: the rendered .cu of every kernel and manifest.json (spec hash, template
   hash, NVRTC version, the targets with their options; per kernel its targets and per target the
   source file, cache key, binary size and hash, ptxas report and model). A kernel whose source
-  differs per target (its plan does: KernelDef.arch_plan) has one file per target,
+  differs per target (its default config does: the mma.sync kernels' BN / STAGES) has one file per target,
   <kernel>.cu for the first and <kernel>.<arch>.cu for the others. Committed to git.
 Every write is atomic (temp file + rename) and builders take a file lock, so concurrent
 builds end with valid artifacts and a failed build leaves the previous ones in place.
@@ -26,6 +28,7 @@ from .compile import compile_source, nvrtc_version, options
 from .errors import BuildError, SpecError
 from .fileio import atomic_write, file_lock
 from .plans import KernelDef, all_kernels
+from .plans.variant import Variant, default_variants, variant
 from .render import render, templates_digest
 from .resources import PtxasReport, compare
 from .spec import Spec, load_spec
@@ -60,29 +63,43 @@ def select_kernels(kernels=None) -> list[KernelDef]:
 
 @dataclass
 class Built:
-    kernel: str
+    variant: Variant   # what was built: kernel, spec, target, config
     source: str
     key: str
     binary: bytes      # what is shipped: the cubin (sm_90a) or the PTX text (sm_80)
     report: PtxasReport  # ptxas -v of the cubin (sm_80: of the sm_80 cubin assembled from the PTX, not shipped)
     status: str        # "cached" or "compiled"
     seconds: float = 0.0
-    arch: str = PRIMARY
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's name (a KernelSet's attribute, a manifest's key)."""
+        return self.variant.kernel.name
+
+    @property
+    def arch(self) -> str:
+        """The target it was built for."""
+        return self.variant.target
 
     @property
     def kind(self) -> str:
         """The kind of the shipped binary: 'cubin' or 'ptx'."""
         return archs.BINARY[self.arch]
 
-def variants(spec: Spec, kdefs, arch: str | None = None) -> list[tuple[KernelDef, str]]:
-    """(kernel, target) pairs a spec builds, in build order: every target of each kernel (KernelDef.archs_for),
+
+def variants(spec: Spec, kdefs, arch: str | None = None) -> list[Variant]:
+    """The default variants a spec builds, in build order: every target of each kernel (KernelDef.archs_for),
     or only `arch` when given."""
-    return [(k, a) for k in kdefs for a in k.archs_for(spec) if arch is None or a == arch]
+    return default_variants(spec, kdefs, arch)
 
 
-def cache_key(source: str, kdef: KernelDef, nvrtc: str, arch: str = PRIMARY) -> str:
-    return sha256(json.dumps({"source": sha256(source), "options": list(options(arch)), "nvrtc": nvrtc,
-                              "entry": kdef.entry}, sort_keys=True))
+def cache_key(source: str, v: Variant, nvrtc: str) -> str:
+    """The cache key of `v` built from `source`. A default variant's key has no name in it (the key it had before
+    variants had names: the manifests' binary record and existing caches stay valid); another's has its name."""
+    key = {"source": sha256(source), "options": list(options(v.target)), "nvrtc": nvrtc, "entry": v.kernel.entry}
+    if not v.is_default:
+        key["variant"] = v.name
+    return sha256(json.dumps(key, sort_keys=True))
 
 
 def _read_cache(key: str, entry: str, arch: str = PRIMARY) -> tuple[bytes, PtxasReport] | None:
@@ -98,35 +115,38 @@ def _read_cache(key: str, entry: str, arch: str = PRIMARY) -> tuple[bytes, Ptxas
         return None
 
 
-def compile_variant(spec: Spec, kdef: KernelDef, source: str | None = None, arch: str = PRIMARY) -> Built:
-    """Rendered source -> the binary of target `arch` (archs.py), through the cache."""
+def compile_variant(v: Variant, source: str | None = None) -> Built:
+    """A variant's rendered source (or `source`, a script's edit of it) -> the binary of its target (archs.py),
+    through the cache."""
+    spec, kdef, arch = v.spec, v.kernel, v.target
     if arch not in kdef.archs:
         raise BuildError(f"kernel {kdef.name} is not built for {arch} (its targets: {', '.join(kdef.archs)})")
     if not kdef.builds_for(spec):
         raise BuildError(kdef.why_not_built(spec))
-    source = render(spec, kdef, arch) if source is None else source
+    source = render(v) if source is None else source
     nvrtc = nvrtc_version()
-    key = cache_key(source, kdef, nvrtc, arch)
+    key = cache_key(source, v, nvrtc)
     hit = _read_cache(key, kdef.entry, arch)
     if hit:
-        return Built(kdef.name, source, key, hit[0], hit[1], "cached", arch=arch)
+        return Built(v, source, key, hit[0], hit[1], "cached")
     root = paths.cache_dir()
     kind = archs.BINARY[arch]
     with file_lock(root / f"{key}.lock"):
         hit = _read_cache(key, kdef.entry, arch)  # another process may have built it while we waited
         if hit:
-            return Built(kdef.name, source, key, hit[0], hit[1], "cached", arch=arch)
+            return Built(v, source, key, hit[0], hit[1], "cached")
         t0 = time.perf_counter()
-        name = f"{spec.name}-{kdef.name}.cu" if arch == PRIMARY else f"{spec.name}-{kdef.name}.{arch}.cu"
+        name = f"{spec.name}-{v.stem}.cu" if arch == PRIMARY else f"{spec.name}-{v.stem}.{arch}.cu"
         result = compile_source(source, name, [kdef.entry], options(arch))
         seconds = time.perf_counter() - t0
         report = result.reports[kdef.entry]
         binary = result.cubin if kind == "cubin" else result.ptx
         atomic_write(root / f"{key}.{kind}", binary)
         meta = {"binary": kind, "sha256": sha256(binary), "bytes": len(binary), "arch": arch, "nvrtc": nvrtc,
-                "options": list(options(arch)), "reports": {kdef.entry: report.as_dict()}, "log": result.log}
+                "options": list(options(arch)), "reports": {kdef.entry: report.as_dict()}, "log": result.log,
+                "variant": v.name}
         atomic_write(root / f"{key}.json", json.dumps(meta, indent=1))
-    return Built(kdef.name, source, key, binary, report, "compiled", seconds, arch)
+    return Built(v, source, key, binary, report, "compiled", seconds)
 
 
 def ensure_built(spec: Spec, kernels=None, arch: str | None = None) -> dict:
@@ -135,8 +155,8 @@ def ensure_built(spec: Spec, kernels=None, arch: str | None = None) -> dict:
     a kernel with no such target maps to {})."""
     kdefs = select_kernels(kernels)
     built = {k.name: {} for k in kdefs}
-    for kdef, a in variants(spec, kdefs, arch):
-        built[kdef.name][a] = compile_variant(spec, kdef, arch=a)
+    for v in variants(spec, kdefs, arch):
+        built[v.kernel.name][v.target] = compile_variant(v)
     return built
 
 
@@ -173,7 +193,7 @@ def manifest_for(spec: Spec, built: list[Built]) -> dict:
         per_arch = {}
         for a in order:
             b = builds[a]
-            plan = kdef.plan_for(spec, a)
+            plan = b.variant.plan()
             per_arch[a] = {
                 "source": files[a], "source_sha256": sha256(b.source), "cache_key": b.key,
                 "binary": b.kind, "binary_bytes": len(b.binary), "binary_sha256": sha256(b.binary),
@@ -219,7 +239,7 @@ def expected_sources(spec: Spec) -> dict:
         order = kdef.archs_for(spec)
         if not order:
             continue
-        texts = {a: render(spec, kdef, a) for a in order}
+        texts = {a: render(variant(kdef, spec, a)) for a in order}
         files = source_files(kdef.name, texts)
         out[kdef.name] = {a: (files[a], texts[a]) for a in order}
     return out

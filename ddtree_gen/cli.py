@@ -51,10 +51,11 @@ def cmd_build(args) -> int:
         built = []
         notes += [f"{spec.name}: {k.why_not_built(spec)}" for k in kdefs
                   if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
-        for kdef, arch in variants:
+        for v in variants:
             n += 1
+            kdef, arch = v.kernel, v.target
             try:
-                b = artifacts.compile_variant(spec, kdef, arch=arch)
+                b = artifacts.compile_variant(v)
             except DdtreeError as e:
                 failed.append((spec.name, kdef.name, arch, str(e)))
                 print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} FAILED", flush=True)
@@ -63,7 +64,7 @@ def cmd_build(args) -> int:
             took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
             print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
-            rows.append((spec.name, kdef.name, arch, kdef.plan_for(spec, arch), b.report))
+            rows.append((spec.name, kdef.name, arch, v.plan(), b.report))
         if len(built) == len(variants) and not args.kernel:   # only a complete, successful set is written
             root, where = _destination(spec, args.out)
             if root is None:
@@ -170,8 +171,10 @@ def _binary(arch) -> str:
 def _is_cached(spec, kdef, arch) -> bool:
     from . import artifacts
     from .compile import nvrtc_version
+    from .plans.variant import variant
     from .render import render
-    key = artifacts.cache_key(render(spec, kdef, arch), kdef, nvrtc_version(), arch)
+    v = variant(kdef, spec, arch)
+    key = artifacts.cache_key(render(v), v, nvrtc_version())
     return artifacts._read_cache(key, kdef.entry, arch) is not None
 
 

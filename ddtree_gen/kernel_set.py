@@ -14,7 +14,6 @@ import types
 from . import archs, artifacts, registry, runtime
 from .errors import ArgumentError
 from .plans import KernelDef, all_kernels, by_name
-from .plans import tree_verify_mma as mma_plans
 from .runtime import Binary, DeviceModules
 from .spec import Spec, find_spec
 
@@ -50,7 +49,7 @@ class KernelSet:
                 continue
             per_arch = {}
             for a, b in builds.items():
-                plan = kdef.plan_for(spec, a)
+                plan = b.variant.plan()     # the build's own (a script's variant: its config)
                 # launch geometry is evaluated once here: sympy has no place on the launch path
                 per_arch[a] = Binary(b.binary, kdef.entry, plan.value(plan.threads), plan.value(plan.dynamic_smem),
                                      plan.value(plan.static_smem))
@@ -222,18 +221,23 @@ def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
         return _LOADED[key]
 
 
-def variant_set(spec, config, arch: str | None = None) -> KernelSet:
-    """A KernelSet of one tree_verify_mma configuration (for the tuner): compiled through the cache for
-    the forced target (`arch`, default $DDTREE_GEN_ARCH) or else sm_90a, with `.config` and `.reports`
-    (kernel name -> (plan, ptxas report)).
+def variant_set(variants, *, also=(), arch: str | None = None) -> KernelSet:
+    """A KernelSet of some variants of one spec (plans/variant.py; for the tuner, the comparison and ablation
+    scripts), compiled through the cache, with the default builds of the kernels `also` (e.g. the split-KV
+    combine) beside them; `arch`: the forced target (archs.forced). `.variants` (kernel name -> Variant) and
+    `.reports` (kernel name -> (plan, ptxas report)) of the variants.
 
-    vs = variant_set(spec, {"BN": 32, "STAGES": 3}); vs.tree_verify_mma(...)
+    v = variant(by_name("tree_verify_wgmma"), spec, schedule="lockstep", tma=False)
+    vs = variant_set([v], also=[COMBINE]); vs.tree_verify_wgmma(...)
     """
-    config = mma_plans._normalise(config)
-    target = archs.forced(arch) or archs.PRIMARY
-    defs = mma_plans.variant_defs(config)
-    built = {k.name: artifacts.compile_variant(spec, k, arch=target) for k in defs}
-    vs = KernelSet(spec, built, kdefs=defs, arch=archs.forced(arch))
-    vs.config = config
-    vs.reports = {k.name: (k.plan_for(spec, target), built[k.name].report) for k in defs}
+    variants = list(variants)
+    spec = variants[0].spec
+    if any(v.spec != spec for v in variants):
+        raise ArgumentError(f"variant_set: variants of more than one spec ({', '.join(sorted({v.spec.name for v in variants}))})")
+    built = {v.kernel.name: artifacts.compile_variant(v) for v in variants}
+    forced = archs.forced(arch)
+    vs = KernelSet(spec, {**artifacts.ensure_built(spec, kernels=list(also), arch=forced), **built} if also else built,
+                   arch=forced)
+    vs.variants = {v.kernel.name: v for v in variants}
+    vs.reports = {v.kernel.name: (v.plan(), built[v.kernel.name].report) for v in variants}
     return vs

@@ -1,4 +1,5 @@
-"""Rendering: Jinja templates + spec + resource plan -> specialized CUDA source."""
+"""Rendering: a variant (plans/variant.py: kernel, spec, target, config) -> specialized CUDA source, from its
+Jinja template and its resource plan."""
 from __future__ import annotations
 
 import hashlib
@@ -6,11 +7,9 @@ from functools import lru_cache
 
 import jinja2
 
-from .archs import PRIMARY
 from .errors import BuildError
-from .plans import KernelDef
 from .paths import templates_dir
-from .spec import Spec
+from .plans.variant import Variant
 
 
 @lru_cache(maxsize=None)
@@ -25,8 +24,10 @@ def _environment(root: str) -> jinja2.Environment:
     )
 
 
-def context(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> dict:
-    plan = kdef.plan_for(spec, arch)
+def context(variant: Variant) -> dict:
+    """The template variables of a variant: the spec's fields, the plan's constants, the kernel's context."""
+    spec, kdef = variant.spec, variant.kernel
+    plan = variant.plan()
     plan.check_fits()
     # the spec's fields by their aliases (H, R, P, PAGE, N, D; spec.FIELDS) and what derives from them (W, KV_FP8)
     ctx = {"spec": spec, "kernel": kdef.name, "entry": kdef.entry, **spec.template_values()}
@@ -35,12 +36,13 @@ def context(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> dict:
     return ctx
 
 
-def render(spec: Spec, kdef: KernelDef, arch: str = PRIMARY) -> str:
-    """The CUDA source of kdef for spec, as built for `arch` (the same text for every target unless the
-    kernel's plan differs per target: KernelDef.arch_plan)."""
+def render(variant: Variant) -> str:
+    """The CUDA source of a variant (the same text for every target unless its config differs per target: the
+    mma.sync kernels' BN / STAGES)."""
+    spec, kdef = variant.spec, variant.kernel
     env = _environment(str(templates_dir()))
     try:
-        body = env.get_template(kdef.template).render(**context(spec, kdef, arch))
+        body = env.get_template(kdef.template).render(**context(variant))
     except jinja2.TemplateError as e:
         where = f"{getattr(e, 'filename', None) or kdef.template}"
         line = f":{e.lineno}" if getattr(e, "lineno", None) else ""

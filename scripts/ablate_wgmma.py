@@ -15,7 +15,7 @@ from ddtree_gen import artifacts
 from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
 from ddtree_gen.kernel_set import KernelSet
 from ddtree_gen.plans import by_name
-from ddtree_gen.plans.tree_verify_wgmma import variant_def
+from ddtree_gen.plans.variant import variant
 from ddtree_gen.render import render
 from ddtree_gen.spec import find_spec
 
@@ -41,18 +41,17 @@ def main():
     for b, h, l in [(8, 128, 4096), (8, 64, 16384)]:
         spec = find_spec(SPEC_BY_HEADS[h])
         base = artifacts.ensure_built(spec, kernels=["tree_verify_mma_combine"])
-        base_defs = [by_name("tree_verify_mma_combine")]
         x = verify_inputs(spec, b, np.full(b, l), 65)
-        kdef = variant_def("lockstep")
-        src0 = render(spec, kdef)
+        v = variant(by_name("tree_verify_wgmma"), spec, schedule="lockstep")   # tree_verify_wgmma.lockstep.tma
+        src0 = render(v)
         row = [f"B={b} H={h} L={l}"]
         for name, cuts in CUTS.items():
             src = src0
             for a, c in cuts:
                 assert a in src, (name, a)
                 src = src.replace(a, c)
-            built = artifacts.compile_variant(spec, kdef, source=src)
-            ks = KernelSet(spec, {"tree_verify_wgmma": built, **base}, kdefs=[kdef, *base_defs])
+            built = artifacts.compile_variant(v, source=src)    # a cut: another source, so another cache key
+            ks = KernelSet(spec, {"tree_verify_wgmma": built, **base})
             out = ks.tree_verify_wgmma(**x, num_splits=1)
             ms = graph_time_ms(lambda: ks.tree_verify_wgmma(**x, out=out.out, lse=out.lse, num_splits=1),
                                per_graph=5, reps=10)

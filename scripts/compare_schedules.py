@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """tree_verify_wgmma's two schedules side by side, on the same inputs in one process: the seesaw (the default
-where it fits) and the lockstep build (plans/tree_verify_wgmma.variant_def), with FlashMLA's dense decode and
+where it fits) and the lockstep build (the variant tree_verify_wgmma.lockstep.tma, plans/variant.py), with FlashMLA's dense decode and
 the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is importable. Prints per shape the
 CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
@@ -49,13 +49,13 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from ddtree_gen import artifacts
     from ddtree_gen.bench import SPEC_BY_HEADS, flashmla_peers, graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.bench import verify_inputs
-    from ddtree_gen.kernel_set import KernelSet, load
+    from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE
-    from ddtree_gen.plans.tree_verify_wgmma import schedule_for, variant_def
+    from ddtree_gen.plans.tree_verify_wgmma import schedule_for
+    from ddtree_gen.plans.variant import variant as make_variant
     from ddtree_gen.spec import find_spec
 
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
@@ -67,10 +67,9 @@ def main() -> None:
         sets = {"seesaw": load(spec)}
 
         def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded", rescale="lazy"):
-            kdef = variant_def(schedule, ablate, l2_hint, grid, s_order, rescale=rescale)
-            built = artifacts.compile_variant(spec, kdef)
-            return KernelSet(spec, {kdef.name: built, **artifacts.ensure_built(spec, kernels=[COMBINE])},
-                             kdefs=[kdef, by_name(COMBINE)])
+            v = make_variant(by_name("tree_verify_wgmma"), spec, schedule=schedule, ablate=ablate, l2_hint=l2_hint,
+                             grid=grid, s_order=s_order, rescale=rescale)
+            return variant_set([v], also=[COMBINE])
         sets["lockstep"] = variant("lockstep")
         if args.slab_order:
             sets["seesaw slab order"] = variant("seesaw", s_order="slab")

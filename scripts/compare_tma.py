@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """tree_verify_wgmma's lockstep schedule with TMA key tiles against the same kernel with cp.async key tiles (the
-plan's uses_tma switched off for one build; the default build is the seesaw, scripts/compare_schedules.py), on the same inputs in one process: the outputs must be
+variants tree_verify_wgmma.lockstep.tma and .lockstep.cpasync, plans/variant.py; the default build is the seesaw,
+scripts/compare_schedules.py), on the same inputs in one process: the outputs must be
 bit-identical (same math on the same tiles), then both are timed (CUDA-graph replay).
 When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf.md, "TMA key tiles").
 Run: PYTHONPATH=. python scripts/compare_tma.py
@@ -9,12 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree_gen import artifacts
 from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
-from ddtree_gen.kernel_set import KernelSet
+from ddtree_gen.kernel_set import KernelSet, variant_set
 from ddtree_gen.plans import by_name
-from ddtree_gen.plans import tree_verify_wgmma as wg
 from ddtree_gen.plans.tree_verify_mma import COMBINE
+from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import find_spec
 
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
@@ -22,17 +22,9 @@ SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 409
 
 def lockstep_set(spec, tma: bool) -> KernelSet:
     """A kernel set whose tree_verify_wgmma is the lockstep schedule's build with TMA key tiles, or with
-    cp.async ones (uses_tma off while it is made: the seesaw needs TMA, so the plan is lockstep then)."""
-    kdef = wg.variant_def("lockstep")
-    real = wg.uses_tma
-    if not tma:
-        wg.uses_tma = lambda spec, kernel: False
-    try:
-        built = artifacts.compile_variant(spec, kdef)
-        return KernelSet(spec, {kdef.name: built, **artifacts.ensure_built(spec, kernels=[COMBINE])},
-                         kdefs=[kdef, by_name(COMBINE)])
-    finally:
-        wg.uses_tma = real
+    cp.async ones."""
+    v = variant(by_name("tree_verify_wgmma"), spec, schedule="lockstep", tma=tma)
+    return variant_set([v], also=[COMBINE])
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ LAYERS = 61
 
 
 class _Built:
-    """An artifacts.Built stand-in: KernelSet reads .binary and .arch."""
+    """An artifacts.Built stand-in: KernelSet reads .binary, .arch and .variant (its plan)."""
 
-    def __init__(self, arch):
-        self.binary, self.arch = b"", arch
+    def __init__(self, v):
+        self.binary, self.arch, self.variant = b"", v.target, v
 
 
 def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
@@ -52,6 +52,7 @@ def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
     from ddtree_gen import arrays, runtime
     from ddtree_gen.kernel_set import KernelSet
     from ddtree_gen.plans import all_kernels
+    from ddtree_gen.plans.variant import variant
 
     info = runtime.DeviceInfo("stand-in H200", (9, 0), 232448)
     patch(runtime, "device_info", lambda device: info)
@@ -80,7 +81,7 @@ def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
 
     patch(runtime, "_encode_tiled", lambda: encode)
     _torch_cpu_as_device0(torch, arrays, runtime, patch, patch_item)
-    built = {k.name: {a: _Built(a) for a in k.archs_for(spec)} for k in all_kernels() if k.archs_for(spec)}
+    built = {k.name: {a: _Built(variant(k, spec, a)) for a in k.archs_for(spec)} for k in all_kernels() if k.archs_for(spec)}
     return KernelSet(spec, built), launches
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """compute-sanitizer racecheck on the seesaw tree_verify_wgmma: the default build, and the same kernel with its
-warpgroup hand-offs as bar.sync on both sides (plans/tree_verify_wgmma.variant_def(..., sync_handoffs=True)).
+warpgroup hand-offs as bar.sync on both sides (the variant tree_verify_wgmma.seesaw.tma.sync-handoffs: plans/variant.py).
 
 Why: `ddtree-gen sanitize --kernel tree_verify_wgmma` (H200, 2026-12-01) gave memcheck 0, synccheck 0 and 42
 racecheck reports at 5 sites, while every GPU test passes. Every ordering between the two warpgroups of the seesaw
@@ -102,17 +102,15 @@ def worker(build: str) -> None:
     import cupy
     import numpy as np
 
-    from ddtree_gen import artifacts
     from ddtree_gen.bench import verify_inputs
-    from ddtree_gen.kernel_set import KernelSet
+    from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE
-    from ddtree_gen.plans.tree_verify_wgmma import variant_def
+    from ddtree_gen.plans.variant import variant
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
-    kdef = variant_def("seesaw", sync_handoffs=build == "sync_handoffs")
-    ks = KernelSet(spec, {kdef.name: artifacts.compile_variant(spec, kdef),
-                          **artifacts.ensure_built(spec, kernels=[COMBINE])}, kdefs=[kdef, by_name(COMBINE)])
+    v = variant(by_name("tree_verify_wgmma"), spec, schedule="seesaw", sync_handoffs=build == "sync_handoffs")
+    ks = variant_set([v], also=[COMBINE])
     x = verify_inputs(spec, 2, np.array([300, 1000]), 65)
     for splits in (1, 2):
         res = ks.tree_verify_wgmma(**x, num_splits=splits)

@@ -32,10 +32,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddtree_gen import artifacts, bf16, reference  # noqa: E402
+from ddtree_gen import archs, artifacts, bf16, reference  # noqa: E402
 from ddtree_gen.bench import gpu_time_ms, graph_time_ms  # noqa: E402
 from ddtree_gen.kernel_set import variant_set  # noqa: E402
+from ddtree_gen.plans import by_name  # noqa: E402
 from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
+from ddtree_gen.plans.variant import variant  # noqa: E402
 from ddtree_gen.resources import compare  # noqa: E402
 from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
 
@@ -155,7 +157,7 @@ def time_call(fn) -> float:
 def sweep(vs, spec, batches, lengths, nq, sms):
     """{(B, L): {splits: ms}} for one configuration."""
     import cupy
-    bn = vs.config["BN"]
+    bn = vs.variants["tree_verify_mma"].config["BN"]
     rows = {}
     for L in lengths:
         for b in batches:
@@ -180,6 +182,14 @@ def sweep(vs, spec, batches, lengths, nq, sms):
 
 # ------------------------------------------------------------------------------- main
 
+def config_set(spec, cfg):
+    """A kernel set of the mma.sync pair built with `cfg` (the variants tree_verify_mma.bn<BN>.s<STAGES> and its
+    tail) for the forced target ($DDTREE_GEN_ARCH) or else sm_90a, with the default combine kernel."""
+    target = archs.forced() or archs.PRIMARY
+    pair = [variant(by_name(k), spec, target, **cfg) for k in ("tree_verify_mma", "tree_verify_tail_mma")]
+    return variant_set(pair, also=[mod.COMBINE])
+
+
 def tune_spec(spec, args, sms) -> dict | None:
     nq = spec.max_tree_size
     batches = args.batches or DEFAULT_BATCHES.get(spec.num_heads, (1, 2, 4, 8, 16))
@@ -188,7 +198,7 @@ def tune_spec(spec, args, sms) -> dict | None:
           f"L={list(args.L)} B={list(batches)} SMs={sms}", flush=True)
     for cfg in mod.candidates(spec):
         t0 = time.time()
-        vs = variant_set(spec, cfg)
+        vs = config_set(spec, cfg)
         bad = []
         for name, (plan, rep) in vs.reports.items():
             bad += [f"{name}: {p}" for p in compare(plan, rep)]

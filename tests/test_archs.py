@@ -21,6 +21,7 @@ from ddtree_gen.errors import ArgumentError, DdtreeError, SpecError
 from ddtree_gen.kernel_set import KernelSet, load
 from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.plans import tree_verify_mma as mma_plans
+from ddtree_gen.plans.variant import default_config, variant
 from ddtree_gen.resources import PtxasReport
 from ddtree_gen.runtime import DeviceInfo, DeviceModules
 from ddtree_gen.spec import all_specs, find_spec, parse_spec
@@ -120,21 +121,21 @@ def test_spec_archs_field():
 def test_spec_archs_limit_what_is_built():
     s = parse_spec(dict(VALID, archs=["sm_80"]), "t.toml")
     pairs = artifacts.variants(s, all_kernels())
-    assert {a for _, a in pairs} == {"sm_80"}
-    assert not any("wgmma" in k.name for k, _ in pairs)            # wgmma has no sm_80 build: not built at all
+    assert {v.target for v in pairs} == {"sm_80"}
+    assert not any("wgmma" in v.kernel.name for v in pairs)        # wgmma has no sm_80 build: not built at all
     assert len(artifacts.variants(parse_spec(VALID, "t.toml"), all_kernels())) == 2 * len(all_kernels()) - 2
 
 
 def test_cache_key_differs_by_target():
     spec = find_spec("kimi-k2.6-tp8")
     kdef = by_name("tree_build")
-    src = artifacts.render(spec, kdef)
-    keys = {a: artifacts.cache_key(src, kdef, "13.0", a) for a in archs.ARCHS}
+    src = artifacts.render(variant(kdef, spec))
+    keys = {a: artifacts.cache_key(src, variant(kdef, spec, a), "13.0") for a in archs.ARCHS}
     assert len(set(keys.values())) == len(archs.ARCHS)
     # the sm_90a key is the one from before there were targets (existing cache entries stay valid)
     old = artifacts.sha256(json.dumps({"source": artifacts.sha256(src), "options": list(OPTIONS), "nvrtc": "13.0",
                                        "entry": kdef.entry}, sort_keys=True))
-    assert keys["sm_90a"] == old and artifacts.cache_key(src, kdef, "13.0") == old
+    assert keys["sm_90a"] == old
     assert options("sm_80")[0] == "--gpu-architecture=sm_80" and options("sm_90a") == OPTIONS
 
 
@@ -152,7 +153,8 @@ def test_generated_manifests_list_targets():
             assert entry["archs"] == list(k.archs_for(spec)), k.name
             for a, b in entry["builds"].items():
                 assert b["binary"] == archs.BINARY[a] and b["binary_bytes"] > 0 and len(b["binary_sha256"]) == 64
-                assert (b["source"] == f"{k.name}.cu") != (k.arch_plan and a == "sm_80"), (k.name, a, b["source"])
+                per_target = default_config(k, spec, "sm_80") != default_config(k, spec, "sm_90a")
+                assert (b["source"] == f"{k.name}.cu") != (per_target and a == "sm_80"), (k.name, a, b["source"])
                 assert "ptxas" in b and "model_vs_ptxas" in b
 
 
@@ -163,8 +165,7 @@ def test_load_forces_one_target(tmp_path, monkeypatch):
     built = []
     real = artifacts.compile_variant
     monkeypatch.setattr(artifacts, "compile_variant",
-                        lambda spec, kdef, source=None, arch="sm_90a": built.append((kdef.name, arch))
-                        or real(spec, kdef, source, arch))
+                        lambda v, source=None: built.append((v.kernel.name, v.target)) or real(v, source))
     kernels = ["tree_build", "tree_verify_wgmma"]
     forced = load("kimi-k2.6-tp8", kernels=kernels, arch="sm_80")
     assert forced.forced_arch == "sm_80" and forced.archs == ("sm_80",)
@@ -219,7 +220,7 @@ def fake_set(spec, names=None, arch=None) -> RecordingSet:
     """A kernel set of every target of `names` (default: all kernels) with fake binaries (nothing is compiled)."""
     report = PtxasReport(registers=32, smem=0, stack=0, spill_stores=0, spill_loads=0)
     kdefs = [k for k in all_kernels() if names is None or k.name in names]
-    built = {k.name: {a: artifacts.Built(k.name, "", "key", b"fake", report, "cached", arch=a)
+    built = {k.name: {a: artifacts.Built(variant(k, spec, a), "", "key", b"fake", report, "cached")
                       for a in k.archs_for(spec) if arch is None or a == arch} for k in kdefs}
     return RecordingSet(spec, built, arch=arch)
 

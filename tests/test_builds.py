@@ -24,6 +24,7 @@ import pytest
 
 from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
 from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans.variant import default_config, variant
 from ddtree_gen.spec import load_spec, spec_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ KERNELS = all_kernels()
 
 
 def _variants(name: str) -> list:
-    """(kernel, target) pairs a shipped spec builds."""
+    """The (default) variants a shipped spec builds."""
     return artifacts.variants(load_spec(REPO / "specs" / f"{name}.toml"), KERNELS)
 
 
@@ -292,9 +293,9 @@ def test_corrupted_cache_entry_is_rebuilt(case, arch, tree_build_variant, sessio
     real = artifacts.compile_source
     monkeypatch.setattr(artifacts, "compile_source", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
 
-    first = artifacts.compile_variant(spec, kdef, arch=arch)
+    first = artifacts.compile_variant(variant(kdef, spec, arch))
     assert first.status == "compiled" and len(calls) == 1 and first.arch == arch
-    assert artifacts.compile_variant(spec, kdef, arch=arch).status == "cached" and len(calls) == 1
+    assert artifacts.compile_variant(variant(kdef, spec, arch)).status == "cached" and len(calls) == 1
 
     which, corrupt = CORRUPTIONS[case]
     which = first.kind if which == "binary" else which
@@ -308,13 +309,13 @@ def test_corrupted_cache_entry_is_rebuilt(case, arch, tree_build_variant, sessio
         assert bad != good
         path.write_bytes(bad)
 
-    again = artifacts.compile_variant(spec, kdef, arch=arch)
+    again = artifacts.compile_variant(variant(kdef, spec, arch))
     assert again.status == "compiled", f"{case}: a corrupted entry was loaded from the cache"
     assert len(calls) == 2
     assert again.binary != bad and again.binary == first.binary
     assert again.report == first.report
     assert _check_cache(tmp_path / "cache") == 1   # repaired on disk
-    assert artifacts.compile_variant(spec, kdef, arch=arch).status == "cached"
+    assert artifacts.compile_variant(variant(kdef, spec, arch)).status == "cached"
     assert _temp_leftovers(tmp_path / "cache") == []
 
 
@@ -323,7 +324,8 @@ def test_corrupted_cache_entry_cli_says_compiled(tree_build_variant, session_roo
     monkeypatch.setenv("DDTREE_GEN_ROOT", str(session_root))
     monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
     for arch in ("sm_90a", "sm_80"):
-        assert artifacts.compile_variant(*tree_build_variant, arch=arch).status == "compiled"
+        spec, kdef = tree_build_variant
+        assert artifacts.compile_variant(variant(kdef, spec, arch)).status == "compiled"
     (cubin,) = cache.glob("*.cubin")
     cubin.write_bytes(_flip(cubin.read_bytes()))
     r = _cli(session_root, cache, "build", "kimi-k2.6-tp8", "--kernel", "tree_build")
@@ -498,13 +500,13 @@ def test_list_shows_targets_per_kernel(concurrent_build, session_cache, tmp_path
 
 # ------------------------------------------------------------------ (f) resource model
 
-VARIANTS = [(s, k, a) for s in SPEC_NAMES for k, a in _variants(s)]
+VARIANTS = [(s, v.kernel, v.target) for s in SPEC_NAMES for v in _variants(s)]
 @pytest.mark.parametrize("spec_name,kdef,arch", VARIANTS, ids=[f"{s}-{k.name}-{a}" for s, k, a in VARIANTS])
 def test_resource_model_matches_ptxas(spec_name, kdef, arch, in_session, session_root):
     spec = load_spec(session_root / "specs" / f"{spec_name}.toml")
     plan = kdef.plan_for(spec, arch)
     plan.check_fits()
-    built = artifacts.compile_variant(spec, kdef, arch=arch)
+    built = artifacts.compile_variant(variant(kdef, spec, arch))
     problems = resources.compare(plan, built.report)   # the same bar for sm_80 as for sm_90a: no exceptions
     assert problems == [], (
         f"{spec_name}/{kdef.name} ({arch}): ptxas {built.report.as_dict()}, model smem "
@@ -522,15 +524,16 @@ def test_sm80_build_is_ptx(spec_name, kdef, in_session, session_root):
     instruction; its source is the sm_90a one except where the plan differs per target (tree_verify_mma
     and _tail_mma: BN = 32, so that 150 KB of shared memory fit an A100's 163 KB)."""
     spec = load_spec(session_root / "specs" / f"{spec_name}.toml")
-    built = artifacts.compile_variant(spec, kdef, arch="sm_80")
+    built = artifacts.compile_variant(variant(kdef, spec, "sm_80"))
     assert built.kind == "ptx" and built.arch == "sm_80"
     text = built.binary.decode()
     assert "\n.target sm_80\n" in text and f".entry {kdef.entry}(" in text
     for instruction in ("wgmma", "setmaxnreg", "cp.async.bulk", "fence.proxy", "griddepcontrol", "mbarrier"):
         assert instruction not in text, f"{kdef.name}: {instruction} in the sm_80 PTX"
-    same = artifacts.render(spec, kdef, "sm_80") == artifacts.render(spec, kdef, "sm_90a")
-    assert same == (not kdef.arch_plan), kdef.name
-    if kdef.arch_plan:
+    same = artifacts.render(variant(kdef, spec, "sm_80")) == artifacts.render(variant(kdef, spec, "sm_90a"))
+    per_target = default_config(kdef, spec, "sm_80") != default_config(kdef, spec, "sm_90a")
+    assert same == (not per_target), kdef.name
+    if per_target:
         plan = kdef.plan_for(spec, "sm_80")
         assert plan.value(plan.dynamic_smem) + plan.value(plan.static_smem) <= resources.SM80_SMEM_PER_BLOCK
 
@@ -545,9 +548,9 @@ def test_wgmma_kernels_have_no_sm80_build(in_session, session_root):
         kdef = by_name(name)
         assert kdef.archs == ("sm_90a",) and kdef.archs_for(spec) == ("sm_90a",)
         with pytest.raises(BuildError, match="not built for sm_80"):
-            artifacts.compile_variant(spec, kdef, arch="sm_80")
+            artifacts.compile_variant(variant(kdef, spec, "sm_80"))
     with pytest.raises(BuildError, match="wgmma"):
-        compile_source(artifacts.render(spec, by_name("tree_verify_wgmma")), "wgmma-sm80.cu",
+        compile_source(artifacts.render(variant(by_name("tree_verify_wgmma"), spec)), "wgmma-sm80.cu",
                        ["ddtree_tree_verify_wgmma"], options("sm_80"))
     others = [k.name for k in KERNELS if "sm_80" in k.archs]
     assert {"tree_build", "tree_accept", "tree_verify", "tree_verify_tail", "merge_states", "tree_verify_mma",

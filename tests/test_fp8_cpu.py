@@ -27,6 +27,7 @@ from ddtree_gen.kernels import tree_accept as tree_accept_mod
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tree_verify_mma as mma_launchers
 from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import KV_DTYPES, all_specs, find_spec, load_spec, parse_spec
 from ddtree_gen.types import TreeAcceptOutput
 from test_archs import DEVICES, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
@@ -95,7 +96,7 @@ def test_registry_per_kv_dtype():
         assert k.kv_dtypes == want, k.name
         assert k.builds_for(BF16) and k.builds_for(FP8) == (k.kv_dtypes == KV_DTYPES), k.name
         assert bool(k.archs_for(FP8)) == k.builds_for(FP8), k.name
-    pairs = {k.name for k, _ in artifacts.variants(FP8, all_kernels())}
+    pairs = {v.kernel.name for v in artifacts.variants(FP8, all_kernels())}
     assert pairs == {k.name for k in all_kernels()} - {"tree_verify_mma", "tree_verify_tail_mma"}
     assert "tree_verify_mma_combine" in pairs and "merge_states" in pairs    # fp32 / bf16 outputs: built for fp8
     why = by_name("tree_verify_mma").why_not_built(FP8)
@@ -103,7 +104,7 @@ def test_registry_per_kv_dtype():
                    "caches only)")
     assert by_name("tree_verify_mma").why_not_built(BF16) is None
     with pytest.raises(BuildError, match="tree_verify_tail_mma: not built for kv_dtype 'fp8_e4m3'"):
-        artifacts.compile_variant(FP8, by_name("tree_verify_tail_mma"))    # refused before anything is compiled
+        artifacts.compile_variant(variant(by_name("tree_verify_tail_mma"), FP8))    # refused before anything is compiled
     assert "tree_verify_mma" not in artifacts.expected_sources(FP8)
     assert set(artifacts.generated_state(FP8)["tree_verify_mma"]) == set()
 

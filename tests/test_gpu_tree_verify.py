@@ -657,16 +657,13 @@ def test_fp8_matches_bf16_twin(spec, impl):
     ks_twin = ddtree_gen.load(twin, kernels=impl.kernels)
     skip_unless_runs(ks_twin, *impl.own)
     if impl is WGMMA:   # the fp8 kernel runs the lockstep schedule: the twin's build of that schedule, not its default
-        from ddtree_gen import artifacts
-        from ddtree_gen.kernel_set import KernelSet
+        from ddtree_gen.kernel_set import variant_set
         from ddtree_gen.plans import by_name
-        from ddtree_gen.plans.tree_verify_wgmma import schedule_for, variant_def
+        from ddtree_gen.plans.tree_verify_wgmma import schedule_for
+        from ddtree_gen.plans.variant import variant
         assert schedule_for(spec, "tree_verify_wgmma") == "lockstep"
-        lockstep = variant_def("lockstep")
-        others = [by_name(k) for k in impl.kernels if k != lockstep.name]
-        ks_twin = KernelSet(twin, {lockstep.name: artifacts.compile_variant(twin, lockstep),
-                                   **artifacts.ensure_built(twin, kernels=[k.name for k in others])},
-                            kdefs=[lockstep, *others])
+        lockstep = variant(by_name("tree_verify_wgmma"), twin, schedule="lockstep")   # .lockstep.tma
+        ks_twin = variant_set([lockstep], also=[k for k in impl.kernels if k != "tree_verify_wgmma"])
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     n = spec.max_tree_size

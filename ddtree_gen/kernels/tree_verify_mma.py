@@ -75,7 +75,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     arch = kset.require(name, qn.device)
     consts = kset.constants(name, qn.device)
     bn = consts["BN"]
-    # a seesaw build with the "parts" grid (plans/tree_verify_wgmma.variant_def) cuts the batch's key tiles into
+    # a seesaw build with the "parts" grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS) cuts the batch's key tiles into
     # `splits` balanced parts on the device, per row tile: one block per (row tile, part); every other build one
     # per (request, chunk, row tile)
     parts = bool(consts.get("PARTS"))

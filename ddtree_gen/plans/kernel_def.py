@@ -1,4 +1,5 @@
-"""KernelDef: one kernel variant's build data (template, entry point, resource plan, targets). No launcher."""
+"""KernelDef: one kernel's build data (template, entry point, resource plan, targets, config policy). No launcher.
+A build of it for a spec, a target and a config is a Variant (plans/variant.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,23 +13,31 @@ from ..spec import KV_DTYPES, Spec
 
 @dataclass(frozen=True)
 class KernelDef:
-    name: str                                  # "tree_build"; also the generated file's stem
+    name: str                                  # "tree_build"; also its default variant's generated file's stem
     template: str                              # file under templates/
     entry: str                                 # extern "C" symbol
-    plan: Callable[[Spec], Plan]               # resource plan for a spec (plan(spec, arch=...) if arch_plan)
+    # resource plan for a spec: plan(spec), or plan(spec, config=...) for a kernel with knobs (policy)
+    plan: Callable[..., Plan]
     context: dict = field(default_factory=dict)  # extra template variables (e.g. tail=True)
     # the targets it can be built for (archs.py): every one by default; ("sm_90a",) for a kernel that
     # needs a Hopper-only instruction (wgmma)
     archs: tuple = ARCHS
-    # plan takes arch= : its configuration (tile sizes, shared memory) differs per target
-    arch_plan: bool = False
     # the KV-cache element types (spec kv_dtype) it is built for: every one by default; ("bf16",) for a
     # kernel that reads bf16 caches only (the mma.sync tree_verify kernels): not built for an fp8 spec
     kv_dtypes: tuple = KV_DTYPES
+    # the kernel's knobs: policy(spec, arch) -> its default config (a dict; plans/variant.default_config), and
+    # spell(config) -> the parts of a variant's procedural name (plans/variant.Variant.name); None: no knobs
+    policy: Callable[[Spec, str], dict] | None = None
+    spell: Callable[[dict], tuple] | None = None
 
-    def plan_for(self, spec: Spec, arch: str = PRIMARY) -> Plan:
-        """The resource plan of this kernel's build for `arch`."""
-        return self.plan(spec, arch=arch) if self.arch_plan else self.plan(spec)
+    def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
+        """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,
+        the policy's config for spec and arch)."""
+        if self.policy is not None:
+            return self.plan(spec, config=self.policy(spec, arch) if config is None else config)
+        if config:
+            raise BuildError(f"kernel {self.name} has no knobs (config {config})")
+        return self.plan(spec)
 
     def builds_for(self, spec: Spec) -> bool:
         """Whether `spec` gets this kernel at all: its kv_dtype is one the kernel reads, and the kernel's

@@ -249,26 +249,23 @@ def parts_workspace_elems(spec, b: int, nq: int, parts: int) -> int:
 # for every spec
 MMA_KV_DTYPES = ("bf16",)
 
-KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the plan's configuration per target)
+
+def spell(config) -> tuple:
+    """A configuration's part of a variant's name (plans/variant.py): tree_verify_mma.bn64.s2."""
+    return (f"bn{config['BN']}", f"s{config['STAGES']}")
+
+
+KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the configuration per target: config_for)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
-              plan=verify_plan, context={"tail": False, "combine": False}, arch_plan=True, kv_dtypes=MMA_KV_DTYPES),
+              plan=verify_plan, context={"tail": False, "combine": False}, kv_dtypes=MMA_KV_DTYPES,
+              policy=config_for, spell=spell),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
-              plan=tail_plan, context={"tail": True, "combine": False}, arch_plan=True, kv_dtypes=MMA_KV_DTYPES),
+              plan=tail_plan, context={"tail": True, "combine": False}, kv_dtypes=MMA_KV_DTYPES,
+              policy=config_for, spell=spell),
     KernelDef(name=COMBINE, template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma_combine",
               plan=combine_plan, context={"tail": False, "combine": True}),
 ]
 
-
-def variant_defs(config) -> list[KernelDef]:
-    """KernelDefs of one configuration, for the tuner (same names and entries as the registered ones)."""
-    cfg = _normalise(config)
-    return [KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
-                      plan=functools.partial(verify_plan, kernel="tree_verify_mma", config=cfg),
-                      context={"tail": False, "combine": False}, kv_dtypes=MMA_KV_DTYPES),
-            KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2",
-                      entry="ddtree_tree_verify_tail_mma", plan=functools.partial(tail_plan, config=cfg),
-                      context={"tail": True, "combine": False}, kv_dtypes=MMA_KV_DTYPES),
-            KERNELS[2]]
 
 _SERVED = ("served by the torch op of {0} (impl='{1}'), which dispatches to it")
 _SAME_BUNDLES = ("the math of {0}: its bundles (refs/<spec>/{0}-*.kdtr) hold the inputs and outputs of this "

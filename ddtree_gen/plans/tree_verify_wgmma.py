@@ -6,8 +6,9 @@ operands once from shared memory instead of every warp re-reading them.
 templates/tree_verify_wgmma.cu.j2 has the design, docs/perf.md the performance model.
 
 Fixed configuration: two warpgroups, BM = 64 query rows, BN = 64 keys per tile; tiles stored in the
-128-byte swizzle of the wgmma descriptors. Two schedules (the config's "schedule"; `schedule_for` is the
-policy):
+128-byte swizzle of the wgmma descriptors. A variant's config (plans/variant.py; the policy `variant_config`) holds
+the schedule, whether key tiles come by TMA (`tma`) and the measurement knobs (KNOBS). Two schedules
+(`schedule_for` picks the default):
 * "seesaw" (templates/tree_verify_seesaw.cu.j2): each warpgroup owns half of the output columns and
   computes S of alternate key tiles, so one warpgroup's softmax runs under the other's products; key
   tiles by TMA, two tile buffers; needs a bf16 cache with 64-key-aligned pages, R = 512 and P = 64
@@ -72,17 +73,61 @@ def seesaw_fits(spec, kernel: str) -> bool:
 
 
 def schedule_for(spec, kernel: str) -> str:
-    """The default schedule (the policy): the seesaw wherever it fits, else lockstep."""
+    """The default schedule: the seesaw wherever it fits, else lockstep."""
     return "seesaw" if seesaw_fits(spec, kernel) else "lockstep"
+
+
+# the knobs of a build besides the schedule and TMA, at their values in the default build (variant_config):
+# ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones (wrong results on purpose, for timing);
+# l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint; grid "parts" (seesaw only): the balanced
+# parts of the batch's key tiles (parts_for) instead of per-request chunks; s_order "slab": WG1's S in slab order
+# rather than in the order its slabs were loaded; sync_handoffs: the warpgroups' hand-offs as bar.sync on both
+# sides (for racecheck: scripts/racecheck_seesaw.py); rescale (seesaw only, RESCALES): "exact" (the first seesaw),
+# "skip" or "lazy" (the default)
+KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
+         "rescale": "lazy"}
+
+
+def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma") -> dict:
+    """The policy (plans/variant.default_config): the schedule of schedule_for, TMA key tiles wherever they
+    can be used (uses_tma), every other knob off."""
+    return {"schedule": schedule_for(spec, kernel), "tma": uses_tma(spec, kernel), **KNOBS}
+
+
+def spell(config) -> tuple:
+    """A configuration's part of a variant's name (plans/variant.py): tree_verify_wgmma.seesaw.tma,
+    tree_verify_wgmma.lockstep.cpasync.ablate3 (each knob that is not at its default value after the schedule)."""
+    parts = [config["schedule"], "tma" if config["tma"] else "cpasync"]
+    if config.get("ablate"):
+        parts.append(f"ablate{int(config['ablate'])}")
+    if config.get("l2_hint"):
+        parts.append(f"l2-{config['l2_hint'].replace('_', '-')}")
+    for knob in ("grid", "s_order"):
+        if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
+            parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
+    if config.get("sync_handoffs"):
+        parts.append("sync-handoffs")
+    if config.get("rescale", KNOBS["rescale"]) != KNOBS["rescale"]:
+        parts.append(f"rescale-{config['rescale']}")
+    return tuple(parts)
 
 
 def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     mma.check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
-    sched = (config or {}).get("schedule") or schedule_for(spec, kernel)
+    config = variant_config(spec, kernel=kernel) if config is None else config
+    sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
                         f"(seesaw needs a bf16 cache, page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
-    tma = uses_tma(spec, kernel)
+    if config.get("rescale", "lazy") not in RESCALES:
+        raise SpecError(f"rescale {config['rescale']!r}: one of {', '.join(RESCALES)}")
+    tma = bool(config["tma"])
+    if tma and not uses_tma(spec, kernel):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, a bf16 cache and "
+                        f"page_size % {BN} == 0")
+    if sched == "seesaw" and not tma:
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the seesaw schedule loads its key tiles by TMA (tma=False "
+                        f"is the lockstep schedule's)")
     if sched == "seesaw":
         smem = SEESAW_SMEM
     else:
@@ -92,46 +137,29 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                 consts={"BM": sympy.Integer(mma.BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
                         "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
                         "SEESAW": sympy.Integer(1 if sched == "seesaw" else 0),
-                        "ABLATE": sympy.Integer(int((config or {}).get("ablate", 0))),
-                        "L2_EVICT_FIRST": sympy.Integer(1 if (config or {}).get("l2_hint") == "evict_first" else 0),
-                        "PARTS": sympy.Integer(1 if sched == "seesaw" and (config or {}).get("grid") == "parts" else 0),
-                        "S_LOADED_ORDER": sympy.Integer(0 if (config or {}).get("s_order") == "slab" else 1),
-                        "SYNC_HANDOFFS": sympy.Integer(1 if (config or {}).get("sync_handoffs") else 0),
+                        "ABLATE": sympy.Integer(int(config.get("ablate", 0))),
+                        "L2_EVICT_FIRST": sympy.Integer(1 if config.get("l2_hint") == "evict_first" else 0),
+                        "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
+                        "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
+                        "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's rescale mode (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA"),
-                                RESCALES[(config or {}).get("rescale") or "lazy"])} if sched == "seesaw" else {}),
+                                RESCALES[config.get("rescale") or "lazy"])} if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
-def variant_def(schedule: str, ablate: int = 0, l2_hint: str | None = None, grid: str = "chunks",
-                s_order: str = "loaded", sync_handoffs: bool = False, rescale: str = "lazy") -> KernelDef:
-    """tree_verify_wgmma built with `schedule` (same name and entry as the registered kernel), for the
-    comparison and ablation scripts; ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones
-    (wrong results on purpose, for timing); l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint;
-    grid "parts" (seesaw only): the balanced parts of the batch's key tiles (parts_for) instead of per-request chunks;
-    s_order "slab": WG1's S in slab order rather than in the order its slabs were loaded; sync_handoffs: the
-    warpgroups' hand-offs as bar.sync on both sides (for racecheck: scripts/racecheck_seesaw.py); rescale (seesaw
-    only, RESCALES): "exact" (the first seesaw), "skip" or "lazy" (the default)."""
-    if rescale not in RESCALES:
-        raise SpecError(f"rescale {rescale!r}: one of {', '.join(RESCALES)}")
-    config = {"schedule": schedule, "ablate": ablate, "l2_hint": l2_hint, "grid": grid, "s_order": s_order,
-              "sync_handoffs": sync_handoffs, "rescale": rescale}
-    return KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
-                     plan=functools.partial(verify_plan, kernel="tree_verify_wgmma", config=config),
-                     context={"tail": False}, archs=ARCHS)
-
-
-def tail_plan(spec) -> Plan:
-    return verify_plan(spec, "tree_verify_tail_wgmma")
+def tail_plan(spec, config=None) -> Plan:
+    return verify_plan(spec, "tree_verify_tail_wgmma", config)
 
 
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
 
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
-              plan=verify_plan, context={"tail": False}, archs=ARCHS),
+              plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
-              entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS),
+              entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
+              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell),
 ]
 
 

@@ -1,0 +1,82 @@
+"""Variants as named data (ddtree_gen/plans/variant.py): a variant is (kernel, spec, target, config); its procedural
+name; the default config from one policy; a script's variant built through `variant()` with no monkeypatching."""
+from __future__ import annotations
+
+import pytest
+
+from ddtree_gen import artifacts
+from ddtree_gen.errors import BuildError, SpecError
+from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans import tree_verify_mma as mma_plans
+from ddtree_gen.plans import tree_verify_wgmma as wg_plans
+from ddtree_gen.plans.variant import default_config, variant
+from ddtree_gen.render import render
+from ddtree_gen.spec import find_spec
+
+WGMMA = by_name("tree_verify_wgmma")
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return find_spec("kimi-k2.6-tp8")
+
+
+def test_default_variants_are_the_shipped_builds(kimi):
+    """`ddtree-gen build`'s variants are the default ones: file stem and manifest key the kernel's name."""
+    for v in artifacts.variants(kimi, all_kernels()):
+        assert v.is_default and v.stem == v.kernel.name and v.config == default_config(v.kernel, kimi, v.target)
+
+
+def test_procedural_names(kimi):
+    mma, tail = by_name("tree_verify_mma"), by_name("tree_verify_tail_wgmma")
+    assert variant(mma, kimi).name == "tree_verify_mma.bn64.s2"
+    assert variant(mma, kimi, "sm_80").name == "tree_verify_mma.bn32.s2"   # the A100-sized sm_80 configuration
+    assert variant(WGMMA, kimi).name == "tree_verify_wgmma.seesaw.tma"
+    assert variant(WGMMA, kimi, schedule="lockstep", tma=False).name == "tree_verify_wgmma.lockstep.cpasync"
+    assert variant(WGMMA, kimi, ablate=3, grid="parts").name == "tree_verify_wgmma.seesaw.tma.ablate3.grid-parts"
+    assert variant(WGMMA, kimi, sync_handoffs=True).name == "tree_verify_wgmma.seesaw.tma.sync-handoffs"
+    assert variant(tail, kimi).name == "tree_verify_tail_wgmma.lockstep.cpasync"
+    assert variant(by_name("tree_build"), kimi).name == "tree_build"
+    assert variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8")).name == "tree_verify_wgmma.lockstep.cpasync"
+
+
+def test_a_non_default_variant_has_its_own_name_and_key(kimi):
+    v = variant(WGMMA, kimi, schedule="lockstep", tma=False)
+    assert not v.is_default and v.stem == v.name
+    assert v.plan().template_constants()["USE_TMA"] == 0 and v.plan().template_constants()["SEESAW"] == 0
+    tma = variant(WGMMA, kimi, schedule="lockstep")
+    assert tma.plan().template_constants()["USE_TMA"] == 1
+    assert render(v) != render(tma)
+    src = render(tma)
+    assert artifacts.cache_key(src, tma, "13.0") != artifacts.cache_key(src, variant(WGMMA, kimi), "13.0")
+    # knobs named explicitly at their default values are the default variant
+    assert variant(WGMMA, kimi, schedule="seesaw", tma=True).is_default
+
+
+def test_knobs_are_checked(kimi):
+    with pytest.raises(BuildError, match="no knob 'BN'.*schedule"):
+        variant(WGMMA, kimi, BN=32)
+    with pytest.raises(BuildError, match="tree_build: no knob 'x' .*none"):
+        variant(by_name("tree_build"), kimi, x=1)
+    with pytest.raises(BuildError, match="not built for sm_80"):
+        variant(WGMMA, kimi, "sm_80")
+    with pytest.raises(SpecError, match="seesaw schedule loads its key tiles by TMA"):
+        variant(WGMMA, kimi, tma=False).plan()
+    with pytest.raises(SpecError, match="TMA key tiles need"):
+        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), tma=True).plan()
+    with pytest.raises(SpecError, match="configuration"):
+        variant(by_name("tree_verify_mma"), kimi, BN=48).plan()
+
+
+def test_the_policy_is_one_function(kimi):
+    """default_config reads each kernel's policy: the mma.sync kernels' tuned configuration per target, the wgmma
+    kernels' schedule and TMA choice, nothing for a kernel without knobs."""
+    assert default_config(by_name("tree_verify_mma"), kimi) == mma_plans.config_for(kimi)
+    assert default_config(by_name("tree_verify_mma"), kimi, "sm_80") == mma_plans.config_for(kimi, "sm_80")
+    cfg = default_config(WGMMA, kimi)
+    assert cfg["schedule"] == wg_plans.schedule_for(kimi, "tree_verify_wgmma") and cfg["tma"] is True
+    assert default_config(by_name("merge_states"), kimi) == {}
+    # the build's plan is the default variant's
+    for k in all_kernels():
+        for a in k.archs_for(kimi):
+            assert k.plan_for(kimi, a).template_constants() == variant(k, kimi, a).plan().template_constants()
