@@ -80,3 +80,26 @@ def test_the_policy_is_one_function(kimi):
     for k in all_kernels():
         for a in k.archs_for(kimi):
             assert k.plan_for(kimi, a).template_constants() == variant(k, kimi, a).plan().template_constants()
+
+
+def test_variant_set_takes_each_builds_plan(kimi, monkeypatch):
+    """kernel_set.variant_set: the variants' builds with their own plans (constants, launch geometry) beside the
+    default builds of `also` (fake binaries: the wiring the scripts rely on, without NVRTC)."""
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.resources import PtxasReport
+    report = PtxasReport(registers=32, smem=0, stack=0, spill_stores=0, spill_loads=0)
+
+    def fake(v, source=None):
+        return artifacts.Built(v, "", f"key-{v.name}", b"fake", report, "cached")
+    monkeypatch.setattr(artifacts, "compile_variant", fake)
+    monkeypatch.setattr(artifacts, "ensure_built", lambda spec, kernels=None, arch=None: {
+        k: {a: fake(variant(by_name(k), spec, a)) for a in by_name(k).archs_for(spec)} for k in kernels})
+    cp = variant(WGMMA, kimi, schedule="lockstep", tma=False)
+    vs = variant_set([cp], also=[mma_plans.COMBINE])
+    assert set(vs.kernels) == {"tree_verify_wgmma", mma_plans.COMBINE}
+    assert vs.constants("tree_verify_wgmma")["USE_TMA"] == 0 and vs.constants("tree_verify_wgmma")["SEESAW"] == 0
+    assert vs.variants["tree_verify_wgmma"] is cp and vs.reports["tree_verify_wgmma"][1] == report
+    seesaw = variant_set([variant(WGMMA, kimi)])
+    assert seesaw.constants("tree_verify_wgmma")["SEESAW"] == 1 and seesaw.kernels == ["tree_verify_wgmma"]
+    assert vs.plan("tree_verify_wgmma").value(vs.plan("tree_verify_wgmma").dynamic_smem) != \
+        seesaw.plan("tree_verify_wgmma").value(seesaw.plan("tree_verify_wgmma").dynamic_smem)
