@@ -3,14 +3,14 @@
 - Builds are of variants (plans/variant.py: kernel, spec, target, config); the shipped ones are the default
   variants (the policy's config), a script's others are named by their procedural name (Variant.name).
 - Cache (outside git, paths.cache_dir()): <key>.cubin (sm_90a) or <key>.ptx (sm_80) + <key>.json,
-  key = hash of the rendered source, the target's compile options, NVRTC version and entry, and, for a
-  variant that is not a default one, its name: the same source built for two targets has two keys. The json holds the binary's SHA-256, so a
+  key = hash of the rendered source, the target's compile options, NVRTC version, entry and variant
+  name: the same source built for two targets has two keys. The json holds the binary's SHA-256, so a
   truncated or corrupted binary is detected and rebuilt, never loaded.
 - generated/<spec>/: the rendered .cu of every kernel and manifest.json (spec hash, template
   hash, NVRTC version, the targets with their options; per kernel its targets and per target the
-  source file, cache key, binary size and hash, ptxas report and model). A kernel whose source
-  differs per target (its default config does: the mma.sync kernels' BN / STAGES) has one file per target,
-  <kernel>.cu for the first and <kernel>.<arch>.cu for the others. Committed to git.
+  variant's name and config, source file, cache key, binary size and hash, ptxas report and model). A
+  source file is named by its variant: <variant name>.cu (tree_build.cu, tree_verify_mma.bn64.s2.cu and,
+  for the sm_80 configuration, tree_verify_mma.bn32.s2.cu). Committed to git.
 Every write is atomic (temp file + rename) and builders take a file lock, so concurrent
 builds end with valid artifacts and a failed build leaves the previous ones in place.
 """
@@ -94,12 +94,10 @@ def variants(spec: Spec, kdefs, arch: str | None = None) -> list[Variant]:
 
 
 def cache_key(source: str, v: Variant, nvrtc: str) -> str:
-    """The cache key of `v` built from `source`. A default variant's key has no name in it (the key it had before
-    variants had names: the manifests' binary record and existing caches stay valid); another's has its name."""
-    key = {"source": sha256(source), "options": list(options(v.target)), "nvrtc": nvrtc, "entry": v.kernel.entry}
-    if not v.is_default:
-        key["variant"] = v.name
-    return sha256(json.dumps(key, sort_keys=True))
+    """The cache key of `v` built from `source`: the source's hash, the target's options, the NVRTC version, the
+    entry and the variant's name."""
+    return sha256(json.dumps({"source": sha256(source), "options": list(options(v.target)), "nvrtc": nvrtc,
+                              "entry": v.kernel.entry, "variant": v.name}, sort_keys=True))
 
 
 def _read_cache(key: str, entry: str, arch: str = PRIMARY) -> tuple[bytes, PtxasReport] | None:
@@ -136,7 +134,7 @@ def compile_variant(v: Variant, source: str | None = None) -> Built:
         if hit:
             return Built(v, source, key, hit[0], hit[1], "cached")
         t0 = time.perf_counter()
-        name = f"{spec.name}-{v.stem}.cu" if arch == PRIMARY else f"{spec.name}-{v.stem}.{arch}.cu"
+        name = f"{spec.name}-{v.stem}.cu" if arch == PRIMARY else f"{spec.name}-{v.stem}.{arch}.cu"   # (not in the binary)
         result = compile_source(source, name, [kdef.entry], options(arch))
         seconds = time.perf_counter() - t0
         report = result.reports[kdef.entry]
@@ -160,12 +158,15 @@ def ensure_built(spec: Spec, kernels=None, arch: str | None = None) -> dict:
     return built
 
 
-def source_files(kernel: str, sources: dict) -> dict:
-    """target -> file name under generated/<spec>/ of one kernel's sources (target -> text, in preference
-    order): <kernel>.cu for the first target and for every target whose text is the same, else
-    <kernel>.<target>.cu."""
-    first = next(iter(sources.values()), None)
-    return {a: f"{kernel}.cu" if text == first else f"{kernel}.{a}.cu" for a, text in sources.items()}
+def source_files(sources: dict) -> dict:
+    """target -> file name under generated/<spec>/ of one kernel's sources (target -> (Variant, text), in
+    preference order): <variant name>.cu (Variant.stem), one file for the targets of one name (their text is the
+    same: the config is), <variant name>.<target>.cu for a later target whose text differs all the same."""
+    files, texts = {}, {}
+    for a, (v, text) in sources.items():
+        stem = v.stem
+        files[a] = f"{stem}.cu" if texts.setdefault(stem, text) == text else f"{stem}.{a}.cu"
+    return files
 
 
 # what the ptxas report of a build is the report of
@@ -189,12 +190,13 @@ def manifest_for(spec: Spec, built: list[Built]) -> dict:
     for name, builds in by_kernel.items():
         kdef = kdefs[name]
         order = [a for a in kdef.archs_for(spec) if a in builds]
-        files = source_files(name, {a: builds[a].source for a in order})
+        files = source_files({a: (builds[a].variant, builds[a].source) for a in order})
         per_arch = {}
         for a in order:
             b = builds[a]
             plan = b.variant.plan()
             per_arch[a] = {
+                "variant": b.variant.name, "config": b.variant.config,
                 "source": files[a], "source_sha256": sha256(b.source), "cache_key": b.key,
                 "binary": b.kind, "binary_bytes": len(b.binary), "binary_sha256": sha256(b.binary),
                 "ptxas": b.report.as_dict(), "ptxas_of": PTXAS_OF[b.kind],
@@ -233,15 +235,16 @@ def write_generated(spec: Spec, built: list[Built], root: Path | None = None) ->
 
 
 def expected_sources(spec: Spec) -> dict:
-    """kernel -> {target: (file name, rendered text)} of what generated/<spec>/ must hold."""
+    """kernel -> {target: (file name, rendered text, variant name)} of what generated/<spec>/ must hold: its
+    default variants'."""
     out = {}
     for kdef in all_kernels():
         order = kdef.archs_for(spec)
         if not order:
             continue
-        texts = {a: render(variant(kdef, spec, a)) for a in order}
-        files = source_files(kdef.name, texts)
-        out[kdef.name] = {a: (files[a], texts[a]) for a in order}
+        made = {a: (v, render(v)) for a in order for v in [variant(kdef, spec, a)]}
+        files = source_files(made)
+        out[kdef.name] = {a: (files[a], made[a][1], made[a][0].name) for a in order}
     return out
 
 
@@ -292,14 +295,17 @@ def check_generated(specs: list[Spec], root: Path | None = None, strays: bool = 
                         problems.append(f"{out / MANIFEST}: kernel {name}: targets {entry.get('archs')} != "
                                         f"{list(per_arch)}")
                         continue
-                    for a, (file, text) in per_arch.items():
+                    for a, (file, text, vname) in per_arch.items():
                         b = builds[a] if isinstance(builds[a], dict) else {}
-                        if b.get("source") != file or b.get("source_sha256") != sha256(text):
+                        if b.get("variant") != vname:
+                            problems.append(f"{out / MANIFEST}: kernel {name}, target {a}: variant "
+                                            f"{b.get('variant')!r} is not the one the policy builds ({vname})")
+                        elif b.get("source") != file or b.get("source_sha256") != sha256(text):
                             problems.append(f"{out / MANIFEST}: kernel {name}, target {a}: source "
                                             f"{b.get('source')!r} is not the one the template renders ({file})")
         files = {}
         for per_arch in expected.values():
-            for file, text in per_arch.values():
+            for file, text, _ in per_arch.values():
                 files[file] = text
         for stray in sorted(out.glob("*.cu")):
             if stray.name not in files:

@@ -132,10 +132,10 @@ def test_cache_key_differs_by_target():
     src = artifacts.render(variant(kdef, spec))
     keys = {a: artifacts.cache_key(src, variant(kdef, spec, a), "13.0") for a in archs.ARCHS}
     assert len(set(keys.values())) == len(archs.ARCHS)
-    # the sm_90a key is the one from before there were targets (existing cache entries stay valid)
-    old = artifacts.sha256(json.dumps({"source": artifacts.sha256(src), "options": list(OPTIONS), "nvrtc": "13.0",
-                                       "entry": kdef.entry}, sort_keys=True))
-    assert keys["sm_90a"] == old
+    # the key of the variant's name, its source, its target's options, the NVRTC and the entry
+    want = artifacts.sha256(json.dumps({"source": artifacts.sha256(src), "options": list(OPTIONS), "nvrtc": "13.0",
+                                        "entry": kdef.entry, "variant": "tree_build"}, sort_keys=True))
+    assert keys["sm_90a"] == want
     assert options("sm_80")[0] == "--gpu-architecture=sm_80" and options("sm_90a") == OPTIONS
 
 
@@ -153,9 +153,11 @@ def test_generated_manifests_list_targets():
             assert entry["archs"] == list(k.archs_for(spec)), k.name
             for a, b in entry["builds"].items():
                 assert b["binary"] == archs.BINARY[a] and b["binary_bytes"] > 0 and len(b["binary_sha256"]) == 64
-                per_target = default_config(k, spec, "sm_80") != default_config(k, spec, "sm_90a")
-                assert (b["source"] == f"{k.name}.cu") != (per_target and a == "sm_80"), (k.name, a, b["source"])
+                v = variant(k, spec, a)   # the source file is named by the default variant's procedural name
+                assert b["variant"] == v.name and b["source"] == f"{v.name}.cu" and b["config"] == v.config
                 assert "ptxas" in b and "model_vs_ptxas" in b
+            per_target = default_config(k, spec, "sm_80") != default_config(k, spec, "sm_90a")
+            assert (len({b["source"] for b in entry["builds"].values()}) > 1) == (per_target and "sm_80" in entry["builds"])
 
 
 def test_load_forces_one_target(tmp_path, monkeypatch):

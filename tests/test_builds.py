@@ -444,18 +444,18 @@ def _spec_archs(root):
     path = root / "specs" / "kimi-k2.6-tp8.toml"
     path.write_text(path.read_text() + 'archs = ["sm_90a"]\n')
     return ["generated/kimi-k2.6-tp8/manifest.json", "spec hash", "targets",
-            "generated/kimi-k2.6-tp8/tree_verify_mma.sm_80.cu", "no registered kernel renders it"]
+            "generated/kimi-k2.6-tp8/tree_verify_mma.bn32.s2.cu", "no registered kernel renders it"]
 
 
-def _edit_ptx_source(root):
-    path = root / "generated" / "deepseek-v3" / "tree_verify_mma.sm_80.cu"
+def _edit_ptx_source(root):   # the sm_80 configuration's source (BN = 32: the variant tree_verify_mma.bn32.s2)
+    path = root / "generated" / "deepseek-v3" / "tree_verify_mma.bn32.s2.cu"
     path.write_text(path.read_text().replace("{", "{ ", 1))
-    return ["generated/deepseek-v3/tree_verify_mma.sm_80.cu", "differs from what the template renders"]
+    return ["generated/deepseek-v3/tree_verify_mma.bn32.s2.cu", "differs from what the template renders"]
 
 
 def _delete_ptx_source(root):
-    (root / "generated" / "deepseek-v3" / "tree_verify_tail_mma.sm_80.cu").unlink()
-    return ["generated/deepseek-v3/tree_verify_tail_mma.sm_80.cu", "missing"]
+    (root / "generated" / "deepseek-v3" / "tree_verify_tail_mma.bn32.s2.cu").unlink()
+    return ["generated/deepseek-v3/tree_verify_tail_mma.bn32.s2.cu", "missing"]
 
 
 DRIFTS = {"spec-value": _edit_spec, "template": _edit_template, "included-template": _edit_included_template,

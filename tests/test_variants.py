@@ -22,9 +22,16 @@ def kimi():
 
 
 def test_default_variants_are_the_shipped_builds(kimi):
-    """`ddtree-gen build`'s variants are the default ones: file stem and manifest key the kernel's name."""
+    """`ddtree-gen build`'s variants are the default ones; each names its generated file and its manifest entry."""
+    import json
+
+    from ddtree_gen import paths
+    manifest = json.loads((paths.generated_dir() / kimi.name / artifacts.MANIFEST).read_text())
     for v in artifacts.variants(kimi, all_kernels()):
-        assert v.is_default and v.stem == v.kernel.name and v.config == default_config(v.kernel, kimi, v.target)
+        assert v.is_default and v.stem == v.name and v.config == default_config(v.kernel, kimi, v.target)
+        b = manifest["kernels"][v.kernel.name]["builds"][v.target]
+        assert b["variant"] == v.name and b["source"] == f"{v.name}.cu"
+        assert (paths.generated_dir() / kimi.name / b["source"]).is_file()
 
 
 def test_procedural_names(kimi):

@@ -7,11 +7,9 @@
   and TMA choice); `variant(kernel, spec, target, **knobs)` is the one builder: the default config with the knobs
   changed (an unknown knob is a BuildError naming the known ones). The tuner, the ablation and the comparison
   scripts build their variants through it.
-* Its procedural name, `Variant.name`, spells the config (`tree_verify_mma.bn32.s2`, `tree_verify_wgmma.lockstep.
-  cpasync`): the name of the NVRTC compile, of a non-default variant's generated file (`Variant.stem`) and part of
-  its cache key. A default variant keeps the file stem, manifest key and cache key it had before variants had
-  names (`<kernel>`, or `<kernel>.<target>` where its source differs per target: artifacts.source_files), so the
-  shipped generated/ and the binary cache are unchanged.
+* Its procedural name, `Variant.name`, spells the config (`tree_verify_mma.bn64.s2`, `tree_verify_wgmma.seesaw.tma`,
+  `tree_build` for a kernel without knobs): the stem of its generated file (generated/<spec>/<name>.cu), its entry
+  in the manifest (each build's "variant"), part of its cache key, and the name of its NVRTC compile.
 * render, compile and artifacts take a Variant where they took (spec, kernel, target).
 """
 from __future__ import annotations
@@ -56,9 +54,8 @@ class Variant:
 
     @property
     def stem(self) -> str:
-        """The generated file's stem: the procedural name; a default variant keeps the kernel's name (its
-        per-target file is <kernel>.<target>.cu where its source differs: artifacts.source_files)."""
-        return self.kernel.name if self.is_default else self.name
+        """The generated file's stem: the procedural name (artifacts.source_files)."""
+        return self.name
 
     def plan(self) -> Plan:
         """The resource plan of this build (template constants, shared memory, threads)."""
