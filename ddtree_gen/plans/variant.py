@@ -64,6 +64,9 @@ class Variant:
     def __repr__(self) -> str:
         return f"Variant({self.name!r}, spec={self.spec.name!r}, target={self.target!r})"
 
+    def __hash__(self) -> int:   # (a KernelDef holds a dict: hashed by its name)
+        return hash((self.kernel.name, self.spec, self.target, self.config_items))
+
 
 def variant(kernel: KernelDef, spec: Spec, target: str = PRIMARY, **knobs) -> Variant:
     """The variant of `kernel` for `spec` and `target` with the default config (default_config) and `knobs`
