@@ -288,9 +288,10 @@ def test_fields_are_declared_once():
     from ddtree_gen import render, resources
     from ddtree_gen import spec as S
     from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.variant import variant
     assert [f.name for f in dataclasses.fields(Spec)] == [f.name for f in S.FIELDS]
     spec = load_spec(paths.specs_dir() / "kimi-k2.6-tp8.toml")
-    ctx = render.context(spec, by_name("tree_build"))
+    ctx = render.context(variant(by_name("tree_build"), spec))
     for f in S.FIELDS:
         if f.alias:
             assert ctx[f.alias] == getattr(spec, f.name)
