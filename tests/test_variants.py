@@ -42,6 +42,8 @@ def test_procedural_names(kimi):
     assert variant(WGMMA, kimi, schedule="lockstep", tma=False).name == "tree_verify_wgmma.lockstep.cpasync"
     assert variant(WGMMA, kimi, ablate=3, grid="parts").name == "tree_verify_wgmma.seesaw.tma.ablate3.grid-parts"
     assert variant(WGMMA, kimi, sync_handoffs=True).name == "tree_verify_wgmma.seesaw.tma.sync-handoffs"
+    exact = variant(WGMMA, kimi, rescale="exact")
+    assert exact.name == "tree_verify_wgmma.seesaw.tma.rescale-exact" and exact.plan().consts["RESCALE_SKIP"] == 0
     assert variant(tail, kimi).name == "tree_verify_tail_wgmma.lockstep.cpasync"
     assert variant(by_name("tree_build"), kimi).name == "tree_build"
     assert variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8")).name == "tree_verify_wgmma.lockstep.cpasync"
