@@ -235,8 +235,8 @@ def write_generated(spec: Spec, built: list[Built], root: Path | None = None) ->
 
 
 def expected_sources(spec: Spec) -> dict:
-    """kernel -> {target: (file name, rendered text, variant name)} of what generated/<spec>/ must hold: its
-    default variants'."""
+    """kernel -> {target: (file name, rendered text, variant name, config)} of what generated/<spec>/ must hold:
+    its default variants'."""
     out = {}
     for kdef in all_kernels():
         order = kdef.archs_for(spec)
@@ -244,7 +244,7 @@ def expected_sources(spec: Spec) -> dict:
             continue
         made = {a: (v, render(v)) for a in order for v in [variant(kdef, spec, a)]}
         files = source_files(made)
-        out[kdef.name] = {a: (files[a], made[a][1], made[a][0].name) for a in order}
+        out[kdef.name] = {a: (files[a], made[a][1], made[a][0].name, made[a][0].config) for a in order}
     return out
 
 
@@ -295,17 +295,18 @@ def check_generated(specs: list[Spec], root: Path | None = None, strays: bool = 
                         problems.append(f"{out / MANIFEST}: kernel {name}: targets {entry.get('archs')} != "
                                         f"{list(per_arch)}")
                         continue
-                    for a, (file, text, vname) in per_arch.items():
+                    for a, (file, text, vname, config) in per_arch.items():
                         b = builds[a] if isinstance(builds[a], dict) else {}
-                        if b.get("variant") != vname:
+                        if b.get("variant") != vname or b.get("config") != config:
                             problems.append(f"{out / MANIFEST}: kernel {name}, target {a}: variant "
-                                            f"{b.get('variant')!r} is not the one the policy builds ({vname})")
+                                            f"{b.get('variant')!r} {b.get('config')} is not the one the policy builds "
+                                            f"({vname} {config})")
                         elif b.get("source") != file or b.get("source_sha256") != sha256(text):
                             problems.append(f"{out / MANIFEST}: kernel {name}, target {a}: source "
                                             f"{b.get('source')!r} is not the one the template renders ({file})")
         files = {}
         for per_arch in expected.values():
-            for file, text, _ in per_arch.values():
+            for file, text, *_ in per_arch.values():
                 files[file] = text
         for stray in sorted(out.glob("*.cu")):
             if stray.name not in files:
