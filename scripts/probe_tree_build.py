@@ -42,10 +42,11 @@ print(f"empty kernel in the same graph: {base:.2f} us; fit: {icept:.2f} us + {sl
 # the loop and a printf of block 0's counts, compiled by CuPy with the build's options (a probe, not a build).
 from ddtree_gen.compile import OPTIONS
 from ddtree_gen.plans import by_name
+from ddtree_gen.plans.variant import variant
 from ddtree_gen.render import render
 
 kdef = by_name("tree_build")
-src = render(spec, kdef)
+src = render(variant(kdef, spec))
 LOOP = "while (nodes <= budget && w >= 0) {"
 probe = ("long long ddt_c0 = clock64(); unsigned long long ddt_t0; "
          "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(ddt_t0));\n        " + LOOP)

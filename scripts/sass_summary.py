@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ddtree_gen.compile import OPTIONS
 from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans.variant import variant
 from ddtree_gen.render import render
 from ddtree_gen.spec import find_spec
 
@@ -56,7 +57,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             ptx = Path(tmp) / f"{name}.ptx"
-            ptx.write_text(ptx_of(render(spec, by_name(name)), name))
+            ptx.write_text(ptx_of(render(variant(by_name(name), spec)), name))
             cubin = Path(tmp) / f"{name}.cubin"
             subprocess.run([ptxas, f"-arch={OPTIONS[0].split('=')[1]}", str(ptx), "-o", str(cubin)], check=True)
             sass = subprocess.run([nvdisasm, str(cubin)], check=True, capture_output=True, text=True).stdout
