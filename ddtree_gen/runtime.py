@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import operator
 import re
 import struct
@@ -24,274 +23,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
 from . import archs
 from . import arrays as _arrays
-from .arrays import ITEMSIZE, allocate, dlpack_only, fast_view, from_dlpack, pointer_of
+from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
+from .callplan import (EMPTY_US, OUTPUT_ALIGN, TENSOR_MAP_WORDS, VIEW_US, IsAligned, OutputPlan,  # noqa: F401
+                       ParamStruct, Step, StepPlan, TensorMap, _TENSOR_MAPS, _param_fmt, _values, compile_runner,
+                       param_offsets, tensor_map_words)
 from .errors import ArgumentError, BuildError
 
 __all__ = ["Step", "IsAligned", "TensorMap", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo",
            "device_info"]
-
-
-# ----------------------------------------------------------------------------- one call
-
-
-@dataclass(frozen=True)
-class Step:
-    """One kernel launch of a call. `args` are the kernel's parameters: an int is the index of an
-    array in the call's array list (its pointer is passed), a (index, byte offset) pair a pointer
-    into it, an IsAligned(index, bytes) the int32 flag "that pointer is so aligned", anything else
-    (a numpy scalar) a constant."""
-    kernel: str
-    grid: tuple
-    args: tuple
-    fmt: str = ""    # struct format of the parameters (filled in by Prepared); "[...]": one struct parameter
-
-
-@dataclass(frozen=True)
-class ParamStruct:
-    """One kernel parameter that is a struct passed by value (e.g. an array of pointers): its
-    fields as Step args, laid out contiguously with their natural alignment."""
-    items: tuple
-
-
-@dataclass(frozen=True)
-class IsAligned:
-    """A kernel parameter computed per call: 1 (int32) if array `index` is `alignment`-byte aligned, else 0."""
-    index: int
-    alignment: int
-
-
-@dataclass(frozen=True)
-class TensorMap:
-    """A kernel parameter computed per call: the CUtensorMap (128 bytes, passed by value) of array `index`
-    viewed as a row-major [rows, cols] tensor of 2-byte elements, read in boxes of [box_rows, box_cols]
-    with the 128-byte swizzle (what TMA loads into a wgmma operand tile). Encoded on the host for the
-    call's pointer (cuTensorMapEncodeTiled, no device work) and remembered per pointer."""
-    index: int
-    rows: int
-    cols: int
-    box_rows: int
-    box_cols: int
-
-
-TENSOR_MAP_WORDS = 16   # sizeof(CUtensorMap) / 8
-_TENSOR_MAPS: dict = {}  # (pointer, TensorMap) -> its 16 words
-_ENCODE = []             # cuTensorMapEncodeTiled, looked up once
-
-
-def _encode_tiled():
-    if not _ENCODE:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuTensorMapEncodeTiled
-        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _ENCODE.append(fn)
-    return _ENCODE[0]
-
-
-def tensor_map_words(ptr: int, tm: TensorMap) -> tuple:
-    """The 16 uint64 words of the CUtensorMap of `tm` at pointer `ptr` (memoized per pointer)."""
-    key = (ptr, tm)
-    words = _TENSOR_MAPS.get(key)
-    if words is None:
-        out = (ctypes.c_uint64 * TENSOR_MAP_WORDS)()
-        dims = (ctypes.c_uint64 * 2)(tm.cols, tm.rows)          # innermost first
-        strides = (ctypes.c_uint64 * 1)(tm.cols * 2)             # bytes between rows
-        box = (ctypes.c_uint32 * 2)(tm.box_cols, tm.box_rows)
-        step = (ctypes.c_uint32 * 2)(1, 1)
-        # UINT16 elements (bf16 bits moved as they are), no interleave, 128-byte swizzle, L2 promotion of
-        # 256 bytes, out-of-bound elements read as zeros
-        rc = _encode_tiled()(out, 1, 2, ctypes.c_void_p(ptr), dims, strides, box, step, 0, 3, 3, 0)
-        if rc != 0:
-            raise ArgumentError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for array {tm.index} at {ptr:#x}: "
-                                f"[{tm.rows}, {tm.cols}] in boxes of [{tm.box_rows}, {tm.box_cols}]")
-        words = tuple(out)
-        if len(_TENSOR_MAPS) > 4096:   # many short-lived caches: forget the old ones
-            _TENSOR_MAPS.clear()
-        _TENSOR_MAPS[key] = words
-    return words
-
-
-def _param_fmt(args) -> str:
-    """Native struct format of a kernel's parameters (each aligned to its size, as CUDA lays them out);
-    a ParamStruct's fields are bracketed: the driver takes one pointer per kernel parameter."""
-    codes = []
-    for a in args:
-        if isinstance(a, ParamStruct):
-            codes.append("[" + _param_fmt(a.items)[1:] + "]")
-        elif isinstance(a, TensorMap):
-            codes.append("[" + "Q" * TENSOR_MAP_WORDS + "]")
-        elif isinstance(a, (int, tuple)):
-            codes.append("Q")
-        elif isinstance(a, IsAligned):
-            codes.append("i")
-        else:
-            codes.append({np.dtype(np.int32): "i", np.dtype(np.float32): "f", np.dtype(np.int64): "q",
-                          np.dtype(np.uint64): "Q"}[np.asarray(a).dtype])
-    return "@" + "".join(codes)
-
-
-class StepPlan:
-    """A Step compiled for the per-call path: its flat parameter values with the constants in place
-    (`template`), and where this call's pointers go: `runs` (position, first array index, count) of
-    consecutive pointers, `singles` (position, array index, byte offset), `special` (position, IsAligned
-    or TensorMap). values(ptrs) is _values(step.args, ptrs), without walking the arguments per call."""
-    __slots__ = ("kernel", "grid", "fmt", "template", "runs", "singles", "special")
-
-    def __init__(self, step: Step):
-        self.kernel, self.grid, self.fmt = step.kernel, tuple(step.grid), step.fmt
-        template, pointers, special = [], [], []
-
-        def walk(args):
-            for a in args:
-                t = type(a)
-                if t is int:
-                    pointers.append((len(template), a, 0))
-                    template.append(0)
-                elif t is tuple:
-                    pointers.append((len(template), a[0], a[1]))
-                    template.append(0)
-                elif t is ParamStruct:
-                    walk(a.items)
-                elif t is TensorMap:
-                    special.append((len(template), a))
-                    template.extend((0,) * TENSOR_MAP_WORDS)
-                elif t is IsAligned:
-                    special.append((len(template), a))
-                    template.append(0)
-                else:
-                    template.append(a)
-        walk(step.args)
-        runs, singles = [], []
-        for pos, idx, off in pointers:
-            if off:
-                singles.append((pos, idx, off))
-            elif runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == idx:
-                runs[-1][2] += 1
-            else:
-                runs.append([pos, idx, 1])
-        self.template = template
-        self.runs = tuple((pos, idx, idx + n, pos + n) for pos, idx, n in runs)
-        self.singles, self.special = tuple(singles), tuple(special)
-
-    def values(self, ptrs) -> list:
-        vals = self.template.copy()
-        for pos, lo, hi, end in self.runs:
-            vals[pos:end] = ptrs[lo:hi]
-        for pos, idx, off in self.singles:
-            vals[pos] = ptrs[idx] + off
-        for pos, a in self.special:
-            if type(a) is IsAligned:
-                vals[pos] = np.int32(ptrs[a.index] % a.alignment == 0)
-            else:
-                vals[pos:pos + TENSOR_MAP_WORDS] = tensor_map_words(ptrs[a.index], a)
-        return vals
-
-
-OUTPUT_ALIGN = 256   # bytes: each output of a call's one buffer starts at such an offset (as cudaMalloc's do)
-# the host cost model of torch outputs, in us (an H200 host, docs/perf.md "Host cost of a call"): a CUDA
-# torch.empty, and any other torch op on the host (a view, as_strided, unbind)
-EMPTY_US, VIEW_US = 3.2, 1.6
-
-
-class OutputPlan:
-    """The new outputs of one call signature carved out of one buffer: `entries` (array index, shape,
-    dtype, byte offset) laid out by element size and shape, `total` bytes. Outputs of one shape and element
-    size lie one after the other and are made as one strided view unbound along a new leading dimension
-    (one torch op for all of them). `scratch`: indices of outputs the launcher never returns (a workspace):
-    only their pointers are made. For torch, `separate` says whether one torch.empty per output is cheaper
-    than the buffer and its views (the cost model above: two small outputs)."""
-    __slots__ = ("entries", "total", "scratch", "separate", "_torch")
-
-    def __init__(self, new, scratch=()):
-        order = sorted(new, key=lambda e: (e[0] in scratch, -ITEMSIZE[e[2]], tuple(e[1])))
-        entries, off = [], 0
-        for i, shape, dtype in order:
-            entries.append((i, tuple(shape), dtype, off))
-            off += -(-math.prod(shape) * ITEMSIZE[dtype] // OUTPUT_ALIGN) * OUTPUT_ALIGN
-        self.entries, self.total, self.scratch, self._torch = tuple(entries), max(off, OUTPUT_ALIGN), scratch, None
-        ops = self._ops()
-        self.separate = EMPTY_US * len(new) <= EMPTY_US + VIEW_US * ops
-
-    def _groups(self):
-        """Runs of returned outputs of one shape and element size, back to back: [first entry, members]."""
-        groups = []
-        for e in self.entries:
-            i, shape, dtype, off = e
-            if i in self.scratch:
-                continue
-            g = groups[-1] if groups else None
-            if (g is not None and math.prod(shape) and g[0][1] == shape and ITEMSIZE[g[0][2]] == ITEMSIZE[dtype]
-                    and g[0][3] + len(g[1]) * self._step(g[0]) == off):
-                g[1].append(e)
-            else:
-                groups.append([e, [e]])
-        return groups
-
-    @staticmethod
-    def _step(e):
-        return -(-math.prod(e[1]) * ITEMSIZE[e[2]] // OUTPUT_ALIGN) * OUTPUT_ALIGN
-
-    def _ops(self) -> int:
-        """torch ops after the torch.empty: views of the base per dtype, as_strided per group, unbind per group
-        of more than one, a dtype view per member of another dtype than its group's."""
-        groups = self._groups()
-        base = self.entries[0][2]
-        typed = {g[0][2] for g in groups} - {base}
-        return (len(typed) + len(groups) + sum(len(m) > 1 for _, m in groups)
-                + sum(e[2] != g[2] for g, m in groups for e in m))
-
-    def _torch_plan(self):
-        """(base dtype, base elements, other dtypes to view the base as, groups, torch.empty): a group is
-        (dtype, shape, strides, element offset, index or None, members: None or ((index, cast or None), ...))."""
-        import torch
-        dt = _arrays.torch_dtype
-        plan = []
-        for g, members in self._groups():
-            _, shape, dtype, off = g
-            size = ITEMSIZE[dtype]
-            strides = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
-            if len(members) == 1:
-                plan.append((dt(dtype), shape, strides, off // size, g[0], None))
-            else:
-                plan.append((dt(dtype), (len(members), *shape), (self._step(g) // size, *strides), off // size, None,
-                             tuple((e[0], None if e[2] == dtype else dt(e[2])) for e in members)))
-        first = self.entries[0][2]
-        others = tuple({p[0] for p in plan} - {dt(first)})
-        self._torch = (dt(first), self.total // ITEMSIZE[first], others, tuple(plan), torch.empty)
-        return self._torch
-
-    def allocate(self, kind: str, device: int, arrays: list, ptrs: list) -> None:
-        """Allocate the buffer on `device` and put the outputs (views of it) and their pointers in place."""
-        if kind == "torch":
-            base_dtype, elems, others, plan, empty = self._torch or self._torch_plan()
-            base = empty(elems, dtype=base_dtype, device=_arrays.torch_device(device))
-            typed = {base_dtype: base}
-            for d in others:
-                typed[d] = base.view(d)
-            for d, shape, strides, off, index, members in plan:
-                v = typed[d].as_strided(shape, strides, off)
-                if members is None:
-                    arrays[index] = v
-                else:
-                    for (index, cast), part in zip(members, v.unbind(0)):
-                        arrays[index] = part if cast is None else part.view(cast)
-            p0 = base.data_ptr()   # a scratch part lives as long as the returned views of the buffer (stream-ordered)
-        else:   # CuPy
-            import cupy
-            with cupy.cuda.Device(device):
-                base = cupy.empty(self.total, dtype=np.uint8)
-            mem, p0 = base.data, base.data.ptr
-            for index, shape, dtype, off in self.entries:
-                if index not in self.scratch:
-                    arrays[index] = cupy.ndarray(shape, {"bf16": np.uint16}.get(dtype, dtype), memptr=mem + off)
-        for index, _, _, off in self.entries:
-            ptrs[index] = p0 + off
 
 
 @dataclass
@@ -302,24 +43,32 @@ class Prepared:
     where not given) in a fixed order; `new` lists (index, shape, dtype) of those to allocate when
     not given. `aligned`: (index, bytes, message); `disjoint`: (a, a_bytes, b, b_bytes, exact_ok,
     message) pairs that must not overlap (exact_ok: the same pointer is allowed, an in-place op).
-    `result(arrays)` builds the launcher's return value from the final array list.
+    `returns` = (record, indices): the launcher's return value is record(*arrays[indices]) (record None:
+    None); `result(arrays)` builds it from the final array list (made from `returns` when not given).
     Derived once: `plans` (StepPlan per step), `outputs` (OutputPlan of `new`), `bound` (the launches
-    bound to the kernel set's loaded modules, on the first call: run_call)."""
+    bound to the kernel set's loaded modules) and `run` (the cached call compiled: callplan.compile_runner),
+    both on the first call: run_call."""
     device: int
     kind: str                       # "torch", "cupy" or "cai": the kind of arrays to allocate
     steps: tuple
-    result: Callable
+    result: Callable = None
     new: tuple = ()
     aligned: tuple = ()
     disjoint: tuple = ()
     scratch: tuple = ()             # indices of `new` the result never reads (a workspace): pointers only
+    returns: tuple = None                   # (record, indices of the arrays it holds): the return value
     plans: tuple = field(init=False, repr=False, compare=False)
     outputs: object = field(init=False, repr=False, compare=False)
     bound: object = field(init=False, default=None, repr=False, compare=False)
     group_ok: object = field(init=False, default=None, repr=False, compare=False)
     group_checks: object = field(init=False, default=None, repr=False, compare=False)
+    run: object = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.result is None:
+            record, indices = self.returns
+            self.result = ((lambda a: record(*(a[i] for i in indices))) if record is not None else
+                           (lambda a: None))
         self.steps = tuple(Step(s.kernel, s.grid, s.args, _param_fmt(s.args)) for s in self.steps)
         self.plans = tuple(StepPlan(s) for s in self.steps)
         self.outputs = OutputPlan(self.new, self.scratch) if self.new else None
@@ -424,6 +173,9 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         prep = prepare()
         if cache:
             prepared_calls[k] = prep
+    elif prep.run is not None:   # the cached call, compiled (callplan.compile_runner)
+        return prep.run(arrays, ptrs)
+    # the first call of this signature (or a call that is not cached): checked and bound here
     if prep.aligned or prep.disjoint:
         if group is None:
             prep.check_pointers(ptrs)
@@ -432,6 +184,10 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     bound = prep.bound
     if bound is None:
         bound = prep.bound = _bind(kset, prep)
+    if cache:
+        prep.run = compile_runner(prep, bound, (_CUDA or _cuda()) if bound else {}, arrays, group, kset,
+                                  (allocate, pointer_of))
+        return prep.run(arrays, ptrs)
     if prep.new:
         arrays = list(arrays)
         missing = [n for n in prep.new if arrays[n[0]] is None]
@@ -484,47 +240,6 @@ def _launch_bound(bound, ptrs, device: int, kind: str) -> None:
         if previous != device:
             cuda["set_device"](previous)
 
-
-def param_offsets(fmt: str) -> list:
-    """Byte offset of each kernel parameter in the packed buffer of `fmt` (natural alignment; a
-    bracketed struct is one parameter, aligned to its largest field)."""
-    offsets, off, i = [], 0, 1
-    while i < len(fmt):
-        if fmt[i] == "[":
-            j = fmt.index("]", i)
-            fields = fmt[i + 1:j]
-            align = max(struct.calcsize("@" + c) for c in fields)
-            off = -(-off // align) * align
-            offsets.append(off)
-            off += struct.calcsize("@" + fields)
-            i = j + 1
-        else:
-            n = struct.calcsize("@" + fmt[i])
-            off = -(-off // n) * n
-            offsets.append(off)
-            off += n
-            i += 1
-    return offsets
-
-
-def _values(args, ptrs) -> list:
-    """A step's parameter values for this call's pointers (a ParamStruct's fields inline)."""
-    out = []
-    for a in args:
-        t = type(a)
-        if t is int:
-            out.append(ptrs[a])
-        elif t is tuple:
-            out.append(ptrs[a[0]] + a[1])
-        elif t is IsAligned:
-            out.append(np.int32(ptrs[a.index] % a.alignment == 0))
-        elif t is ParamStruct:
-            out.extend(_values(a.items, ptrs))
-        elif t is TensorMap:
-            out.extend(tensor_map_words(ptrs[a.index], a))
-        else:
-            out.append(a)
-    return out
 
 
 # ----------------------------------------------------------------------- devices, launch

@@ -103,6 +103,6 @@ def fake_tensor_map(ptr, tm):
 @pytest.fixture
 def fake_device(monkeypatch):
     """Every fake array lives on device 0 unless its pointer says otherwise (ptr >= 1<<40: device 1)."""
-    from ddtree_gen import arrays, runtime
+    from ddtree_gen import arrays, callplan
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
-    monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)
+    monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)

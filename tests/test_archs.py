@@ -15,7 +15,7 @@ import json
 import pytest
 
 from conftest import LaunchReached
-from ddtree_gen import archs, artifacts, runtime
+from ddtree_gen import archs, artifacts, callplan, runtime
 from ddtree_gen.compile import OPTIONS, options
 from ddtree_gen.errors import ArgumentError, DdtreeError, SpecError
 from ddtree_gen.kernel_set import KernelSet, load
@@ -207,7 +207,7 @@ def fake_devices(monkeypatch):
     from ddtree_gen import arrays
     monkeypatch.setattr(runtime, "device_info", lambda device: DEVICES[device])
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: ptr >> 40)
-    monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)
+    monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)
 
 
 class RecordingSet(KernelSet):

@@ -704,7 +704,7 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     import numpy as np
 
     from conftest import FakeKernelSet, fake_tensor_map
-    from ddtree_gen import arrays, runtime
+    from ddtree_gen import arrays, callplan, runtime
 
     next_ptr = [1 << 20]
 
@@ -723,7 +723,7 @@ def _fake_gpu(monkeypatch, spec_launch=None):
                         lambda kind, device, shape, dtype: fake_array(np.empty(shape, {"bf16": np.uint16}.get(dtype, dtype))))
     monkeypatch.setattr(runtime, "pointer_of", lambda a: a.ptr)
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 0)
-    monkeypatch.setattr(runtime, "tensor_map_words", fake_tensor_map)
+    monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)
 
     class Kset(FakeKernelSet):   # every kernel of the spec loaded (the worker loads them all)
         launched: list = []

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import struct
 import subprocess
 import sys
@@ -220,16 +221,22 @@ def test_bound_launch_packs_each_calls_pointers_and_stream(monkeypatch):
     ptrs = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[1]]
     assert list(packed) == [int(x) if not isinstance(x, np.floating) else float(x) for x in plan.values(ptrs)]
     assert last[0] == ptrs
-    # the same pointers again (given outputs): the buffer is not packed again, and still right
-    real, calls = StepPlan.values, []
-    monkeypatch.setattr(StepPlan, "values", lambda self, p: calls.append(1) or real(self, p))
-    for out in (outs[1], outs[1], outs[0]):
-        kset.tree_build(*build, spec.max_tree_size - 1, out=out)
-    assert calls == [1, 1] and len(launches) == 5
+    # the same pointers again (given outputs): the buffer is not packed again (a zeroed buffer stays zero), new
+    # pointers pack it again
+    kset.tree_build(*build, spec.max_tree_size - 1, out=outs[1])
     given = next(p for p in _prepared(kset) if p.steps and p.steps[0].kernel == "tree_build" and p is not prep)
+    gstorage = given.bound[0][6]
+    ptrs1 = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[1]]
+    assert list(struct.unpack_from(flat, gstorage, 0)) == [
+        int(x) if not isinstance(x, np.floating) else float(x) for x in plan.values(ptrs1)]
+    ctypes.memset(gstorage, 0, ctypes.sizeof(gstorage))
+    kset.tree_build(*build, spec.max_tree_size - 1, out=outs[1])
+    assert not any(gstorage.raw) and len(launches) == 4
+    kset.tree_build(*build, spec.max_tree_size - 1, out=outs[0])
     ptrs0 = [a.data_ptr() for a in build] + [o.data_ptr() for o in outs[0]]
-    assert list(struct.unpack_from(flat, given.bound[0][6], 0)) == [
-        int(x) if not isinstance(x, np.floating) else float(x) for x in real(given.bound[0][10], ptrs0)]
+    assert list(struct.unpack_from(flat, gstorage, 0)) == [
+        int(x) if not isinstance(x, np.floating) else float(x) for x in plan.values(ptrs0)]
+    assert len(launches) == 5 and given.bound[0][11][0] == ptrs0
     # outputs of one call are views of one buffer, each call its own
     assert outs[0].tokens.untyped_storage().data_ptr() == outs[0].scores.untyped_storage().data_ptr()
     assert outs[0].tokens.data_ptr() != outs[1].tokens.data_ptr()

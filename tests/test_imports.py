@@ -21,7 +21,7 @@ LAYERS = [
     ["plans"],                                                           # the kernel registry (build data)
     ["render", "compile", "reference"],
     ["artifacts", "arrays"],                                             # build products; caller arrays
-    ["runtime"],                                                         # modules per device, launches
+    ["runtime", "callplan"],                                             # modules per device, launches; one call compiled
     ["kernels"],                                                         # launchers
     ["registry"],                                                        # the declarations' strings resolved
     ["kernel_set"],                                                      # launchers bound to a spec's binaries

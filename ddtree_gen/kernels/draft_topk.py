@@ -96,7 +96,7 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
         if ch > 1:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))
     return Prepared(device=device, kind=lg.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(aligned),
-                    disjoint=tuple(disjoint), result=lambda a: DraftTopkOutput(a[1], a[2]))
+                    disjoint=tuple(disjoint), returns=(DraftTopkOutput, (1, 2)))
 
 
 def torch_fake(spec, logits, k, temperature=1.0):

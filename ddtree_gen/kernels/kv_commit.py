@@ -92,4 +92,4 @@ def _prepare(kset, arrays, stacked) -> Prepared:
     layers = ParamStruct((*slots, *(np.uint64(0),) * (MAX_LAYERS - num_layers)))   # struct LayerCaches, by value
     steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, layers, np.int32(num_pages),
                                                  np.int32(table.shape[1]))),) if b else ()
-    return Prepared(device=device, kind=lens.kind, steps=steps, aligned=aligned, result=lambda a: None)
+    return Prepared(device=device, kind=lens.kind, steps=steps, aligned=aligned, returns=(None, ()))

@@ -122,7 +122,7 @@ def _prepare(kset, arrays, has_out, validate) -> Prepared:
     item = spec.kv_itemsize
     aligned = ((6, item, f"kv_cache: data pointer {{ptr:#x}} is not {item}-byte aligned"),) if item > 1 else ()
     return Prepared(device=device, kind=tokens.kind, steps=steps, new=new, aligned=aligned,
-                    result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))
+                    returns=(TreeAcceptOutput, tuple(range(first_out, first_out + len(TreeAcceptOutput._fields)))))
 
 
 def _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt, target, prefix) -> Prepared:
@@ -140,4 +140,4 @@ def _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt
     steps = (Step("tree_accept", (b,), (0, 1, 2, 3, 4, 5, null, null, np.int32(0), np.int32(0), np.int32(0),
                                         *(i for i, _, _ in new))),) if b else ()
     return Prepared(device=device, kind=tokens.kind, steps=steps, new=new,
-                    result=lambda arrays: TreeAcceptOutput(*arrays[first_out:]))
+                    returns=(TreeAcceptOutput, tuple(range(first_out, first_out + len(TreeAcceptOutput._fields)))))

@@ -44,4 +44,4 @@ def _prepare(kset, arrays, budget, has_out) -> Prepared:
     outs = tuple(i for i, _, _ in new)
     steps = (Step("tree_build", (b,), (0, 1, 2, 3, np.int32(dp), np.int32(kp), np.int32(budget), *outs)),) if b else ()
     return Prepared(device=device, kind=ids.kind, steps=steps, new=new,
-                    result=lambda arrays: TreeBuildOutput(*arrays[first_out:]))
+                    returns=(TreeBuildOutput, tuple(range(first_out, first_out + len(TreeBuildOutput._fields)))))

@@ -133,7 +133,7 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate)
     return Prepared(device=qn.device, kind=qn.kind, steps=steps,
                     new=((7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")),
                     aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
-                    result=lambda a: AttentionOutput(a[7], a[8]))
+                    returns=(AttentionOutput, (7, 8)))
 
 
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits, kv_scale) -> AttentionOutput:
@@ -236,4 +236,4 @@ def _prepare_merge(kset, arrays) -> Prepared:
     steps = (Step("merge_states", (blocks,), (0, 1, 2, 3, 4, 5, np.int64(rows))),) if rows else ()
     return Prepared(device=oa.device, kind=oa.kind, steps=steps, new=((4, oa.shape, "bf16"), (5, lead, "float32")),
                     aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
-                    result=lambda a: AttentionOutput(a[4], a[5]))
+                    returns=(AttentionOutput, (4, 5)))

@@ -136,7 +136,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
             steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
                                       spans if parts else np.uint64(0)))
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
-                    disjoint=tuple(ptrs.disjoint), scratch=(WS,), result=lambda a: AttentionOutput(a[7], a[8]))
+                    disjoint=tuple(ptrs.disjoint), scratch=(WS,), returns=(AttentionOutput, (7, 8)))
 
 
 def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:
@@ -197,6 +197,6 @@ def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> Attention
     steps = (combine_step((0, 0), (0, splits * rows * r * 4), 1, 2, nq, splits, rows, 3, 4),) if rows else ()
     arrays = (wa.obj, pl.obj, ql.obj, oa.obj, la.obj)
     prep = Prepared(device=device, kind=oa.kind, steps=steps, aligned=tuple(ptrs.aligned),
-                    result=lambda a: AttentionOutput(a[3], a[4]))
+                    returns=(AttentionOutput, (3, 4)))
     # a low-level call: checked every time (not cached)
     return run_call(kset, lambda: prep, arrays, (), cache=False)
