@@ -263,3 +263,133 @@ def test_profile_launch_script_without_a_gpu():
     assert run.returncode == 0, run.stderr
     for row in ("tree_build", "tree_verify (auto)", "merge_states", "tree_accept", "kv_commit, 61 layers"):
         assert row in run.stdout
+
+
+def _stand_in(monkeypatch):
+    spec = _spec()
+    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
+    return spec, kset, launches, profile_launch.inputs(spec)
+
+
+def _runner_of(kset, kernel):
+    return [p for p in _prepared(kset) if p.steps and p.steps[0].kernel == kernel]
+
+
+def test_runner_compiled_once_per_signature(monkeypatch):
+    """A cached call signature is compiled into one function on its first call (callplan.compile_runner) and
+    reused; another signature (a new shape) gets its own; a call that is not cached never compiles one."""
+    from ddtree_gen import callplan
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    compiled = []
+    real = callplan.compile_runner
+    monkeypatch.setattr(runtime, "compile_runner", lambda *a, **k: compiled.append(a[0]) or real(*a, **k))
+    for _ in range(3):
+        kset.merge_states(v["q_nope"], torch.zeros(v["q_nope"].shape[:3]), v["q_nope"].clone(),
+                          torch.zeros(v["q_nope"].shape[:3]))
+    assert len(compiled) == 1 and len(launches) == 3
+    (prep,) = _runner_of(kset, "merge_states")
+    assert prep.run is not None and "for " not in prep.run.source   # straight-line code
+    q2 = v["q_nope"][:, :7].clone()   # another shape: another signature, its own runner
+    kset.merge_states(q2, torch.zeros(q2.shape[:3]), q2.clone(), torch.zeros(q2.shape[:3]))
+    kset.merge_states(q2, torch.zeros(q2.shape[:3]), q2.clone(), torch.zeros(q2.shape[:3]))
+    assert len(compiled) == 2 and len(_runner_of(kset, "merge_states")) == 2 and len(launches) == 5
+    # validate=True is never cached: checked in full each time, no runner
+    accept = _accept_args(spec, kset, build, target, v)
+    before = len(compiled)
+    kset.tree_accept(*accept, validate=True)
+    kset.tree_accept(*accept, validate=True)
+    assert len(compiled) == before
+
+
+def _accept_args(spec, kset, build, target, v):
+    tree = kset.tree_build(*build, spec.max_tree_size - 1)
+    tree.num_nodes.fill_(1)   # (the stand-in launches nothing: a valid tree for validate=True's host checks)
+    return tree, target, v["prefix_lens"]
+
+
+def test_runner_checks_before_any_allocation_or_launch(monkeypatch):
+    """After a cached hit, a misaligned pointer or an overlapping out= raises the first call's ArgumentError
+    before anything is allocated or launched (the checks come first in the compiled call)."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    kset.tree_verify(**v)
+    kset.tree_verify(**v)
+    n = len(launches)
+    (prep,) = _runner_of(kset, "tree_verify_wgmma")
+    src = prep.run.source
+    assert src.rindex("raise ArgumentError") < src.index("b = ") < src.index("launch(")
+    q = v["q_nope"]
+    big = torch.zeros(q.numel() + 8, dtype=torch.bfloat16)
+    odd = big[1:].as_strided(q.shape, q.stride())   # 2 bytes past a 16-byte boundary, same signature
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    with pytest.raises(ArgumentError, match=r"q_nope: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
+        kset.tree_verify(**{**v, "q_nope": odd})
+    assert len(launches) == n and not allocated
+    # merge_states in place into o_a is allowed, into a part of o_a is not: the same message as a first call
+    o, lse = v["q_nope"].clone(), torch.zeros(v["q_nope"].shape[:3])
+    args = (o, lse, v["q_nope"].clone(), torch.zeros(lse.shape))
+    kset.merge_states(*args, out=o, lse=lse)
+    kset.merge_states(*args, out=o, lse=lse)
+    n = len(launches)
+    part = torch.zeros(o.numel() * 2, dtype=o.dtype)   # two views of one buffer with o's signature
+    a0, a1 = part[:o.numel()].view(o.shape), part[256:256 + o.numel()].view(o.shape)
+    kset.merge_states(a0, lse, args[2], args[3], out=a0, lse=lse)   # in place: the cached signature
+    with pytest.raises(ArgumentError, match=r"out: overlaps o_a in memory \(only o_a or o_b may be passed"):
+        kset.merge_states(a0, lse, args[2], args[3], out=a1, lse=lse)
+    assert len(launches) == n + 1 and len(_runner_of(kset, "merge_states")) == 1
+
+
+def test_runner_parameters_follow_each_calls_pointers(monkeypatch):
+    """The compiled call packs the parameter buffer only when the call's pointers differ from its last
+    launch's: a zeroed buffer stays zero for the same pointers, and holds the new pointers after a change (a
+    new input tensor of the same signature, new outputs)."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    o_b = v["q_nope"].clone()
+    lse_a, lse_b = torch.zeros(v["q_nope"].shape[:3]), torch.zeros(v["q_nope"].shape[:3])
+    out, lse = v["q_nope"].clone(), torch.zeros(lse_a.shape)
+    kset.merge_states(v["q_nope"], lse_a, o_b, lse_b, out=out, lse=lse)
+    (prep,) = _runner_of(kset, "merge_states")
+    storage, plan = prep.bound[0][6], prep.bound[0][10]
+    flat = plan.fmt.replace("[", "").replace("]", "")
+
+    def packed_pointers():
+        return list(struct.unpack_from(flat, storage, 0))[:6]
+    assert packed_pointers() == [t.data_ptr() for t in (v["q_nope"], lse_a, o_b, lse_b, out, lse)]
+    ctypes.memset(storage, 0, ctypes.sizeof(storage))
+    kset.merge_states(v["q_nope"], lse_a, o_b, lse_b, out=out, lse=lse)
+    assert not any(storage.raw)
+    o_b2 = o_b.clone()   # a new pointer, the same signature
+    kset.merge_states(v["q_nope"], lse_a, o_b2, lse_b, out=out, lse=lse)
+    assert packed_pointers() == [t.data_ptr() for t in (v["q_nope"], lse_a, o_b2, lse_b, out, lse)]
+    assert len(_runner_of(kset, "merge_states")) == 1 and len(launches) == 3
+
+
+def test_layer_table_cached_per_list_of_caches(monkeypatch):
+    """kv_commit's 61-layer pointer table (a struct parameter) is packed once per list of caches: the same list
+    again leaves it as it is, a new list (new pointers) or a layer's new pointer packs it again, a new shape is
+    another signature (its own table), and each launch's table holds that call's layers."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    acc = kset.tree_accept(kset.tree_build(*build, spec.max_tree_size - 1), target, v["prefix_lens"])
+    args = (acc, v["prefix_lens"])
+    kset.kv_commit(*args, caches, v["block_table"])
+    (prep,) = _runner_of(kset, "kv_commit")
+    storage, plan = prep.bound[0][6], prep.bound[0][10]
+    flat = plan.fmt.replace("[", "").replace("]", "")
+
+    def table():
+        return list(struct.unpack_from(flat, storage, 0))[4:4 + MAX_LAYERS]
+    assert table() == [c.data_ptr() for c in caches] + [0] * (MAX_LAYERS - len(caches))
+    ctypes.memset(storage, 0, ctypes.sizeof(storage))
+    kset.kv_commit(*args, list(caches), v["block_table"])   # another list object, the same caches
+    assert not any(storage.raw)
+    other = [c.clone() for c in caches]
+    kset.kv_commit(*args, other, v["block_table"])
+    assert table() == [c.data_ptr() for c in other] + [0] * (MAX_LAYERS - len(caches))
+    one = list(other)
+    one[17] = other[17].clone()
+    kset.kv_commit(*args, one, v["block_table"])
+    assert table()[17] == one[17].data_ptr() and table()[16] == other[16].data_ptr()
+    bigger = [torch.zeros((c.shape[0] + 1, *c.shape[1:]), dtype=c.dtype) for c in caches]
+    kset.kv_commit(*args, bigger, v["block_table"])
+    assert len(_runner_of(kset, "kv_commit")) == 2 and len(launches) == 2 + 5
