@@ -349,7 +349,8 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
     def checks(aligned, disjoint, indent):
         out = []
         for i, alignment, message in aligned:
-            out.append(f"{indent}if ptrs[{i}] % {alignment}: raise ArgumentError({name(message)}.format(ptr=ptrs[{i}]))")
+            out.append(f"{indent}if ptrs[{i}] % {alignment}: "
+                       f"raise ArgumentError({name(message)}.format(ptr=ptrs[{i}]))")
         for a, na, b, nb, exact_ok, message in disjoint:
             if na and nb:
                 cond = f"ptrs[{a}] < ptrs[{b}] + {nb} and ptrs[{b}] < ptrs[{a}] + {na}"
@@ -442,7 +443,8 @@ def _launch_lines(prep, bound, env: dict, kset, name) -> list:
         return [f"    {ks}.launch({name(p.kernel)}, grid={name(p.grid)}, args={name(p.values)}(ptrs), "
                 f"device={prep.device}, kind={prep.kind!r}, fmt={name(p.fmt)})" for p in prep.plans]
     lock, last, cuda = bound[0][8], bound[0][11], name(env)
-    stream = f'{cuda}["torch_stream"]({prep.device})' if prep.kind == "torch" else f'{cuda}["cupy_stream"]({prep.device}).ptr'
+    stream = (f'{cuda}["torch_stream"]({prep.device})' if prep.kind == "torch" else
+              f'{cuda}["cupy_stream"]({prep.device}).ptr')
     lines = [f"    s = {stream}", f"    launch = {cuda}['launch']", f"    d = {cuda}['get_device']()",
              f"    if d != {prep.device}:", f"        {cuda}['set_device']({prep.device})", "    try:",
              f"        with {name(lock)}:", f"            if ptrs != {name(last)}[0]:"]

@@ -27,7 +27,8 @@ import torch
 
 from . import registry
 from .kernel_set import load
-from .types import TreeAcceptOutput, TreeBuildOutput
+from .kernels import kv_commit as _commit
+from .kernels import tree_accept as _accept
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,19 +86,17 @@ def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
 
 def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
                 block_table):
-    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
-    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens, kv_cache, block_table))
+    return _accept.direct(_kset(spec), num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens,
+                          kv_cache, block_table)
 
 
 def tree_walk(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
     """tree_accept without a cache: the walk alone (kv_commit then moves every layer's entries)."""
-    tree = TreeBuildOutput(num_nodes, tokens, None, None, None, None, None, first_child, next_sibling)
-    return tuple(_kset(spec).tree_accept(tree, target_tokens, prefix_lens))
+    return _accept.direct(_kset(spec), num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens)
 
 
 def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
-    acc = TreeAcceptOutput(accept_lens, accepted_nodes, None, None)
-    _kset(spec).kv_commit(acc, prefix_lens, list(kv_caches), block_table)
+    _commit.direct(_kset(spec), accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table)
 
 
 # --------------------------------------------------------------------- fakes (spec: a Spec)

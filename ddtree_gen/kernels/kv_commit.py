@@ -29,14 +29,20 @@ def launch(kset, accepted, prefix_lens, kv_caches, block_table) -> None:
     for name in ("accept_lens", "accepted_nodes"):
         if not hasattr(accepted, name):
             raise ArgumentError(f"accepted: has no field {name!r} (expected the tree_accept outputs)")
+    return direct(kset, accepted.accept_lens, accepted.accepted_nodes, prefix_lens, kv_caches, block_table)
+
+
+def direct(kset, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table) -> None:
+    """launch() with the walk's two arrays as arguments (the torch op's path: no record to build and read)."""
     stacked = not isinstance(kv_caches, (list, tuple))
-    layers = (kv_caches,) if stacked else tuple(kv_caches)
-    arrays = (accepted.accept_lens, accepted.accepted_nodes, prefix_lens, block_table, *layers)
+    arrays = ((accept_lens, accepted_nodes, prefix_lens, block_table, kv_caches) if stacked else
+              (accept_lens, accepted_nodes, prefix_lens, block_table, *kv_caches))
 
     def prepare():
         return _prepare(kset, arrays, stacked)
     # the layers' signatures and pointers are read in one pass (runtime._group_signature)
-    return run_call(kset, prepare, arrays, (stacked, len(layers)), group=None if stacked else len(_INPUTS))
+    return run_call(kset, prepare, arrays, (stacked, len(arrays) - len(_INPUTS)),
+                    group=None if stacked else len(_INPUTS))
 
 
 def _prepare(kset, arrays, stacked) -> Prepared:

@@ -64,12 +64,26 @@ def launch(kset, tree, target_tokens, prefix_lens, kv_cache=None, block_table=No
     except AttributeError:
         name = next(f for f in _TREE if not hasattr(tree, f))
         raise ArgumentError(f"tree: has no field {name!r} (expected the tree_build outputs)") from None
-    given = ar.record_fields(out, TreeAcceptOutput) if out is not None else (None,) * len(TreeAcceptOutput._fields)
-    arrays = (*fields, target_tokens, prefix_lens, kv_cache, block_table, *given)
+    given = ar.record_fields(out, TreeAcceptOutput) if out is not None else _NO_OUT
+    return _run(kset, (*fields, target_tokens, prefix_lens, kv_cache, block_table, *given), out is not None,
+                bool(validate))
 
+
+_NO_OUT = (None,) * len(TreeAcceptOutput._fields)
+
+
+def direct(kset, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache=None,
+           block_table=None) -> TreeAcceptOutput:
+    """launch(kset, tree, ...) with the tree's four arrays as arguments and no out= / validate (the torch ops'
+    path: no record to build and read); the same checks and the same cached call signature."""
+    return _run(kset, (num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
+                       block_table, *_NO_OUT), False, False)
+
+
+def _run(kset, arrays, has_out, validate) -> TreeAcceptOutput:
     def prepare():
-        return _prepare(kset, arrays, out is not None, bool(validate))
-    return run_call(kset, prepare, arrays, (out is not None,), cache=not validate)
+        return _prepare(kset, arrays, has_out, validate)
+    return run_call(kset, prepare, arrays, (has_out,), cache=not validate)
 
 
 def _prepare(kset, arrays, has_out, validate) -> Prepared:
