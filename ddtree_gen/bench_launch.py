@@ -1,9 +1,12 @@
 """`ddtree-gen bench launch`: the host cost of one call, as an engine that runs eagerly pays it.
 
 For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec; kv_commit of 61
-layers; draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
+layers, as a list of caches and as one stacked array; draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
 torch and with CuPy inputs, and through the torch custom op:
   * eager: wall time per call of many back-to-back calls (the host is the bottleneck there);
+  * host: wall time per call of HOST_CALLS calls issued without waiting for the GPU (the host's own time, also
+    where the GPU is the slower side: then eager > host);
+  * out=: eager with the outputs given (torch inputs; no allocation in the call);
   * GPU: the same call replayed from a CUDA graph (no host work);
   * host overhead = eager - GPU.
 Reference points from the same process: torch.add and a CuPy elementwise add on 16 floats.
@@ -16,8 +19,10 @@ import numpy as np
 
 CALLS = 2000          # back-to-back eager calls per measurement
 GRAPH_CALLS = 50      # calls captured in one graph
+HOST_CALLS = 200      # calls issued before one synchronisation (far fewer than the launch queue holds)
 LAYERS = 61           # kv_commit's layers (DeepSeek-V3 / Kimi K2)
 KV_COMMIT = f"kv_commit, {LAYERS} layers"
+KV_STACKED = f"kv_commit, {LAYERS} stacked"   # the layers as one [layers, num_pages, page_size, R+P] array
 VOCAB = 163840        # draft_topk's vocabulary (Kimi K2)
 
 
@@ -32,6 +37,21 @@ def _eager_us(fn, sync, calls=CALLS) -> float:
             fn()
         sync()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def _host_us(fn, sync, calls=HOST_CALLS) -> float:
+    """Wall time per call of `calls` calls, the clock stopped before the synchronisation."""
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(10):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    sync()
     return best
 
 
@@ -109,6 +129,7 @@ def _calls(ks, spec, kind: str):
     walk = ks.tree_accept(tree, x["target"], v["prefix_lens"])
     caches = [_like(v["kv_cache"]) for _ in range(LAYERS)]
     commit = (walk, v["prefix_lens"], caches, v["block_table"])
+    stacked = (walk, v["prefix_lens"], _stack(caches), v["block_table"])
     eager = {
         "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget),
         "tree_verify (auto)": lambda: ks.tree_verify(**v),
@@ -116,6 +137,7 @@ def _calls(ks, spec, kind: str):
         "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse),
         "tree_accept": lambda: ks.tree_accept(*accept_args),
         KV_COMMIT: lambda: ks.kv_commit(*commit),
+        KV_STACKED: lambda: ks.kv_commit(*stacked),
     }
     given = {
         "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget, out=tree2),
@@ -125,6 +147,7 @@ def _calls(ks, spec, kind: str):
                                                 lse=merged.lse),
         "tree_accept": lambda: ks.tree_accept(*accept_args, out=acc),
         KV_COMMIT: lambda: ks.kv_commit(*commit),
+        KV_STACKED: lambda: ks.kv_commit(*stacked),
     }
     if "draft_topk" in ks.kernels:   # the drafter's top-k (issue 23): B = 1, D' = D, k = 64, Kimi's vocabulary
         from .kernels import draft_topk
@@ -141,6 +164,15 @@ def _calls(ks, spec, kind: str):
 def _like(a):
     """A new array of a's shape and dtype, of a's kind, holding a copy."""
     return a.clone() if hasattr(a, "clone") else a.copy()
+
+
+def _stack(arrays):
+    """The arrays stacked along a new leading dimension (a copy), of their kind."""
+    if hasattr(arrays[0], "clone"):
+        import torch
+        return torch.stack(arrays)
+    import cupy
+    return cupy.stack(arrays)
 
 
 def _empty_like_kind(like, n: int, kind: str):
@@ -180,7 +212,8 @@ def _op_calls(spec_name: str, x, tree, res, tail, walk, caches) -> dict:
 
 
 def measure(spec_name: str) -> list[tuple]:
-    """Rows (call, inputs, eager us, GPU us) of every launcher and the reference ops."""
+    """Rows (call, inputs, eager us, host us, eager with out= us (torch inputs, else nan), GPU us) of every
+    launcher and the reference ops."""
     import cupy
     import torch
 
@@ -193,25 +226,31 @@ def measure(spec_name: str) -> list[tuple]:
     torch_calls, torch_given, state = _calls(ks, spec, "torch")
     cupy_calls, cupy_given, _ = _calls(ks, spec, "cupy")
     op_calls = _op_calls(spec.name, *state)
+    nan = float("nan")
     for name in torch_calls:
         gpu = _graph_us_torch(torch_given[name])
-        rows.append((name, "torch", _eager_us(torch_calls[name], tsync), gpu))
+        rows.append((name, "torch", _eager_us(torch_calls[name], tsync), _host_us(torch_calls[name], tsync),
+                     _eager_us(torch_given[name], tsync), gpu))
         if name in op_calls:
-            rows.append((name, "torch op", _eager_us(op_calls[name], tsync), gpu))
-        rows.append((name, "cupy", _eager_us(cupy_calls[name], csync), _graph_us_cupy(cupy_given[name])))
+            rows.append((name, "torch op", _eager_us(op_calls[name], tsync), _host_us(op_calls[name], tsync), nan,
+                         gpu))
+        rows.append((name, "cupy", _eager_us(cupy_calls[name], csync), _host_us(cupy_calls[name], csync), nan,
+                     _graph_us_cupy(cupy_given[name])))
     a, b, c = (torch.ones(16, device="cuda") for _ in range(3))
     rows.append(("torch.add, 16 floats", "torch", _eager_us(lambda: torch.add(a, b), tsync),
-                 _graph_us_torch(lambda: torch.add(a, b, out=c))))
+                 _host_us(lambda: torch.add(a, b), tsync), nan, _graph_us_torch(lambda: torch.add(a, b, out=c))))
     ca, cb, cc = (cupy.ones(16, dtype=cupy.float32) for _ in range(3))
     rows.append(("cupy elementwise add, 16 floats", "cupy", _eager_us(lambda: ca + cb, csync),
-                 _graph_us_cupy(lambda: cupy.add(ca, cb, out=cc))))
+                 _host_us(lambda: ca + cb, csync), nan, _graph_us_cupy(lambda: cupy.add(ca, cb, out=cc))))
     return rows
 
 
 def table(rows) -> str:
-    lines = [f"{'call':<34} {'inputs':<9} {'eager us':>9} {'GPU us':>8} {'host overhead us':>17}"]
-    for name, kind, eager, gpu in rows:
-        lines.append(f"{name:<34} {kind:<9} {eager:9.1f} {gpu:8.1f} {max(0.0, eager - gpu):17.1f}")
+    lines = [f"{'call':<34} {'inputs':<9} {'eager us':>9} {'host us':>8} {'out= us':>8} {'GPU us':>8} "
+             f"{'host overhead us':>17}"]
+    for name, kind, eager, host, given, gpu in rows:
+        lines.append(f"{name:<34} {kind:<9} {eager:9.1f} {host:8.1f} {given:8.1f} {gpu:8.1f} "
+                     f"{max(0.0, eager - gpu):17.1f}")
     return "\n".join(lines)
 
 

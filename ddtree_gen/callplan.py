@@ -358,7 +358,8 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
                            f"raise ArgumentError({name(message)})")
         return out
 
-    # pointer checks
+    # pointer checks (the "# ..." lines of the source mark its stages: scripts/profile_launch.py --stages)
+    body.append("    # checks")
     if group is not None and (prep.aligned or prep.disjoint):
         ns["_checked"] = [None]
         body += [f"    layers = ptrs[{group}:]", "    if layers != _checked[0]:",
@@ -371,6 +372,7 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
         body += checks(prep.aligned, prep.disjoint, "    ")
     # new outputs: source[i] is the expression of array i in the result
     source = {}
+    body.append("    # outputs")
     missing = [e for e in prep.new if arrays[e[0]] is None]
     device, kind = prep.device, prep.kind
     if missing and len(missing) == len(prep.new) and kind != "cai" and not (kind == "torch" and
@@ -387,8 +389,9 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
                 body += [f"    o{i} = {name(allocate)}({kind!r}, {device}, {tuple(shape)!r}, {dtype!r})",
                          f"    ptrs[{i}] = {name(pointer_of)}(o{i})"]
             source[i] = f"o{i}"
+    body.append("    # launch")
     body += _launch_lines(prep, bound, env, kset, name)
-    # the result
+    body.append("    # result")
     if prep.returns is not None:
         record, indices = prep.returns
         items = ", ".join(source.get(i, f"arrays[{i}]") for i in indices)

@@ -150,7 +150,9 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
             dev = a.get_device()
             if dev >= 0 or (dev := HOST_DEVICE) >= 0:
                 ptrs[i] = a.data_ptr()
-                sigs[i] = (a.dtype, a.shape, a.stride(), dev)
+                # every array argument must be C-contiguous (the checks refuse any other), so its contiguity
+                # stands for its strides: equal (dtype, shape, contiguous, device) pass the same checks
+                sigs[i] = (a.dtype, a.shape, a.is_contiguous(), dev)
                 continue
         p, s = fast_view(a)
         if s is None:   # not cacheable: checked in full by prepare(), which names what is wrong

@@ -11,11 +11,12 @@ CPU tensors passed as if they lived on device 0 (their fast signature says devic
 on the CPU), so the torch path is the engine's path minus the driver and the CUDA caching allocator; the
 torch ops are the registered CUDA implementations, registered for the CPU key here. The tiny problem of
 `bench launch`: B = 1, prefix 64, Nq = N; kv_commit with 61 layers.
-Run: PYTHONPATH=. python scripts/profile_launch.py [--spec kimi-k2.6-tp8] [--calls 5000]
-                                                   [--profile CALL] [--stages]
+Run: PYTHONPATH=. python scripts/profile_launch.py [--spec kimi-k2.6-tp8] [--calls 5000] [--clock cpu|wall]
+                                                   [--profile CALL] [--stages CALL] [--source CALL]
 It prints one row per call: host us per call (best of 5 runs of --calls calls), launches per call.
---profile CALL prints a cProfile of that call (cumulative, top 25); --stages the time of each stage
-of one cached run_call (fast views, cache lookup, pointer checks, outputs, launches, result).
+--profile CALL prints a cProfile of that call (cumulative, top 25); --stages CALL the time of each stage
+of the cached call (the launcher, signature and lookup; its compiled function's checks, outputs, launch,
+result); --source CALL that compiled function. Times are this thread's CPU time (--clock wall: wall time).
 Needs torch (CPU build) and no GPU; a GPU is not touched.
 """
 from __future__ import annotations
@@ -150,6 +151,7 @@ def calls(ks, spec):
     res, tail = ks.tree_verify(**v), ks.tree_verify_tail(**v)
     acc_args = (tree, target, v["prefix_lens"], v["kv_cache"], v["block_table"])
     acc = ks.tree_accept(tree, target, v["prefix_lens"])
+    stacked = torch.stack(caches)   # the layers as one [layers, num_pages, page_size, R+P] tensor
     # the torch ops: their CUDA implementations, registered for the CPU key, on this kernel set
     torch_ops._kset = lambda name: ks
     lib = torch.library.Library("ddtree", "IMPL")
@@ -174,6 +176,7 @@ def calls(ks, spec):
         "tree_walk": (lambda: ks.tree_accept(tree, target, v["prefix_lens"]),
                       lambda: ops.tree_walk(s, tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling,
                                             target, v["prefix_lens"])),
+        f"kv_commit, {LAYERS} stacked": (lambda: ks.kv_commit(acc, v["prefix_lens"], stacked, v["block_table"]), None),
         f"kv_commit, {LAYERS} layers": (lambda: ks.kv_commit(acc, v["prefix_lens"], caches, v["block_table"]),
                                         lambda: ops.kv_commit(s, acc.accept_lens, acc.accepted_nodes,
                                                               v["prefix_lens"], caches, v["block_table"])),
@@ -206,38 +209,57 @@ def per_call_us(fn, n: int) -> float:
 
 
 def stages(ks, fn, n: int) -> None:
-    """The time of each stage of run_call, by wrapping the functions it calls (rough: the wrappers cost too)."""
-    from ddtree_gen import arrays, callplan, runtime
-    spent = {}
-
-    def timed(mod, name):
-        real = getattr(mod, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return real(*a, **k)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        setattr(mod, name, wrapper)
-        return real
-    names = [(runtime, n_) for n_ in ("fast_view", "allocate", "_values") if hasattr(runtime, n_)]
-    names += [(runtime.Prepared, "check_pointers"), (runtime.DeviceModules, "launch")]
-    reals = [(m, name, timed(m, name)) for m, name in names]
+    """The time of each stage of one cached call: the launcher, its signature and the cache lookup (the call
+    minus its compiled function), then the compiled function's stages (callplan.compile_runner marks them in
+    its source: checks, outputs, launch, result), each timed as the source cut after it."""
+    from ddtree_gen.runtime import Prepared
+    clock = CLOCK[0]
+    fn()
+    seen = []
+    preps = [p for p in ks.prepared_calls.values() if isinstance(p, Prepared) and p.run is not None]
+    reals = {id(p): p.run for p in preps}
+    for p in preps:
+        p.run = (lambda real: lambda arrays, ptrs: seen.append((real, arrays, list(ptrs))) or real(arrays, ptrs))(
+            reals[id(p)])
     try:
-        for _ in range(50):
-            fn()
-        spent.clear()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        total = (time.perf_counter() - t0) / n * 1e6
+        fn()
     finally:
-        for m, name, real in reals:
-            setattr(m, name, real)
-    print(f"  total (with the wrappers) {total:6.1f} us")
-    for name, s in spent.items():
-        print(f"  {name:<16} {s / n * 1e6:6.1f} us")
+        for p in preps:
+            p.run = reals[id(p)]
+    total = per_call_us(fn, n)
+    print(f"  {'the call':<45} {total:6.1f} us")
+    inner = 0.0
+    for real, arrays, ptrs in seen:
+        lines = real.source.rstrip("\n").split("\n")
+        cuts = [k for k, line in enumerate(lines) if line.startswith("    # ")] + [len(lines)]
+        last = 0.0
+        for k, cut in zip(cuts, cuts[1:]):
+            src = "\n".join(lines[:cut] + ["    return None"]) + "\n"
+            ns = dict(real.__globals__)
+            exec(src, ns)
+            part = ns["run"]
+            t = per_call_us(lambda: part(arrays, list(ptrs)), n) - per_call_us(lambda: list(ptrs), n)
+            print(f"  {lines[k].strip()[2:]:<8} ({real.__code__.co_filename.strip('<>')[11:]:<34}) "
+                  f"{t - last:6.1f} us")
+            last = t
+        inner += last
+    print(f"  {'launcher, signature, cache lookup':<45} {total - inner:6.1f} us")
+
+
+def source(ks, fn) -> None:
+    """The compiled function(s) of one cached call (callplan.compile_runner)."""
+    from ddtree_gen.runtime import Prepared
+    fn()
+    before = {id(p) for p in ks.prepared_calls.values() if isinstance(p, Prepared)}
+    for p in ks.prepared_calls.values():
+        if isinstance(p, Prepared) and p.run is not None and id(p) in before:
+            seen = []
+            real = p.run
+            p.run = lambda arrays, ptrs, real=real: seen.append(1) or real(arrays, ptrs)
+            fn()
+            p.run = real
+            if seen:
+                print(real.source)
 
 
 def main(argv=None) -> int:
@@ -247,7 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5000, help="calls per timing run (best of 5)")
     ap.add_argument("--profile", metavar="CALL", help="cProfile this call's plain launcher (a row name, or its "
                                                       "prefix), 'op:CALL' its torch op")
-    ap.add_argument("--stages", metavar="CALL", help="time each stage of this call's run_call")
+    ap.add_argument("--stages", metavar="CALL", help="time each stage of this call (its compiled function's "
+                                                     "checks, outputs, launch, result; the rest before it)")
+    ap.add_argument("--source", metavar="CALL", help="print this call's compiled function (callplan.compile_runner)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                     help="cpu: this thread's CPU time (default; on a shared machine, others' load does not count); "
                          "wall: wall time")
@@ -262,8 +286,8 @@ def main(argv=None) -> int:
     spec = find_spec(args.spec)
     ks, launches = stand_in_kset(spec)
     table = calls(ks, spec)
-    if args.profile or args.stages:
-        want = args.profile or args.stages
+    if args.profile or args.stages or args.source:
+        want = args.profile or args.stages or args.source
         op = want.startswith("op:")
         want = want[3:] if op else want
         name = next((k for k in table if k.startswith(want)), None)
@@ -273,6 +297,9 @@ def main(argv=None) -> int:
         if args.stages:
             print(f"stages of {name} ({'torch op' if op else 'plain'}), {args.calls} calls")
             stages(ks, fn, args.calls)
+            return 0
+        if args.source:
+            source(ks, fn)
             return 0
         for _ in range(50):
             fn()

@@ -393,3 +393,22 @@ def test_layer_table_cached_per_list_of_caches(monkeypatch):
     bigger = [torch.zeros((c.shape[0] + 1, *c.shape[1:]), dtype=c.dtype) for c in caches]
     kset.kv_commit(*args, bigger, v["block_table"])
     assert len(_runner_of(kset, "kv_commit")) == 2 and len(launches) == 2 + 5
+
+
+def test_signature_contiguity_stands_for_strides(monkeypatch):
+    """A torch tensor's signature holds its contiguity in place of its strides: a non-contiguous tensor of a cached
+    call's dtype and shape is another signature, refused by the full checks with the first call's message; a
+    contiguous one with other strides on a size-1 dimension is the cached signature."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    q = v["q_nope"]
+    lse = torch.zeros(q.shape[:3])
+    kset.merge_states(q, lse, q.clone(), lse.clone())
+    kset.merge_states(q, lse, q.clone(), lse.clone())
+    odd = torch.zeros((1, 65, 512, 8), dtype=q.dtype).transpose(2, 3)   # q's shape, not contiguous
+    assert odd.shape == q.shape and not odd.is_contiguous()
+    with pytest.raises(ArgumentError, match="o_b: not C-contiguous"):
+        kset.merge_states(q, lse, odd, lse.clone())
+    size1 = q.clone().as_strided(q.shape, (7, *q.stride()[1:]))   # batch dimension 1 with another stride
+    assert size1.is_contiguous() and size1.stride() != q.stride()
+    kset.merge_states(q, lse, size1, lse.clone())
+    assert len(_runner_of(kset, "merge_states")) == 1 and len(launches) == 3
