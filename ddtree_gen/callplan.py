@@ -474,7 +474,23 @@ def _pack_args(plan: StepPlan, name) -> str:
     for pos, a in plan.special:
         if type(a) is IsAligned:
             items[pos] = f"{name(np.int32)}(ptrs[{a.index}] % {a.alignment} == 0)"
-        else:
-            items[pos] = f"*{name(tensor_map_words)}(ptrs[{a.index}], {name(a)})"
+        else:   # memoized per pointer for this map (an int key: no hash of the TensorMap per call)
+            memo = name(_MapMemo(a))
+            items[pos] = f"*({memo}.get(ptrs[{a.index}]) or {memo}.encode(ptrs[{a.index}]))"
             skip.update(range(pos + 1, pos + TENSOR_MAP_WORDS))
     return ", ".join(x for k, x in enumerate(items) if k not in skip)
+
+
+class _MapMemo(dict):
+    """The 16 words of one TensorMap per pointer (tensor_map_words, which encodes it, memoized by an int key)."""
+
+    def __init__(self, tm: TensorMap):
+        super().__init__()
+        self.tm = tm
+
+    def encode(self, ptr: int) -> tuple:
+        words = tensor_map_words(ptr, self.tm)
+        if len(self) > 4096:   # many short-lived caches: forget the old ones
+            self.clear()
+        self[ptr] = words
+        return words

@@ -412,3 +412,32 @@ def test_signature_contiguity_stands_for_strides(monkeypatch):
     assert size1.is_contiguous() and size1.stride() != q.stride()
     kset.merge_states(q, lse, size1, lse.clone())
     assert len(_runner_of(kset, "merge_states")) == 1 and len(launches) == 3
+
+
+def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
+    """The TMA tree_verify's compiled call packs the CUtensorMap encoded for the call's cache pointer (memoized per
+    pointer: encoded once per cache) at the parameter's place in the buffer, and the one of a new cache."""
+    from ddtree_gen import callplan
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    encoded = []
+
+    def encode(out, dtype, rank, ptr, dims, strides, box, step, *rest):
+        encoded.append(ptr.value)
+        out[0], out[1], out[15] = ptr.value, dims[1], 0x7E57
+        return 0
+    monkeypatch.setattr(callplan, "_encode_tiled", lambda: encode)
+    monkeypatch.setattr(callplan, "_TENSOR_MAPS", {})
+    for _ in range(3):
+        kset.tree_verify(**v)
+    (prep,) = _runner_of(kset, "tree_verify_wgmma")
+    storage, plan = prep.bound[0][6], prep.bound[0][10]
+    offsets = runtime.param_offsets(plan.fmt)
+    tm_index = next(k for k, f in enumerate(plan.fmt[1:].replace("[" + "Q" * 16 + "]", "T")) if f == "T")
+    words = struct.unpack_from("16Q", storage, offsets[tm_index])
+    ptr = v["kv_cache"].data_ptr()
+    assert encoded == [ptr] and words[0] == ptr and words[1] == v["kv_cache"].shape[0] * spec.page_size
+    assert words[15] == 0x7E57 and offsets[tm_index] % 8 == 0
+    other = dict(v, kv_cache=v["kv_cache"].clone())
+    kset.tree_verify(**other)
+    words = struct.unpack_from("16Q", storage, offsets[tm_index])
+    assert encoded == [ptr, other["kv_cache"].data_ptr()] and words[0] == other["kv_cache"].data_ptr()
