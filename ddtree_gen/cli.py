@@ -196,12 +196,10 @@ def cmd_bench(args) -> int:
     fp8 = any(_specs([s])[0].kv_fp8 for s in args.spec or [])   # an fp8 cache is made through torch
     for name in args.kernels:
         needs.require(f"bench {name}", gpu=True, torch=name in BENCH_TORCH or fp8)
-    from . import bench, bench_arch, bench_launch, bench_step
-    run = {"tree_build": bench.bench_tree_build, "draft_topk": bench.bench_draft_topk,
-           "tree_verify": bench.bench_tree_verify,
-           "kv-dtype": bench.bench_kv_dtype, "arch": bench_arch.bench_arch,
-           "tree_accept": bench_step.bench_tree_accept, "step": bench_step.bench_step,
-           "launch": bench_launch.bench_launch}
+    from .bench import arch, draft_topk, kv_dtype, launch, step, tree_accept, tree_build, tree_verify
+    run = {"tree_build": tree_build.run, "draft_topk": draft_topk.run, "tree_verify": tree_verify.run,
+           "kv-dtype": kv_dtype.run, "arch": arch.run, "tree_accept": tree_accept.run, "step": step.run,
+           "launch": launch.run}
     for name in args.kernels:
         try:
             run[name](args)

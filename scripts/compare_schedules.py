@@ -49,8 +49,10 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from ddtree_gen.bench import SPEC_BY_HEADS, flashmla_peers, graph_time_ms, measured_peak_tflops, verify_flops
-    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.bench.peers import flashmla_peers
+    from ddtree_gen.bench.specs import SPEC_BY_HEADS
+    from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops
+    from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE

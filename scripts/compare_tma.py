@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree_gen.bench import SPEC_BY_HEADS, graph_time_ms, verify_inputs
+from ddtree_gen.bench.specs import SPEC_BY_HEADS
+from ddtree_gen.bench.timing import graph_time_ms
+from ddtree_gen.inputs import verify_inputs
 from ddtree_gen.kernel_set import KernelSet, variant_set
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans.tree_verify_mma import COMBINE

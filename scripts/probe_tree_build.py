@@ -20,7 +20,8 @@ import numpy as np  # noqa: E402
 import cupy  # noqa: E402
 import ddtree_gen  # noqa: E402
 from ddtree_gen.spec import find_spec  # noqa: E402
-from ddtree_gen.bench import graph_time_ms, tree_build_inputs  # noqa: E402
+from ddtree_gen.bench.timing import graph_time_ms  # noqa: E402
+from ddtree_gen.inputs import tree_build_inputs  # noqa: E402
 
 spec = find_spec("kimi-k2.6-tp8")
 ks = ddtree_gen.load(spec, kernels=["tree_build"])

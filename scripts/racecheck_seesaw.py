@@ -102,7 +102,7 @@ def worker(build: str) -> None:
     import cupy
     import numpy as np
 
-    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_mma import COMBINE

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddtree_gen import archs, artifacts, bf16, reference  # noqa: E402
-from ddtree_gen.bench import gpu_time_ms, graph_time_ms  # noqa: E402
+from ddtree_gen.bench.timing import gpu_time_ms, graph_time_ms  # noqa: E402
 from ddtree_gen.kernel_set import variant_set  # noqa: E402
 from ddtree_gen.plans import by_name  # noqa: E402
 from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402

@@ -6,8 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddtree_gen import bench_arch, cli
+from ddtree_gen import cli
 from ddtree_gen import spec as SPEC_MODULE
+from ddtree_gen.bench import arch as bench_arch
+from ddtree_gen.kernels.tree_verify import why_not
 from ddtree_gen.errors import DdtreeError
 from ddtree_gen.spec import find_spec, parse_spec
 from test_archs import VALID, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
@@ -42,12 +44,12 @@ def test_what_each_set_ran(fake_devices):  # noqa: F811
         ["mma (sm_80)", "mma (sm_80)"]
     assert [bench_arch.ran(ks, k, 0) for ks in (default, forced) for k in ("tree_build", "kv_commit")] == \
         ["sm_90a", "sm_90a", "sm_80", "sm_80"]
-    assert all(bench_arch._why_not(ks, impl, 0) is None for ks in (default, forced) for impl in ("auto", "mma"))
+    assert all(why_not(ks, impl, 0) is None for ks in (default, forced) for impl in ("auto", "mma"))
     fp8 = find_spec("kimi-k2.6-tp8-fp8")
     default8, forced8 = fake_set(fp8), fake_set(fp8, arch="sm_80")
     assert bench_arch.ran(default8, "tree_verify", 0, "auto") == "wgmma (sm_90a)"
     assert bench_arch.ran(forced8, "tree_verify", 0, "auto") == "simple (sm_80)"
-    assert "tree_verify_mma" in bench_arch._why_not(forced8, "mma", 0)
+    assert "tree_verify_mma" in why_not(forced8, "mma", 0)
 
 
 def test_no_gpu_is_a_clear_error(monkeypatch):
@@ -58,20 +60,20 @@ def test_no_gpu_is_a_clear_error(monkeypatch):
         raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_device)
     with pytest.raises(DdtreeError, match="bench arch runs on a GPU.*cudaErrorNoDevice"):
-        bench_arch.bench_arch(SimpleNamespace(spec=None, out=None))
+        bench_arch.run(SimpleNamespace(spec=None, out=None))
 
 
 def test_spec_without_sm80_is_refused_first(monkeypatch):
     only90 = parse_spec(dict(VALID, archs=["sm_90a"]), "t.toml")
     monkeypatch.setattr(SPEC_MODULE, "find_spec", lambda name: only90)
     with pytest.raises(DdtreeError, match="not built for sm_80"):
-        bench_arch.bench_arch(SimpleNamespace(spec=["t"], out=None))
+        bench_arch.run(SimpleNamespace(spec=["t"], out=None))
 
 
 def test_graph_time_below_the_peak_is_refused(monkeypatch):
     """A CUDA-graph time faster than the call's FLOPs at the measured peak is measured again, and a second
     such time raises instead of becoming a table row (bench tree_verify / kv-dtype)."""
-    from ddtree_gen import bench
+    from ddtree_gen.bench import timing as bench
     times = iter([0.001, 0.5])
     monkeypatch.setattr(bench, "graph_time_ms", lambda fn, **kw: next(times))
     assert bench.checked_graph_time_ms(None, "x", 0.1) == 0.5          # re-measured, plausible

@@ -525,14 +525,15 @@ def test_bench_kv_dtype_specs():
     where there is one, else an unshipped variant that differs from the base only in name, H and kv_dtype."""
     import dataclasses
 
-    from ddtree_gen import bench
+    from ddtree_gen.bench import kv_dtype as bench
+    from ddtree_gen.bench.specs import spec_variant
     assert bench.KV_DTYPE_CONFIGS == [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096),
                                       (8, 128, 4096)]
     assert "kv-dtype" in cli.BENCHES
     shipped = {s.name for s in all_specs()}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
         for kv_dtype in KV_DTYPES:
-            s = bench.spec_variant(BF16, h, kv_dtype)
+            s = spec_variant(BF16, h, kv_dtype)
             assert (s.num_heads, s.kv_dtype) == (h, kv_dtype)
             assert dataclasses.replace(s, name=BF16.name, num_heads=8, kv_dtype="bf16") == BF16
             want = {(8, "bf16"): BF16.name, (8, "fp8_e4m3"): FP8.name, (16, "bf16"): "deepseek-v3-tp8",

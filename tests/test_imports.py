@@ -17,7 +17,7 @@ PACKAGE = Path(ddtree_gen.__file__).resolve().parent
 # Lower layers first. A module may import its own layer or a lower one, never a higher one.
 LAYERS = [
     ["errors", "paths", "types", "fileio", "bf16", "fp8", "trees", "archs", "spec", "needs"],   # leaves (archs: build targets)
-    ["resources", "kdtr"],                                               # resource model, bundle format
+    ["resources", "kdtr", "inputs"],                                     # resource model, bundle format, inputs
     ["plans"],                                                           # the kernel registry (build data)
     ["render", "compile", "reference"],
     ["artifacts", "arrays"],                                             # build products; caller arrays
@@ -25,7 +25,7 @@ LAYERS = [
     ["kernels"],                                                         # launchers
     ["registry"],                                                        # the declarations' strings resolved
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "bench_arch", "bench_launch", "bench_step", "sanitize",         # users of kernel sets
+    ["torch_ops", "model", "bench", "sanitize",                         # users of kernel sets (bench/: a package)
      "bundles"],                                                         # and of the declarations (bundles: refs/)
     ["cli", "__main__", "__init__"],
 ]
@@ -119,6 +119,21 @@ def test_layers_import_downwards():
     wrong = [f"{a} imports {b}" for a, bs in sorted(import_graph().items()) for b in sorted(bs)
              if _layer(b) > _layer(a)]
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+# bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`
+BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs"}
+
+
+def test_benches_do_not_import_each_other():
+    graph = import_graph()
+    benches = [m for m in graph if m.startswith("ddtree_gen.bench.") and m not in BENCH_SHARED]
+    assert benches, "no benchmark modules found in ddtree_gen/bench/"
+    wrong = [f"{a} imports {b}" for a in sorted(benches) for b in sorted(graph[a])
+             if b.startswith("ddtree_gen.bench") and b not in BENCH_SHARED]
+    wrong += [f"{a} (shared) imports {b}" for a in sorted(BENCH_SHARED & set(graph)) for b in sorted(graph[a])
+              if b.startswith("ddtree_gen.bench") and b not in BENCH_SHARED]
+    assert not wrong, "benchmarks import each other:\n" + "\n".join(wrong)
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -98,18 +98,43 @@ def _device_of(q_nope) -> int | None:
         return None
 
 
+def _first_that_runs(kset, name, kinds, device) -> str:
+    """The first of `kinds` (_pick_impl's candidates) whose kernel `name`_kind and the combine kernel run on
+    `device` (None: not known, the checks will say why); "simple" is always last and always runs."""
+    for kind in kinds:
+        if kind == "simple" or device is None or (available(kset, f"{name}_{kind}", device)
+                                                  and available(kset, COMBINE, device)):
+            return kind
+    raise AssertionError(f"no implementation in {kinds}")
+
+
+def auto_impl(kset, device: int, name: str = "tree_verify") -> str:
+    """The implementation ("wgmma", "mma" or "simple") that launcher `name` (tree_verify or tree_verify_tail)
+    with impl="auto" runs on `device`: the one rule of the dispatcher, for the benches to report."""
+    return _first_that_runs(kset, name, _pick_impl(kset, name, "auto", None, None), device)
+
+
+def why_not(kset, impl: str, device: int, name: str = "tree_verify") -> str | None:
+    """Why launcher `name` with `impl` cannot run on `device` in kset: the ArgumentError's message a launch
+    would raise (not built for the spec, not loaded, no build for the device); None if it can ("auto" and
+    "simple" always can)."""
+    try:
+        kinds = _pick_impl(kset, name, impl, None, None)
+    except ArgumentError as e:
+        return str(e)
+    if len(kinds) > 1 or kinds == ("simple",):
+        return None
+    return kset.unavailable(f"{name}_{kinds[0]}", device) or kset.unavailable(COMBINE, device)
+
+
 def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
     """impl="auto" with a tensor-core kind loaded: the first of `kinds` whose kernels (and the combine
     kernel) run on the device of the arrays; "simple" last. Per call signature, so per device."""
-    device = _device_of(arrays[0])
-    for kind in kinds:
-        if kind == "simple":
-            return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
-        kernel = f"{name}_{kind}"
-        if device is None or (available(kset, kernel, device) and available(kset, COMBINE, device)):
-            return tree_verify_mma.prepare_attention(kset, kernel, tail, arrays, softmax_scale, validate, num_splits,
-                                                     kv_scale)
-    raise AssertionError(f"no implementation in {kinds}")   # "simple" is always last
+    kind = _first_that_runs(kset, name, kinds, _device_of(arrays[0]))
+    if kind == "simple":
+        return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
+    return tree_verify_mma.prepare_attention(kset, f"{name}_{kind}", tail, arrays, softmax_scale, validate,
+                                             num_splits, kv_scale)
 
 
 def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate) -> Prepared:

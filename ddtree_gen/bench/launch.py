@@ -17,10 +17,13 @@ import time
 
 import numpy as np
 
+from ..inputs import tree_build_inputs, verify_inputs
+from .specs import LAYERS
+from .timing import graph_time_ms
+
 CALLS = 2000          # back-to-back eager calls per measurement
 GRAPH_CALLS = 50      # calls captured in one graph
 HOST_CALLS = 200      # calls issued before one synchronisation (far fewer than the launch queue holds)
-LAYERS = 61           # kv_commit's layers (DeepSeek-V3 / Kimi K2)
 KV_COMMIT = f"kv_commit, {LAYERS} layers"
 KV_STACKED = f"kv_commit, {LAYERS} stacked"   # the layers as one [layers, num_pages, page_size, R+P] array
 VOCAB = 163840        # draft_topk's vocabulary (Kimi K2)
@@ -80,14 +83,12 @@ def _graph_us_torch(fn) -> float:
 
 
 def _graph_us_cupy(fn) -> float:
-    from .bench import graph_time_ms
     return graph_time_ms(fn, per_graph=GRAPH_CALLS, reps=10) * 1e3
 
 
 def tiny_inputs(spec, kind: str, seed: int = 0) -> dict:
     """Inputs of every launcher on a tiny problem, as torch tensors or CuPy arrays."""
     import cupy
-    from .bench import tree_build_inputs, verify_inputs
     rng = np.random.default_rng(seed)
     x = verify_inputs(spec, 1, [64], spec.max_tree_size, seed)
     ids, lps, roots, prefix = (cupy.asarray(a) for a in tree_build_inputs(spec, 1, rng))
@@ -150,7 +151,7 @@ def _calls(ks, spec, kind: str):
         KV_STACKED: lambda: ks.kv_commit(*stacked),
     }
     if "draft_topk" in ks.kernels:   # the drafter's top-k (issue 23): B = 1, D' = D, k = 64, Kimi's vocabulary
-        from .kernels import draft_topk
+        from ..kernels import draft_topk
         logits = x["logits"]
         k = min(64, spec.max_tree_size - 1)
         topk = ks.draft_topk(logits, k)
@@ -187,7 +188,7 @@ def _empty_like_kind(like, n: int, kind: str):
 def _op_calls(spec_name: str, x, tree, res, tail, walk, caches) -> dict:
     import torch
 
-    from . import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
+    from .. import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
     ops = torch.ops.ddtree
     v = x["verify"]
     ids, lps, roots, prefix = x["build"]
@@ -217,8 +218,8 @@ def measure(spec_name: str) -> list[tuple]:
     import cupy
     import torch
 
-    from .spec import find_spec
-    from .kernel_set import load
+    from ..spec import find_spec
+    from ..kernel_set import load
     spec = find_spec(spec_name)
     ks = load(spec)
     rows = []
@@ -254,7 +255,7 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def bench_launch(args) -> None:
+def run(args) -> None:
     spec = (args.spec or ["kimi-k2.6-tp8"])[0]
     text = table(measure(spec))
     print(f"launch cost, spec {spec}, B = 1, prefix 64, Nq = N (eager: {CALLS} back-to-back calls; "

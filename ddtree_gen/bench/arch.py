@@ -24,14 +24,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import reference
-from .bench import (KV_DTYPE_KERNELS, _auto_impl, checked_graph_time_ms, graph_time_ms, measured_peak_tflops, print_table, spec_variant,
-                    tree_build_inputs, verify_flops, verify_inputs)
-from .bench_step import LAYERS, accept_tree
-from .errors import DdtreeError
+from .. import reference
+from ..errors import DdtreeError
+from ..inputs import accept_tree, tree_build_inputs, verify_inputs
+from ..kernels.tree_verify import auto_impl, why_not
+from .specs import LAYERS, VERIFY_KERNELS, spec_variant
+from .timing import checked_graph_time_ms, graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
 FORCED = "sm_80"
-VERIFY_KERNELS = KV_DTYPE_KERNELS   # tree_verify, its wgmma and mma.sync kernels, the split-KV combine
 KERNELS = ("tree_build", "tree_accept", "kv_commit", *VERIFY_KERNELS)
 BUILD_B = 64
 ACCEPT_B, ACCEPTED = 64, 4
@@ -51,7 +51,7 @@ def ran(ks, kernel: str, device: int, impl: str | None = None) -> str:
     `impl` ("auto": the implementation auto takes there, as bench kv-dtype reports it)."""
     if impl is None:
         return str(ks.arch_for(kernel, device))
-    kind = _auto_impl(ks, device) if impl == "auto" else impl
+    kind = auto_impl(ks, device) if impl == "auto" else impl
     name = "tree_verify" if kind == "simple" else f"tree_verify_{kind}"
     return f"{kind} ({ks.arch_for(name, device)})"
 
@@ -67,7 +67,7 @@ def _gpu() -> tuple[int, object]:
                           f"PTX); none is usable here: {type(e).__name__}: {e}") from None
     if count == 0:
         raise DdtreeError("bench arch runs on a GPU (an H100 / H200); CUDA sees none")
-    from .runtime import device_info
+    from ..runtime import device_info
     return device, device_info(device)
 
 
@@ -111,10 +111,10 @@ def _ratio(base_ms: float, forced_ms: float) -> str:
     return f"{forced_ms / base_ms:.2f}x"
 
 
-def bench_arch(args) -> None:
+def run(args) -> None:
     """The table of the module docstring, per spec of --spec (default kimi-k2.6-tp8)."""
-    from .spec import find_spec
-    from .kernel_set import load
+    from ..spec import find_spec
+    from ..kernel_set import load
     specs = [find_spec(n) for n in (args.spec or ["kimi-k2.6-tp8"])]
     for spec in specs:
         if FORCED not in spec.archs:
@@ -188,7 +188,7 @@ def _verify_rows(spec, sets, device, b, nq, peak, variant=False) -> list[list]:
     shape = f"B={b} H={spec.num_heads} L={VERIFY_L} Nq={nq}" + (f" ({spec.name})" if variant else "")
     rows = []
     for impl in VERIFY_IMPLS:
-        why = [_why_not(ks, impl, device) for ks in sets]
+        why = [why_not(ks, impl, device) for ks in sets]
         if any(why):
             print(f"skipped tree_verify impl={impl} at {shape} on {spec.name}: {next(w for w in why if w)}",
                   flush=True)
@@ -205,16 +205,6 @@ def _verify_rows(spec, sets, device, b, nq, peak, variant=False) -> list[list]:
         rows.append([f"tree_verify {impl}", shape, *(ran(ks, "tree_verify", device, impl) for ks in sets),
                      *(f"{t:.4f}" for t in times), _ratio(*times), *pct, agree])
     return rows
-
-
-def _why_not(ks, impl: str, device: int) -> str | None:
-    """Why tree_verify(impl=impl) cannot run on `device` in `ks` (None: it can; "auto" always can)."""
-    if impl == "auto":
-        return None
-    kernel = f"tree_verify_{impl}"
-    if kernel not in ks.kernels:   # an fp8 spec's mma.sync kernels: not built at all
-        return ks.unavailable(kernel, device) or f"{kernel} is not built for spec {ks.spec.name!r}"
-    return ks.unavailable(kernel, device) or ks.unavailable("tree_verify_mma_combine", device)
 
 
 def _accept_row(spec, sets, device) -> list:

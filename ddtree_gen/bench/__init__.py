@@ -1,0 +1,12 @@
+"""`ddtree-gen bench NAME`: our kernels next to their peers, side by side in one process on the GPU.
+
+One module per benchmark, each with `run(args)` (args: `spec`, a list of spec names or None, and `out`,
+a folder or None); each prints a table last, and --out DIR also writes it (and a plot where there is one):
+
+  tree_build, draft_topk, tree_verify, kv_dtype (`bench kv-dtype`), arch, tree_accept, step, launch.
+
+What they share lies below them, and the benchmarks never import each other: timing (CUDA-event and
+CUDA-graph medians, the measured peak and copy rate, the table), peers (what an engine runs today:
+FlashMLA, torch, a CPU heap builder) and specs (the shipped spec per head count, spec variants). Their
+inputs come from ddtree_gen.inputs.
+"""

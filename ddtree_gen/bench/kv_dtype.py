@@ -1,0 +1,56 @@
+"""`ddtree-gen bench kv-dtype`: tree_verify (impl="auto") with a bf16 and with an fp8 (e4m3) KV cache on the
+same shapes, side by side in one process."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..inputs import verify_inputs
+from ..kernels.tree_verify import auto_impl
+from .specs import VERIFY_KERNELS, spec_variant
+from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, verify_flops
+
+KV_DTYPE_CONFIGS = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096), (8, 128, 4096)]
+KV_DTYPE_KERNELS = VERIFY_KERNELS
+
+
+def run(args) -> None:
+    """tree_verify (impl="auto") of a spec with a bf16 and with an fp8 (e4m3) KV cache on the same shapes, in one
+    process: H comes from the config (variants of the spec with other H are built as needed), the fp8 cache holds
+    the e4m3 bytes of the bf16 cache's samples. A table: config, impl, bf16 ms, fp8 ms, bf16/fp8 speed ratio,
+    TFLOP/s and % of the measured bf16 matmul peak of each."""
+    from ..spec import find_spec
+    from ..kernel_set import load
+    base = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
+    peak = measured_peak_tflops()
+    nq = 65
+    rows = []
+    for b, h, l in KV_DTYPE_CONFIGS:
+        lens = np.full(b, l)
+        flops, times, impls = None, {}, {}
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            spec = spec_variant(base, h, kv_dtype)
+            t0 = time.perf_counter()
+            ks = load(spec, kernels=list(KV_DTYPE_KERNELS))
+            x = verify_inputs(spec, b, lens, nq)
+            impls[kv_dtype] = auto_impl(ks, x["q_nope"].device.id)
+            res = ks.tree_verify(**x)
+            fn = lambda ks=ks, x=x, res=res: ks.tree_verify(**x, out=res.out, lse=res.lse)  # noqa: E731
+            flops = verify_flops(spec, lens, nq)
+            times[kv_dtype] = checked_graph_time_ms(fn, f"{kv_dtype} at B={b} H={h} L={l}", flops / (peak * 1e12) * 1e3)
+            print(f"B={b} H={h} L={l} {spec.name} ({kv_dtype}, impl={impls[kv_dtype]}): {times[kv_dtype]:.3f} ms "
+                  f"(load + inputs + timing {time.perf_counter() - t0:.1f} s)", flush=True)
+        cells = []
+        for kv_dtype in ("bf16", "fp8_e4m3"):
+            tf = flops / (times[kv_dtype] * 1e-3) / 1e12
+            cells += [f"{tf:.1f}", f"{100 * tf / peak:.1f}%"]
+        rows.append([f"B={b} H={h} L={l}", f"{impls['bf16']}/{impls['fp8_e4m3']}", f"{times['bf16']:.3f}",
+                     f"{times['fp8_e4m3']:.3f}", f"{times['bf16'] / times['fp8_e4m3']:.2f}x", *cells])
+    print_table(f"tree_verify (impl auto) of {base.name}: bf16 vs fp8 (e4m3) KV cache, Nq={nq}; CUDA-graph replay "
+                f"medians; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; measured bf16 matmul peak in this run: "
+                f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms",
+                ["config", "impl bf16/fp8", "bf16 ms", "fp8 ms", "speedup", "bf16 TFLOP/s", "bf16 % peak",
+                 "fp8 TFLOP/s", "fp8 % peak"], rows, args.out, "bench_kv_dtype")
+
+

@@ -1,0 +1,25 @@
+"""The specs and shapes the benches share: the shipped spec of each head count, spec variants of other head
+counts or kv_dtypes (built into the binary cache only), the tree_verify kernels and the layer count."""
+from __future__ import annotations
+
+import dataclasses
+
+SPEC_BY_HEADS = {8: "kimi-k2.6-tp8", 16: "deepseek-v3-tp8", 64: "kimi-k2.6", 128: "deepseek-v3"}
+VERIFY_KERNELS = ("tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine")
+LAYERS = 61   # MLA layers of DeepSeek-V3 / Kimi K2: kv_commit's caches, tree_verify's launches per step
+
+
+def spec_variant(base, heads: int, kv_dtype: str):
+    """`base` with num_heads = heads and kv_dtype: the shipped spec with exactly those values if there is one
+    (its builds may be cached already), else an unshipped variant named <base>-h<H>[-fp8] (built into the
+    binary cache only, never into generated/)."""
+    from ..spec import all_specs
+    want = dataclasses.replace(base, num_heads=heads, kv_dtype=kv_dtype)
+    for s in all_specs():
+        if dataclasses.replace(s, name=want.name) == want:
+            return s
+    stem = base.name[:-4] if base.name.endswith("-fp8") else base.name
+    name = stem + (f"-h{heads}" if heads != base.num_heads else "") + ("-fp8" if kv_dtype == "fp8_e4m3" else "")
+    return dataclasses.replace(want, name=name)
+
+
