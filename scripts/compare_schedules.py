@@ -55,7 +55,7 @@ def main() -> None:
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_mma import COMBINE
+    from ddtree_gen.plans.split_kv import COMBINE
     from ddtree_gen.plans.tree_verify_wgmma import schedule_for
     from ddtree_gen.plans.variant import variant as make_variant
     from ddtree_gen.spec import find_spec

@@ -15,7 +15,7 @@ from ddtree_gen.bench.timing import graph_time_ms
 from ddtree_gen.inputs import verify_inputs
 from ddtree_gen.kernel_set import KernelSet, variant_set
 from ddtree_gen.plans import by_name
-from ddtree_gen.plans.tree_verify_mma import COMBINE
+from ddtree_gen.plans.split_kv import COMBINE
 from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import find_spec
 

@@ -105,7 +105,7 @@ def worker(build: str) -> None:
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_mma import COMBINE
+    from ddtree_gen.plans.split_kv import COMBINE
     from ddtree_gen.plans.variant import variant
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tune the split-KV table of tree_verify_wgmma: time the kernel (with its combine) at every useful split
 count, per spec and batch size, and pick the fastest per shape class (B x row tiles rounded up to a
-power of two, as plans/tree_verify_mma.choose_splits looks it up).
+power of two, as plans/split_kv.choose_splits looks it up).
 When: on the GPU after changing templates/tree_verify_wgmma.cu.j2 or the combine kernel, or on a new GPU
-model. --write stores the table under specs.<spec>.wgmma in ddtree_gen/plans/tree_verify_mma_tuning.json
+model. --write stores the table under specs.<spec>.wgmma in ddtree_gen/plans/tree_verify_tuning.json
 (the mma.sync table beside it is scripts/tune_tree_verify.py's and is kept).
 Run: PYTHONPATH=. python scripts/sweep_splits.py [SPEC ...] [--L 4096] [--batches 1 8 32] [--write]
 It prints, per (spec, B), every split count's time (attention + combine) and the combine's alone, then a
@@ -26,7 +26,7 @@ from tune_tree_verify import device_inputs, time_call  # noqa: E402
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import artifacts  # noqa: E402
-from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
+from ddtree_gen.plans import split_kv as mod  # noqa: E402
 from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -15,7 +15,7 @@ prefixes 0 .. 4096, random trees; the numerical bar of docs/contract.md); a conf
 never timed nor chosen. Then every batch size of the sweep is timed with every useful split count.
 The configuration with the smallest geometric mean of (best time per batch) wins; its best split
 count per shape class (B x row tiles rounded up to a power of two) goes to the tuning file
-(ddtree_gen/plans/tree_verify_mma_tuning.json), which the plan reads: a fresh build on a machine
+(ddtree_gen/plans/tree_verify_tuning.json), which the plan reads: a fresh build on a machine
 without a GPU then compiles the same configuration and the launcher picks the same split counts.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddtree_gen import archs, artifacts, bf16, reference  # noqa: E402
 from ddtree_gen.bench.timing import gpu_time_ms, graph_time_ms  # noqa: E402
 from ddtree_gen.kernel_set import variant_set  # noqa: E402
-from ddtree_gen.plans import by_name  # noqa: E402
+from ddtree_gen.plans import by_name, split_kv  # noqa: E402
 from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
 from ddtree_gen.plans.variant import variant  # noqa: E402
 from ddtree_gen.resources import compare  # noqa: E402
@@ -164,10 +164,10 @@ def sweep(vs, spec, batches, lengths, nq, sms):
             dev = device_inputs(spec, b, L, nq)
             out = cupy.empty(dev["q_nope"].shape[:3] + (spec.kv_lora_rank,), np.uint16)
             lse = cupy.empty(dev["q_nope"].shape[:3], np.float32)
-            base = b * -(-nq * spec.num_heads // mod.BM)
+            base = b * -(-nq * spec.num_heads // split_kv.BM)
             useful = max(1, -(-(L + nq) // (2 * bn)))
             choices = [s for s in SPLIT_CHOICES if s <= useful and (s == 1 or base < 2 * sms)]
-            ws = cupy.empty(max(1, mod.workspace_elems(spec, b, nq, max(choices))), np.float32)
+            ws = cupy.empty(max(1, split_kv.workspace_elems(spec, b, nq, max(choices))), np.float32)
             times = {}
             for s in choices:
                 def call(s=s):
@@ -187,7 +187,7 @@ def config_set(spec, cfg):
     tail) for the forced target ($DDTREE_GEN_ARCH) or else sm_90a, with the default combine kernel."""
     target = archs.forced() or archs.PRIMARY
     pair = [variant(by_name(k), spec, target, **cfg) for k in ("tree_verify_mma", "tree_verify_tail_mma")]
-    return variant_set(pair, also=[mod.COMBINE])
+    return variant_set(pair, also=[split_kv.COMBINE])
 
 
 def tune_spec(spec, args, sms) -> dict | None:
@@ -237,7 +237,7 @@ def tune_spec(spec, args, sms) -> dict | None:
     # best split per shape class (summed over the lengths and batches in the class)
     per_class: dict[str, dict[int, float]] = {}
     for (b, L), times in rows.items():
-        cls = mod.shape_class(b * -(-nq * spec.num_heads // mod.BM))
+        cls = split_kv.shape_class(b * -(-nq * spec.num_heads // split_kv.BM))
         acc = per_class.setdefault(cls, {})
         for s, t in times.items():
             acc[s] = acc.get(s, 0.0) + t / min(times.values())
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--L", type=int, nargs="+", default=[4096], help="prefix lengths to time (default 4096)")
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: by head count)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(mod.TUNING_FILE), help="tuning file to update")
+    p.add_argument("--out", default=str(split_kv.TUNING_FILE), help="tuning file to update")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     from ddtree_gen import needs
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     specs = data.setdefault("specs", {})
     for name, entry in chosen.items():   # the wgmma table (scripts/sweep_splits.py) is kept
         specs[name] = {**entry, **({"wgmma": specs[name]["wgmma"]} if "wgmma" in specs.get(name, {}) else {})}
-    data["about"] = ("written by scripts/tune_tree_verify.py; read by ddtree_gen/kernels/tree_verify_mma.py "
+    data["about"] = ("written by scripts/tune_tree_verify.py; read by ddtree_gen/plans/split_kv.py "
                      "(config: compiled BN/STAGES; splits: key chunks by shape class = B x row tiles rounded up "
                      "to a power of two)")
     artifacts.atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

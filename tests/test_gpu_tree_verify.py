@@ -373,7 +373,7 @@ def test_out_none_allocates(spec, impl):
     """out=None / lse=None allocate CuPy arrays holding the same bits as given buffers; q_nope must have
     the launcher's alignment; the tensor-core kernels also reuse a given workspace (and refuse a short one)."""
     import cupy
-    from ddtree_gen.plans import tree_verify_mma as mod
+    from ddtree_gen.plans import split_kv as mod
     ks = impl.load(spec)
     launch = impl.launcher(ks, "tree_verify")
     seed = fresh_seed()
@@ -468,7 +468,7 @@ def test_cuda_graph_capture(spec, impl):
     """With out, lse and workspace given, a launch (auto split count) captures into a CUDA graph
     and replays to the eager result: nothing reads device values on the host."""
     import cupy
-    from ddtree_gen.plans import tree_verify_mma as mod
+    from ddtree_gen.plans import split_kv as mod
     launch = impl.launcher(impl.load(spec), "tree_verify")
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

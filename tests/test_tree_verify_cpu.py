@@ -21,8 +21,10 @@ import pytest
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import tree_verify as tv
+from ddtree_gen.kernels import tensor_core
 from ddtree_gen.kernels import tree_verify_mma as mma
 from ddtree_gen.plans import tree_verify as verify_plans
+from ddtree_gen.plans import split_kv
 from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.types import AttentionOutput
 
@@ -454,7 +456,7 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
     full = ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES, *WGMMA_NAMES)
     new = Arrays()
     args = verify_args(spec, new)
-    ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
+    ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, 3),), np.float32)
     launches = {}
     cases = (({}, "wgmma"), ({"impl": "auto"}, "wgmma"), ({"impl": "wgmma"}, "wgmma"), ({"impl": "mma"}, "mma"))
     for kw, want in cases[:3] if spec.kv_fp8 else cases:   # an fp8 spec has no mma.sync (test_fp8_cpu.py)
@@ -563,7 +565,7 @@ def test_impl_mma_launch_args(spec, name, launcher, impl, fake_device):
     args = verify_args(spec, new)
     impl = impl_of(impl, spec)
     b, n, h, r = B, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank
-    need = mma_plans.workspace_elems(spec, b, n, 3)
+    need = split_kv.workspace_elems(spec, b, n, 3)
     ws = new((need,), np.float32)
     got, k = launched(launcher, MmaKernelSet(spec), **args, impl=impl, workspace=ws, num_splits=3)
     module = wg if spec.kv_fp8 else mma
@@ -610,7 +612,7 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
     """Both implementations name the argument on the odd device (out, lse, workspace included)."""
     new = Arrays()
     args = verify_args(spec, new)
-    need = mma_plans.workspace_elems(spec, B, spec.max_tree_size, 3)
+    need = split_kv.workspace_elems(spec, B, spec.max_tree_size, 3)
     ws = new((need,), np.float32, ptr=DEVICE1 + (1 << 30))
     with pytest.raises(ArgumentError, match="^workspace: on device 1, but q_nope is on device 0"):
         tv.tree_verify(MmaKernelSet(spec), **args, workspace=ws, num_splits=3)
@@ -628,39 +630,39 @@ def test_split_table_per_family(monkeypatch):
     mma.sync table for the mma.sync ones; no table: the wave model; never past the useful chunks."""
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
-    base = 32 * -(-65 * spec.num_heads // mma_plans.BM)          # 288 blocks: shape class "512"
+    base = 32 * -(-65 * spec.num_heads // split_kv.BM)          # 288 blocks: shape class "512"
     fake = {spec.name: {"config": mma_plans.config_for(spec), "splits": {"512": 2}, "wgmma": {"splits": {"512": 5}}}}
-    monkeypatch.setattr(mma_plans, "_tuning", lambda: fake)
-    mma_plans.choose_splits.cache_clear()
+    monkeypatch.setattr(split_kv, "tuning", lambda: fake)
+    split_kv.choose_splits.cache_clear()
     try:
-        assert mma_plans.shape_class(base) == "512"
-        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == 5
-        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
+        assert split_kv.shape_class(base) == "512"
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == 5
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
         # no table off sm_90a: the wave model
-        assert mma_plans.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == mma_plans.wave_splits(base, 132, 32)
-        assert mma_plans.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
-        assert mma_plans.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == mma_plans.wave_splits(9, 132, 32)
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == split_kv.wave_splits(base, 132, 32)
+        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
+        assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.wave_splits(9, 132, 32)
     finally:
-        mma_plans.choose_splits.cache_clear()
+        split_kv.choose_splits.cache_clear()
 
 
 def test_launch_asks_its_family(spec, fake_device, monkeypatch):
     """Without num_splits, the wgmma launch takes the wgmma table and the mma.sync launch the mma.sync one."""
     seen = []
-    real = mma_plans.choose_splits
+    real = split_kv.choose_splits
 
     def spy(*args):
         seen.append(args[-1])
         return real(*args)
-    monkeypatch.setattr(mma, "choose_splits", spy)
-    monkeypatch.setattr(mma, "sm_count", lambda device: 132)   # no GPU here
+    monkeypatch.setattr(tensor_core, "choose_splits", spy)
+    monkeypatch.setattr(tensor_core, "sm_count", lambda device: 132)   # no GPU here
     full = ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES, *WGMMA_NAMES)
     new = Arrays()
     args = verify_args(spec, new)
-    ws = new((mma_plans.workspace_elems(spec, B, spec.max_tree_size, mma_plans.MAX_SPLITS),), np.float32)
+    ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, split_kv.MAX_SPLITS),), np.float32)
     from ddtree_gen.plans import tree_verify_wgmma as wg_plans
     parts = []
-    monkeypatch.setattr(mma, "parts_for", lambda *a: parts.append(a) or wg_plans.parts_for(*a))
+    monkeypatch.setattr(tensor_core, "parts_for", lambda *a: parts.append(a) or wg_plans.parts_for(*a))
     for impl in ("wgmma",) if spec.kv_fp8 else ("wgmma", "mma"):
         seen.clear()
         parts.clear()
@@ -683,13 +685,13 @@ def test_parts_for():
     assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks
     assert parts_for(ds128, 8, 65, 4224, 132) == 1           # 130 row tiles: one wave already
     assert parts_for(kimi8, 1, 65, 64, 132) == 1             # one key tile in the batch
-    assert parts_for(kimi8, 64, 1, 4224, 132) == mma_plans.MAX_SPLITS   # 1 row tile: capped
+    assert parts_for(kimi8, 64, 1, 4224, 132) == split_kv.MAX_SPLITS   # 1 row tile: capped
 
 
 def test_wave_model_of_untuned_shapes():
     """Without a table entry the split count comes from the wave model: one wave of base x s blocks beats
     two; never past `most`; no split at 4 waves of blocks or more; one chunk when nothing is gained."""
-    ws = mma_plans.wave_splits
+    ws = split_kv.wave_splits
     assert ws(9, 132, 32) == 14            # 126 blocks: one wave; 16 would take two
     assert ws(72, 132, 32) == 5 and ws(136, 132, 32) == 5
     assert ws(9, 132, 4) == 4              # capped by the useful chunks

@@ -6,7 +6,7 @@ import pytest
 
 from ddtree_gen import artifacts
 from ddtree_gen.errors import BuildError, SpecError
-from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans import all_kernels, by_name, split_kv
 from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.plans import tree_verify_wgmma as wg_plans
 from ddtree_gen.plans.variant import default_config, variant
@@ -104,8 +104,8 @@ def test_variant_set_takes_each_builds_plan(kimi, monkeypatch):
     monkeypatch.setattr(artifacts, "ensure_built", lambda spec, kernels=None, arch=None: {
         k: {a: fake(variant(by_name(k), spec, a)) for a in by_name(k).archs_for(spec)} for k in kernels})
     cp = variant(WGMMA, kimi, schedule="lockstep", tma=False)
-    vs = variant_set([cp], also=[mma_plans.COMBINE])
-    assert set(vs.kernels) == {"tree_verify_wgmma", mma_plans.COMBINE}
+    vs = variant_set([cp], also=[split_kv.COMBINE])
+    assert set(vs.kernels) == {"tree_verify_wgmma", split_kv.COMBINE}
     assert vs.constants("tree_verify_wgmma")["USE_TMA"] == 0 and vs.constants("tree_verify_wgmma")["SEESAW"] == 0
     assert vs.variants["tree_verify_wgmma"] is cp and vs.reports["tree_verify_wgmma"][1] == report
     seesaw = variant_set([variant(WGMMA, kimi)])

@@ -4,11 +4,13 @@ kset.tree_verify(..., impl="auto"|"wgmma"|"mma"|"simple") and kset.tree_verify_t
 implementation:
   * "wgmma": the Hopper warpgroup tensor-core kernels (kernels/tree_verify_wgmma.py), the fastest;
   * "mma": the mma.sync tensor-core kernels (kernels/tree_verify_mma.py); both take workspace= and
-    num_splits= (split-KV, combined by tree_verify_mma_combine);
+    num_splits= (split-KV, combined by tree_verify_mma_combine; their shared launch path:
+    kernels/tensor_core.py);
   * "simple": the CUDA-core kernels launched here: one block per (request, query row, group of
     heads), keys streamed through shared memory with an online softmax;
   * "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel) the
-    kernel set has loaded and that run on the arrays' device, else the CUDA-core one. On a GPU
+    kernel set has loaded and that run on the arrays' device, else the CUDA-core one; decided here
+    only (_pick_impl, _first_that_runs; auto_impl and why_not tell the benches what a call runs). On a GPU
     other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are
     built for sm_90a only), and the mma.sync ones only where the device allows their shared memory
     (A100, B200: yes; L4, L40S, RTX cards: no): see archs.py and KernelSet.unavailable.
@@ -35,11 +37,11 @@ from .. import arrays as ar
 from ..errors import ArgumentError
 from ..plans import by_name
 from ..plans.tree_verify import MERGE_WARPS
-from ..plans.tree_verify_mma import COMBINE
+from ..plans.split_kv import COMBINE
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
 from . import tree_verify_mma, tree_verify_wgmma
-from .tree_verify_mma import available
+from .tensor_core import available, prepare_attention
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
@@ -133,8 +135,7 @@ def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, vali
     kind = _first_that_runs(kset, name, kinds, _device_of(arrays[0]))
     if kind == "simple":
         return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
-    return tree_verify_mma.prepare_attention(kset, f"{name}_{kind}", tail, arrays, softmax_scale, validate,
-                                             num_splits, kv_scale)
+    return prepare_attention(kset, f"{name}_{kind}", tail, arrays, softmax_scale, validate, num_splits, kv_scale)
 
 
 def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate) -> Prepared:

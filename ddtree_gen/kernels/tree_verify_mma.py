@@ -1,152 +1,16 @@
-"""Launchers of the tensor-core tree_verify kernels (both families: mma.sync and wgmma) and the
-split-KV combine.
+"""Launchers of the mma.sync tree_verify kernels: tree_verify_mma and tree_verify_tail_mma.
 
-Same contract and signature as the CUDA-core launchers (kernels/tree_verify.py, docs/contract.md
-"tree_verify"), plus workspace= and num_splits=. The split-KV policy, the workspace format and
-the resource plans are in plans/tree_verify_mma.py; templates/tree_verify_mma.cu.j2 and
-templates/tree_verify_wgmma.cu.j2 hold the kernel designs, docs/perf.md the performance model.
-
-* The number of key chunks comes from shapes only (never device values: CUDA-graph friendly);
-  splits > 1 writes fp32 partials to a workspace (allocated if not given) and launches
-  tree_verify_mma_combine.
-* Device-side values behave as in the CUDA-core kernels; validate=True checks them on the host.
-* The argument checks are kernels/checks.py's, with the tensor-core kernels' own limits: q_nope /
-  q_pe 16-byte aligned (cp.async 16-byte units) and num_pages x page_size < 2**31 (32-bit
-  cache-row indices).
-* kv_scale: required for an fp8 spec (its cache holds e4m3 bytes), refused for a bf16 one; the kernels
-  take scale_log2 = softmax_scale x kv_scale x log2(e) and v_scale = kv_scale (1 for bf16), the factor
-  of their output, both in fp32. The mma.sync kernels are not built for an fp8 spec (an ArgumentError
-  naming the kernel and the kv_dtype); the wgmma ones read its e4m3 tiles.
-* The kernel must run on the arrays' device (KernelSet.require: the wgmma kernels have an sm_90a
-  build only, the mma.sync kernels' sm_80 build needs 150 KB of shared memory per block): an
-  ArgumentError names the kernel, the device and why, before anything is allocated. BN (and the
-  tuned split table) are those of the build that runs there (plans/tree_verify_mma.py).
+The peer of kernels/tree_verify_wgmma.py: same contract, signature, split-KV policy, workspace and combine
+kernel, all in the launch path both share (kernels/tensor_core.py); plans/tree_verify_mma.py has the
+resource plan and the tuned configuration. Not built for an fp8 spec (an ArgumentError naming the kernel
+and the kv_dtype). kset.tree_verify / kset.tree_verify_tail launch
+these kernels with impl="mma" (or "auto" where the wgmma ones do not run); kset.tree_verify_mma calls
+them directly.
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
-from .. import arrays as ar
-from ..errors import ArgumentError
-from ..plans import by_name
-from ..plans.tree_verify_mma import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
-from ..plans.tree_verify_mma import parts_workspace_elems, workspace_elems
-from ..plans.tree_verify_wgmma import parts_for
-from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
-from .checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
-                     given_outputs, validate_attention_values)
-
-READER = "tensor-core kernel"   # in alignment messages
-Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
-WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
-_INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace"))}
-
-
-def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-              out, lse, validate, workspace, num_splits, kv_scale=None) -> AttentionOutput:
-    """Launch tensor-core kernel `name` (tree_verify[_tail]_{mma,wgmma}); see tree_verify below."""
-    arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace)
-
-    def prepare():
-        return prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale)
-    return run_call(kset, prepare, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-                                            type(kv_scale), kv_scale), cache=not validate)
-
-
-def available(kset, name: str, device: int) -> bool:
-    """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
-    return kset.unavailable(name, device) is None
-
-
-def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
-    """The checks and launch plan of one call signature (runtime.Prepared)."""
-    spec = kset.spec
-    if not by_name(name).builds_for(spec):   # the mma.sync kernels and an fp8 spec
-        raise ArgumentError(by_name(name).why_not_built(spec))
-    ptrs = PointerChecks(_INDEX)
-    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
-                                                         q_align=Q_ALIGN, reader=READER, row_indices32=True)
-    qn = inputs["q_nope"]
-    b, nq, h, r = qn.shape
-    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    arch = kset.require(name, qn.device)
-    consts = kset.constants(name, qn.device)
-    bn = consts["BN"]
-    # a seesaw build with the "parts" grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS) cuts the batch's key tiles into
-    # `splits` balanced parts on the device, per row tile: one block per (row tile, part); every other build one
-    # per (request, chunk, row tile)
-    parts = bool(consts.get("PARTS"))
-    row_tiles = -(-nq * h // BM)
-    rows_total = b * nq * h
-    max_keys = nq if tail else max_pages * spec.page_size
-    sms = sm_count(qn.device) if b else DEFAULT_SMS
-    if num_splits is None:
-        splits = (parts_for(spec, b, nq, max_keys, sms) if parts else
-                  choose_splits(spec, b, nq, max_keys, bn, sms, arch, "wgmma" if name.endswith("_wgmma") else "mma"))
-    else:
-        splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
-    if parts and b * -(-max_keys // bn) > INT32_MAX:
-        raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
-    if splits > 1 and COMBINE not in kset.kernels:
-        raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
-                            f"spec {spec.name!r} (load it, or pass num_splits=1)")
-    if splits > 1:
-        kset.require(COMBINE, qn.device)
-    if b * splits * row_tiles > INT32_MAX:
-        raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
-    # the caller's buffers are checked before anything is allocated or copied
-    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
-    need = parts_workspace_elems(spec, b, nq, splits) if parts else workspace_elems(spec, b, nq, splits)
-    wa = None
-    if arrays[WS] is not None and need:
-        wa, contiguous = ar.view(arrays[WS], "workspace")
-        if wa.dtype != "float32":
-            raise ArgumentError(f"workspace: dtype {wa.dtype}, expected float32")
-        if not contiguous:
-            raise ArgumentError("workspace: not C-contiguous")
-        if math.prod(wa.shape) < need:
-            raise ArgumentError(f"workspace: {math.prod(wa.shape)} float32 elements, {splits} key chunks need "
-                                f"{need} (at most workspace_elems(spec, B, Nq, splits))")
-        wa = ar.DevArray(wa.obj, wa.ptr, (need,), "float32", wa.kind, wa._device)   # the part the kernels use
-        ptrs.align(wa, "workspace", 16, READER)
-    check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa}, reader=READER)
-    if validate and b:
-        validate_attention_values(tail, inputs, spec.page_size)
-    new = [(7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")]
-    steps = []
-    if b:
-        slots = (b + splits - 1) * nq * h if parts else splits * rows_total   # partial rows in the workspace
-        part_o, part_lse, spans = (((WS, 0), (WS, slots * r * 4), (WS, slots * (r + 1) * 4)) if need else
-                                   (np.uint64(0), np.uint64(0), np.uint64(0)))
-        # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
-        # boxes of one key tile's rows by one 64-column (128-byte) slab
-        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64),)
-               if consts.get("USE_TMA") else ())
-        blocks = splits * row_tiles if parts else b * splits * row_tiles
-        steps.append(Step(name, (blocks,),
-                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
-                           np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
-                           *((spans,) if parts else ()), *tma)))
-        if need:
-            new.append((WS, (need,), "float32"))
-        if splits > 1:
-            steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
-                                      spans if parts else np.uint64(0)))
-    return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
-                    disjoint=tuple(ptrs.disjoint), scratch=(WS,), returns=(AttentionOutput, (7, 8)))
-
-
-def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:
-    """The combine of `splits` chunks ([splits, rows_total] partials), or of the seesaw kernel's parts (`spans`:
-    the request spans it wrote, partials in slots b + part)."""
-    blocks = -(-rows_total // COMBINE_ROWS_PER_BLOCK)
-    if blocks > INT32_MAX:
-        raise ArgumentError(f"q_nope: {rows_total} rows are too many for one launch")
-    return Step(COMBINE, (blocks,), (part_o, part_lse, pl, ql, np.int32(nq), np.int32(splits), np.int64(rows_total),
-                                     out, lse, spans))
+from .tensor_core import attention
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -171,32 +35,3 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
     with an external prefix kernel through merge_states. Same arguments as tree_verify_mma."""
     return attention(kset, "tree_verify_tail_mma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
                      tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
-
-
-def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> AttentionOutput:
-    """Low level: merge the `splits` partials in `workspace` (as left by a tensor-core tree_verify launch
-    with num_splits=splits) into out [B, Nq, H, R] bf16 and lse [B, Nq, H] float32."""
-    spec = kset.spec
-    oa = ar.device_array(out, "out", dtype="bf16", ndim=4)
-    b, nq, h, r = oa.shape
-    if (h, r) != (spec.num_heads, spec.kv_lora_rank):
-        raise ArgumentError(f"out: shape {oa.shape} does not match spec {spec.name!r} (H, R)")
-    la = ar.device_array(lse, "lse", dtype="float32", shape=(b, nq, h))
-    pl = ar.device_array(prefix_lens, "prefix_lens", dtype="int32", shape=(b,))
-    ql = ar.device_array(q_lens, "q_lens", dtype="int32", shape=(b,))
-    splits = ar.int_arg(splits, "splits", lo=2, hi=MAX_SPLITS)
-    need = workspace_elems(spec, b, nq, splits)
-    wa, contiguous = ar.view(workspace, "workspace")
-    if wa.dtype != "float32" or not contiguous or math.prod(wa.shape) < need:
-        raise ArgumentError(f"workspace: need a contiguous float32 array of >= {need} elements")
-    device = ar.same_device({"out": oa, "lse": la, "prefix_lens": pl, "q_lens": ql, "workspace": wa})
-    ptrs = PointerChecks({"workspace": 0, "out": 3})
-    ptrs.align(wa, "workspace", 16, READER)
-    ptrs.align(oa, "out", 4, READER)
-    rows = b * nq * h
-    steps = (combine_step((0, 0), (0, splits * rows * r * 4), 1, 2, nq, splits, rows, 3, 4),) if rows else ()
-    arrays = (wa.obj, pl.obj, ql.obj, oa.obj, la.obj)
-    prep = Prepared(device=device, kind=oa.kind, steps=steps, aligned=tuple(ptrs.aligned),
-                    returns=(AttentionOutput, (3, 4)))
-    # a low-level call: checked every time (not cached)
-    return run_call(kset, lambda: prep, arrays, (), cache=False)

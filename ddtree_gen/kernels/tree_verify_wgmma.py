@@ -1,14 +1,15 @@
 """Launchers of tree_verify on Hopper's warpgroup tensor cores: tree_verify_wgmma and _tail_wgmma.
 
-Same contract, signature, split-KV policy, workspace and combine kernel as the mma.sync family
-(kernels/tree_verify_mma.py); plans/tree_verify_wgmma.py has the resource plan.
+The peer of kernels/tree_verify_mma.py: same contract, signature, split-KV policy, workspace and combine
+kernel, all in the launch path both share (kernels/tensor_core.py); plans/tree_verify_wgmma.py has the
+resource plan and the schedules.
 kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded (impl="auto"),
 or with impl="wgmma"; kset.tree_verify_wgmma calls them directly.
 """
 from __future__ import annotations
 
 from ..types import AttentionOutput
-from .tree_verify_mma import attention
+from .tensor_core import attention
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,

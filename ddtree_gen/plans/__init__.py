@@ -16,7 +16,7 @@ from .kernel_def import KernelDef
 
 # the families in build order (the order of `build`, `list` and the sanitizer's runs); a family module not
 # named here comes after them, by name
-_ORDER = ("tree_build", "tree_verify", "tree_verify_mma", "tree_verify_wgmma", "tree_accept", "kv_commit")
+_ORDER = ("tree_build", "tree_verify", "tree_verify_mma", "split_kv", "tree_verify_wgmma", "tree_accept", "kv_commit")
 
 
 def _families() -> list:

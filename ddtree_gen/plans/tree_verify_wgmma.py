@@ -1,8 +1,8 @@
 """Resource plan of tree_verify on Hopper's warpgroup tensor cores (tree_verify_wgmma, _tail_wgmma).
 
-Same contract, split-KV policy, workspace and combine kernel as the mma.sync family
-(plans/tree_verify_mma.py); the kernels use wgmma.mma_async (sm_90a): each warpgroup reads its
-operands once from shared memory instead of every warp re-reading them.
+Same contract as the mma.sync family (plans/tree_verify_mma.py, its peer); the split-KV policy, the
+workspace and the combine kernel they share are in plans/split_kv.py. The kernels use wgmma.mma_async
+(sm_90a): each warpgroup reads its operands once from shared memory instead of every warp re-reading them.
 templates/tree_verify_wgmma.cu.j2 has the design, docs/perf.md the performance model.
 
 Fixed configuration: two warpgroups, BM = 64 query rows, BN = 64 keys per tile; tiles stored in the
@@ -23,11 +23,12 @@ import functools
 
 import sympy
 
+from ..archs import PRIMARY
 from ..errors import SpecError
-from .tree_verify_mma import _tensor_core
 from ..resources import P, R, Plan
-from . import tree_verify_mma as mma
+from . import split_kv
 from .kernel_def import KernelDef
+from .split_kv import BM, MAX_SPLITS, check_spec, tensor_core_declaration
 
 BN = 64
 STAGES = 2
@@ -35,15 +36,15 @@ THREADS = 256              # two warpgroups
 SLABS = sympy.ceiling((R + P) / 64)                # 64-column slabs of a tile row
 TILE = SLABS * 64 * 128                            # one 64-row tile, 128-byte rows per slab
 SMEM = ((1 + STAGES) * TILE                        # Q tile, key tiles
-        + mma.BM * BN * 2                          # P tile
-        + 2 * mma.BM * 4                           # row maxima of both key halves
+        + BM * BN * 2                              # P tile
+        + 2 * BM * 4                               # row maxima of both key halves
         + STAGES * BN * 4)                         # per-key "staged" flags
 # FP8 cache: the stages hold e4m3 bytes (half a bf16 tile each), converted into one bf16 key tile; the
 # flags of the converted tile and of every stage are live at once
 SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 key tile
-            + mma.BM * BN * 2                      # P tile
+            + BM * BN * 2                          # P tile
             + STAGES * BN * (R + P)                # e4m3 stages
-            + 2 * mma.BM * 4                       # row maxima of both key halves
+            + 2 * BM * 4                           # row maxima of both key halves
             + (STAGES + 1) * BN * 4)               # per-key "staged" flags
 # V read as the MN-major B operand of wgmma: byte stride between 64-column slabs (LBO) and between
 # groups of 8 keys (SBO) in the tile layout above
@@ -60,7 +61,7 @@ def uses_tma(spec, kernel: str) -> bool:
 
 # Seesaw: Q, two key tiles, the even tile's P (the odd tile's lives in Q's rope slab), the row max and the two
 # rescale factors and the row sums of both warpgroups (5 x BM floats), one mbarrier per slab of each tile buffer
-SEESAW_SMEM = 3 * TILE + mma.BM * BN * 2 + 5 * mma.BM * 4 + 2 * SLABS * 8
+SEESAW_SMEM = 3 * TILE + BM * BN * 2 + 5 * BM * 4 + 2 * SLABS * 8
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
@@ -113,7 +114,7 @@ def spell(config) -> tuple:
 
 
 def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
-    mma.check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
+    check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
     config = variant_config(spec, kernel=kernel) if config is None else config
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
@@ -134,7 +135,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
         smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=smem,
-                consts={"BM": sympy.Integer(mma.BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
+                consts={"BM": sympy.Integer(BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
                         "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
                         "SEESAW": sympy.Integer(1 if sched == "seesaw" else 0),
                         "ABLATE": sympy.Integer(int(config.get("ablate", 0))),
@@ -166,15 +167,24 @@ KERNELS = [
 def parts_for(spec, b: int, nq: int, max_keys: int, sms: int) -> int:
     """The seesaw kernel's part count, from shapes only (the parts' boundaries come from the lengths, on the
     device): as many parts of the batch's key tiles per row tile as one wave of blocks holds (row tiles x parts
-    <= SMs), never more than the batch's most key tiles (B x max_keys / BN) nor mma.MAX_SPLITS."""
-    row_tiles = -(-nq * spec.num_heads // mma.BM)
+    <= SMs), never more than the batch's most key tiles (B x max_keys / BN) nor split_kv.MAX_SPLITS."""
+    row_tiles = -(-nq * spec.num_heads // BM)
     most = max(1, b * -(-int(max_keys) // BN))
-    return max(1, min(sms // max(1, row_tiles), most, mma.MAX_SPLITS))
+    return max(1, min(sms // max(1, row_tiles), most, MAX_SPLITS))
+
+
+def split_table(spec, arch: str = PRIMARY) -> dict:
+    """The family's tuned split counts by shape class: the tuning table's "wgmma" -> "splits" of the spec
+    (scripts/sweep_splits.py --write), for the sm_90a build ({}: none; choose_splits takes the wave model)."""
+    return split_kv.tuning().get(spec.name, {}).get("wgmma", {}).get("splits", {}) if arch == PRIMARY else {}
+
+
+split_kv.register_family("wgmma", split_table)
 
 
 DECLARATIONS = [
-    _tensor_core(KERNELS[0], "kernels.tree_verify_wgmma:tree_verify", "tree_verify", "wgmma",
-                 "sanitize:_verify_mma_cases"),
-    _tensor_core(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
-                 "sanitize:_verify_mma_cases"),
+    tensor_core_declaration(KERNELS[0], "kernels.tree_verify_wgmma:tree_verify", "tree_verify", "wgmma",
+                            "sanitize:_verify_mma_cases"),
+    tensor_core_declaration(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
+                            "sanitize:_verify_mma_cases"),
 ]
