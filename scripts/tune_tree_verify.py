@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddtree_gen import archs, artifacts, bf16, reference  # noqa: E402
+from ddtree_gen import archs, artifacts, bf16, inputs, reference  # noqa: E402
 from ddtree_gen.bench.timing import gpu_time_ms, graph_time_ms  # noqa: E402
 from ddtree_gen.kernel_set import variant_set  # noqa: E402
 from ddtree_gen.plans import by_name, split_kv  # noqa: E402
@@ -50,31 +50,11 @@ DEFAULT_BATCHES = {8: (1, 2, 4, 8, 16, 32, 64), 16: (1, 2, 4, 8, 16, 32), 64: (1
 # ------------------------------------------------------------------------------ inputs
 
 def host_inputs(spec, rng, prefix, qlens, nq):
-    """A small host batch with random ancestor trees (validation)."""
-    h, r, p, page, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size, spec.mask_words
-    b = len(prefix)
-    need = [-(-(L + q) // page) for L, q in zip(prefix, qlens)]
-    num_pages = sum(need) + 3
-    table = np.full((b, max(need) + 1), -1, np.int32)
-    perm = rng.permutation(num_pages).astype(np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    mask = np.zeros((b, nq, w), np.uint32)
-    for i, q in enumerate(qlens):
-        parents = [-1] + [int(rng.integers(0, j)) for j in range(1, q)]
-        for j in range(q):
-            k = j
-            while k >= 0:
-                mask[i, j, k // 32] |= np.uint32(1 << (k % 32))
-                k = parents[k]
-
-    def rnd(shape):
-        return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    return dict(q_nope=rnd((b, nq, h, r)), q_pe=rnd((b, nq, h, p)), kv_cache=rnd((num_pages, page, r + p)),
-                block_table=table, prefix_lens=np.array(prefix, np.int32), q_lens=np.array(qlens, np.int32),
-                tree_mask=mask)
+    """A small host batch with random ancestor trees (validation): the input factory's, with bf16 normal values,
+    3 spare pages and one spare block-table column of -1."""
+    inp = inputs.tree_verify(spec, rng, prefix, qlens, "random", nq=nq, extra_pages=3, spare_columns=1, unused=-1,
+                             values=inputs.bf16_normal)
+    return {k: v for k, v in inp.host().items() if k != "kv_scale"}   # the mma.sync kernels: bf16 caches only
 
 
 def device_inputs(spec, b, L, nq):

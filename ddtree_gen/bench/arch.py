@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import reference
 from ..errors import DdtreeError
-from ..inputs import accept_tree, tree_build_inputs, verify_inputs
+from ..inputs import accept_tree, block_table, cache_shape, tree_build_inputs, verify_inputs
 from ..kernels.tree_verify import auto_impl, why_not
 from .specs import LAYERS, VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, graph_time_ms, measured_peak_tflops, print_table, verify_flops
@@ -214,12 +214,11 @@ def _accept_row(spec, sets, device) -> list:
     accepted = min(ACCEPTED, full)
     tree = SimpleNamespace(**{k: cupy.asarray(v) for k, v in tree_np.items()})
     prefix = cupy.asarray(np.full(b, 512, np.int32))
-    per = -(-(512 + spec.max_tree_size) // spec.page_size)
-    table = cupy.asarray(np.arange(b * per, dtype=np.int32).reshape(b, per))
+    table_np, num_pages = block_table(None, [512 + spec.max_tree_size] * b, spec.page_size, permute=False)
+    table = cupy.asarray(table_np)
     target = cupy.asarray(target_of(accepted))
-    width = spec.kv_lora_rank + spec.qk_rope_head_dim
     dtype, top = (cupy.uint8, 256) if spec.kv_fp8 else (cupy.uint16, 65536)
-    shape = (b * per, spec.page_size, width)
+    shape = cache_shape(spec, num_pages)
     layer = (cupy.random.default_rng(0).random(shape, dtype=cupy.float32) * top).astype(dtype)   # random bytes
     accs, caches, times = [], [], []
     for ks in sets:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..inputs import accept_tree
+from ..inputs import accept_tree, block_table, cache_shape
 from .specs import LAYERS
 from .timing import emit, graph_time_ms
 
@@ -29,10 +29,10 @@ def run(args) -> None:
         tree_np, target_of, full = accept_tree(spec, b)
         tree = SimpleNamespace(**{k: cupy.asarray(v) for k, v in tree_np.items()})
         prefix_np = np.full(b, 512, np.int32)
-        per = -(-(512 + spec.max_tree_size) // spec.page_size)
-        table = cupy.asarray(np.arange(b * per, dtype=np.int32).reshape(b, per))
+        table_np, num_pages = block_table(None, [512 + spec.max_tree_size] * b, spec.page_size, permute=False)
+        table = cupy.asarray(table_np)
         prefix = cupy.asarray(prefix_np)
-        caches = [cupy.zeros((b * per, spec.page_size, width), cupy.uint8 if spec.kv_fp8 else cupy.uint16)
+        caches = [cupy.zeros(cache_shape(spec, num_pages), cupy.uint8 if spec.kv_fp8 else cupy.uint16)
                   for _ in range(LAYERS)]
         for name, a in (("0", 0), ("typical", 5 if b % 2 else 4), ("full", full)):
             target = cupy.asarray(target_of(a))

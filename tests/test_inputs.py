@@ -1,0 +1,84 @@
+"""The input factory (ddtree_gen/inputs.py) without a GPU: block tables, tree masks, the edge-case knobs, and a
+tree_verify batch the numpy reference accepts for every spec."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddtree_gen import bf16, inputs, reference
+from ddtree_gen.trees import ancestor_mask, tree_parents
+
+
+def test_block_table_pages_are_a_permutation():
+    rng = np.random.default_rng(0)
+    table, num_pages = inputs.block_table(rng, [1, 64, 65, 300], 64, extra_pages=3, spare_columns=2)
+    need = [1, 1, 2, 5]
+    assert num_pages == sum(need) + 3 and table.shape == (4, 5 + 2) and table.dtype == np.int32
+    used = np.concatenate([table[i, :n] for i, n in enumerate(need)])
+    assert len(set(used.tolist())) == len(used) and used.min() >= 0 and used.max() < num_pages
+    assert all((table[i, n:] == 0).all() for i, n in enumerate(need))          # unused: 0 by default
+    assert not all(np.diff(table[3, :5]) == 1)                                   # permuted, not contiguous
+
+
+def test_block_table_unused_entries_and_order():
+    table, num_pages = inputs.block_table(None, [130, 130], 64, permute=False, unused=-1, spare_columns=1)
+    assert num_pages == 6 and table.tolist() == [[0, 1, 2, -1], [3, 4, 5, -1]]
+    table, num_pages = inputs.block_table(np.random.default_rng(1), [10], 64, spare_columns=4, unused="garbage")
+    assert set(table[0, 1:].tolist()) <= set(inputs.garbage_entries(num_pages).tolist())
+    with pytest.raises(ValueError):
+        inputs.block_table(np.random.default_rng(1), [10], 64, unused="zeros")
+
+
+def test_bad_pages_point_outside_the_cache():
+    table, num_pages = inputs.block_table(np.random.default_rng(2), [200] * 3, 64)
+    bad = inputs.bad_pages(table, num_pages)
+    assert bad[0, 0] == -1 and bad[1, 1] == num_pages + 5 and (bad[2] == 2**31 - 1).all()
+    assert (bad[0, 1:] == table[0, 1:]).all() and (table >= 0).all()           # the original is untouched
+
+
+def test_tree_masks():
+    rng = np.random.default_rng(3)
+    mask = inputs.tree_masks(rng, [5, 0, 3], ["chain", "star", "binary"], 6, 1)
+    assert mask.shape == (3, 6, 1) and mask.dtype == np.uint32
+    assert (mask[0, :5] == ancestor_mask(tree_parents("chain", 5, None), 1)).all() and (mask[0, 5] == 0).all()
+    assert (mask[1] == 0).all()                                                  # q_len 0: an empty request
+    junk = inputs.tree_masks(np.random.default_rng(4), [3], "chain", 4, 1, junk_bits=True)
+    assert (junk[0, :3] & 0b111 == ancestor_mask(tree_parents("chain", 3, None), 1)).all()
+
+
+def test_tree_verify_batch_for_every_spec(spec):
+    """Shapes and dtypes of the spec, an fp8 spec's e4m3 cache and kv_scale, cleared rows; the numpy reference
+    takes the batch as it is (finite outputs on every row with a visible key)."""
+    n = spec.max_tree_size
+    inp = inputs.tree_verify(spec, np.random.default_rng(5), [0, 70], [n, 3], ["random", "chain"], nq=n,
+                             clear_rows=[(1, 0)], values=inputs.bf16_normal)
+    h, r, p = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    assert inp.q_nope.shape == (2, n, h, r) and inp.q_pe.shape == (2, n, h, p) and inp.q_nope.dtype == np.uint16
+    assert inp.kv_cache.shape[1:] == (spec.page_size, r + p) and inp.kv_cache.dtype == inputs.kv_dtype(spec)
+    assert (inp.kv_scale is not None) == spec.kv_fp8
+    assert (inp.tree_mask[1, 0] == 0).all() and inp.tree_mask[1, 1].any()
+    heads = [0]
+    out = reference.tree_verify(**inp.host(q_nope=inp.q_nope[:, :, heads], q_pe=inp.q_pe[:, :, heads]),
+                                softmax_scale=(r + p) ** -0.5)
+    assert np.isfinite(out.out[0, :n]).all() and np.isfinite(out.out[1, :3]).all()
+    tail = reference.tree_verify_tail(**inp.host(q_nope=inp.q_nope[:, :, heads], q_pe=inp.q_pe[:, :, heads]),
+                                      softmax_scale=(r + p) ** -0.5)
+    assert np.isneginf(tail.lse[1, 0]).all()          # the cleared row sees no tail key
+
+
+def test_value_samplers():
+    rng = np.random.default_rng(6)
+    b = inputs.bf16_bounded(rng, (1000,))
+    x = np.abs(bf16.from_bits(b))
+    assert (x >= 0.125).all() and (x < 2).all()
+    f = bf16.from_bits(inputs.bf16_finite(rng, (1000,)))
+    assert np.isfinite(f).all() and (np.abs(f) < 2).all()
+    assert (inputs.e4m3_finite(rng, (100,)) & 0x40 == 0).all()
+    assert 0.01 <= inputs.kv_scale(rng) <= 2.0
+
+
+def test_the_same_seed_gives_the_same_batch(spec):
+    a = inputs.tree_verify(spec, np.random.default_rng(7), [3, 9], [2, 2], "random")
+    b = inputs.tree_verify(spec, np.random.default_rng(7), [3, 9], [2, 2], "random")
+    assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+               for x, y in zip(a.host().values(), b.host().values()))
