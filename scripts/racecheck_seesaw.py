@@ -135,7 +135,7 @@ def stress(n: int) -> int:
     import cupy
     import numpy as np
 
-    from ddtree_gen.bench import verify_inputs
+    from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load
     from ddtree_gen.spec import find_spec
     bad = 0
