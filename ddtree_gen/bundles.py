@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from . import bf16, fp8, kdtr, paths, reference, registry
+from . import bf16, fp8, inputs, kdtr, paths, reference, registry
 from .spec import Spec
 from .trees import ancestor_mask
 from .types import TreeAcceptOutput
@@ -58,17 +58,8 @@ def _tree_build_inputs(spec, rng, case):
 def _paged(spec, rng, lens, extra_pages=2):
     """A kv cache (bf16 bits, or e4m3 bytes for an fp8 spec) and a block table that is a random
     permutation of pages (never contiguous)."""
-    page = spec.page_size
-    per = [-(-int(n) // page) for n in lens]
-    max_pages = max(per + [1])
-    num_pages = sum(per) + extra_pages
-    perm = rng.permutation(num_pages).astype(np.int32)
-    table = np.zeros((len(lens), max_pages), np.int32)
-    k = 0
-    for i, c in enumerate(per):
-        table[i, :c] = perm[k:k + c]
-        k += c
-    values = rng.standard_normal((num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
+    table, num_pages = inputs.block_table(rng, lens, spec.page_size, extra_pages=extra_pages)
+    values = rng.standard_normal(inputs.cache_shape(spec, num_pages))
     kv = fp8.from_float(values.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(values)
     return kv, table
 

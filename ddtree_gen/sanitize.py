@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .inputs import bad_pages, bf16_finite, block_table, e4m3_finite
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 DEFAULT_TOOLS = ["memcheck", "racecheck", "synccheck"]
 FALLBACK_DIRS = ["/usr/local/cuda/bin", "/opt/cuda/bin"]
@@ -215,16 +217,13 @@ def main(args) -> int:
 # ---------------------------------------------------------------------------- worker
 
 def _bits(rng, shape):
-    """Random finite bf16 bits of magnitude < 2 (the top exponent bit cleared: no inf, no NaN)."""
-    return rng.integers(0, 1 << 16, shape, dtype=np.uint16) & np.uint16(0xBFFF)
+    """Random finite bf16 bits of magnitude < 2 (the input factory's: no inf, no NaN)."""
+    return bf16_finite(rng, shape)
 
 
 def _kv(spec, rng, shape):
-    """Random finite KV-cache elements of the spec's kv_dtype, magnitude < 2: bf16 bits, or e4m3 bytes (the top
-    exponent bit cleared: no NaN)."""
-    if spec.kv_fp8:
-        return rng.integers(0, 1 << 8, shape, dtype=np.uint8) & np.uint8(0xBF)
-    return _bits(rng, shape)
+    """Random finite KV-cache elements of the spec's kv_dtype, magnitude < 2: bf16 bits, or e4m3 bytes (no NaN)."""
+    return (e4m3_finite if spec.kv_fp8 else bf16_finite)(rng, shape)
 
 
 def _tree_build_cases(spec, rng):
@@ -266,11 +265,8 @@ def _reference_tree(spec, rng, b, dp, kp, budget, prefix):
 
 
 def _pages(spec, rng, b, tokens, extra=2):
-    """A permuted block table covering `tokens` positions per request, and the page count."""
-    max_pages = -(-tokens // spec.page_size)
-    num_pages = b * max_pages + extra
-    perm = rng.permutation(num_pages).astype(np.int32)
-    return perm[:b * max_pages].reshape(b, max_pages).copy(), num_pages
+    """A permuted block table covering `tokens` positions per request, and the page count (inputs.block_table)."""
+    return block_table(rng, [tokens] * b, spec.page_size, extra_pages=extra)
 
 
 def _verify_cases(spec, rng):
@@ -307,10 +303,7 @@ def _verify_cases(spec, rng):
     yield "all mask bits set", inputs([64, 1], [n, n - 1], n, full, table2, num_pages2)
 
     # values the kernels promise to tolerate without reading out of bounds (see kernels/tree_verify.py)
-    bad_table = table.copy()
-    bad_table[0, 0] = -1
-    bad_table[1, 1] = num_pages + 5
-    bad_table[2, :] = 2**31 - 1
+    bad_table = bad_pages(table, num_pages)
     yield "out-of-range lengths and pages", inputs([0, 64, 10**6], [0, n + 1, n], n, tree.tree_mask, bad_table,
                                                    num_pages)
     yield "negative prefix, q_len > Nq", inputs([-1, 5, 2**31 - 1], [n, 2**31 - 1, -3], n, tree.tree_mask,
