@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import by_name
+from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.tree_verify_wgmma import parts_for
@@ -87,7 +87,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     sms = sm_count(qn.device) if b else DEFAULT_SMS
     if num_splits is None:
         splits = (parts_for(spec, b, nq, max_keys, sms) if parts else
-                  choose_splits(spec, b, nq, max_keys, bn, sms, arch, "wgmma" if name.endswith("_wgmma") else "mma"))
+                  choose_splits(spec, b, nq, max_keys, bn, sms, arch, declaration(name).serves[1]))
     else:
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
     if parts and b * -(-max_keys // bn) > INT32_MAX:

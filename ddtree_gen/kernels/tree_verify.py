@@ -10,7 +10,9 @@ implementation:
     heads), keys streamed through shared memory with an online softmax;
   * "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel) the
     kernel set has loaded and that run on the arrays' device, else the CUDA-core one; decided here
-    only (_pick_impl, _first_that_runs; auto_impl and why_not tell the benches what a call runs). On a GPU
+    only (_pick_impl, _first_that_runs; auto_impl and why_not tell the benches what a call runs). The
+    kernel of each tensor-core impl is the one whose declaration serves (launcher, impl) (plans/:
+    Declaration.serves), never a name put together here. On a GPU
     other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are
     built for sm_90a only), and the mma.sync ones only where the device allows their shared memory
     (A100, B200: yes; L4, L40S, RTX cards: no): see archs.py and KernelSet.unavailable.
@@ -35,19 +37,24 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import by_name
+from ..plans import by_name, declarations
 from ..plans.tree_verify import MERGE_WARPS
 from ..plans.split_kv import COMBINE
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
-from . import tree_verify_mma, tree_verify_wgmma
-from .tensor_core import available, prepare_attention
+from .tensor_core import attention, available, prepare_attention
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
 IMPLS = ("auto", "wgmma", "mma", "simple")
 TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
-_TENSOR_CORE = {"wgmma": tree_verify_wgmma, "mma": tree_verify_mma}
+# (launcher, impl) -> the tensor-core kernel that serves it: its declaration's `serves` (plans/)
+_SERVED_BY = {d.serves: d.name for d in declarations() if d.serves}
+
+
+def _kernel(name: str, kind: str) -> str:
+    """The kernel that launcher `name` (tree_verify, tree_verify_tail) runs for impl=`kind` ("wgmma", "mma")."""
+    return _SERVED_BY[(name, kind)]
 
 
 def _loaded(kset, name: str) -> bool:
@@ -75,16 +82,17 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
         return ("simple",)
     if impl == "auto":
         return (*(kind for kind in TENSOR_CORE_IMPLS
-                  if _built_for(kset, f"{name}_{kind}") and all(_loaded(kset, k) for k in (f"{name}_{kind}", COMBINE))),
+                  if _built_for(kset, _kernel(name, kind))
+                  and all(_loaded(kset, k) for k in (_kernel(name, kind), COMBINE))),
                 "simple")
-    if not _built_for(kset, f"{name}_{impl}"):
+    if not _built_for(kset, _kernel(name, impl)):
         spec = kset.spec
-        others = [k for k in IMPLS if k in ("auto", "simple") or _built_for(kset, f"{name}_{k}")]
-        raise ArgumentError(f"impl: {impl!r}: {by_name(f'{name}_{impl}').why_not_built(spec)}; "
+        others = [k for k in IMPLS if k in ("auto", "simple") or _built_for(kset, _kernel(name, k))]
+        raise ArgumentError(f"impl: {impl!r}: {by_name(_kernel(name, impl)).why_not_built(spec)}; "
                             f"pass impl={' or '.join(map(repr, others))}")
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
-    missing = [k for k in (f"{name}_{impl}", COMBINE)
+    missing = [k for k in (_kernel(name, impl), COMBINE)
                if not _loaded(kset, k) and k not in kset.requested]
     if missing:
         raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
@@ -104,7 +112,7 @@ def _first_that_runs(kset, name, kinds, device) -> str:
     """The first of `kinds` (_pick_impl's candidates) whose kernel `name`_kind and the combine kernel run on
     `device` (None: not known, the checks will say why); "simple" is always last and always runs."""
     for kind in kinds:
-        if kind == "simple" or device is None or (available(kset, f"{name}_{kind}", device)
+        if kind == "simple" or device is None or (available(kset, _kernel(name, kind), device)
                                                   and available(kset, COMBINE, device)):
             return kind
     raise AssertionError(f"no implementation in {kinds}")
@@ -126,7 +134,7 @@ def why_not(kset, impl: str, device: int, name: str = "tree_verify") -> str | No
         return str(e)
     if len(kinds) > 1 or kinds == ("simple",):
         return None
-    return kset.unavailable(f"{name}_{kinds[0]}", device) or kset.unavailable(COMBINE, device)
+    return kset.unavailable(_kernel(name, kinds[0]), device) or kset.unavailable(COMBINE, device)
 
 
 def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
@@ -135,7 +143,7 @@ def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, vali
     kind = _first_that_runs(kset, name, kinds, _device_of(arrays[0]))
     if kind == "simple":
         return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
-    return prepare_attention(kset, f"{name}_{kind}", tail, arrays, softmax_scale, validate, num_splits, kv_scale)
+    return prepare_attention(kset, _kernel(name, kind), tail, arrays, softmax_scale, validate, num_splits, kv_scale)
 
 
 def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate) -> Prepared:
@@ -178,11 +186,8 @@ def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_s
         return run_call(kset, prepare_auto, arrays, (name, kinds, type(scale), scale, type(num_splits), num_splits,
                                                      type(kv_scale), kv_scale), cache=not validate)
     kind = kinds[0]
-    if kind != "simple":
-        module = _TENSOR_CORE[kind]
-        launch = module.tree_verify_tail if tail else module.tree_verify
-        return launch(kset, *args, out, lse, validate=validate, workspace=workspace, num_splits=num_splits,
-                      kv_scale=kv_scale)
+    if kind != "simple":   # the tensor-core kernel's own launch (kernels/tree_verify_mma.py, _wgmma.py)
+        return attention(kset, _kernel(name, kind), tail, *args, out, lse, validate, workspace, num_splits, kv_scale)
     arrays = (*args[:7], out, lse)
 
     def prepare():
