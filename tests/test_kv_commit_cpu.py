@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, FakeKernelSet
-from ddtree_gen import reference
+from ddtree_gen import inputs, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels.kv_commit import launch as kv_commit
 from ddtree_gen.kernels.tree_accept import launch as tree_accept
@@ -143,10 +143,7 @@ def test_walk_only_tree_accept_passes_no_cache(spec, fake_device):
 
 def _random_case(spec, rng, b, layers):
     n, d, page, w = spec.max_tree_size, spec.max_depth, spec.page_size, 8   # narrow entries: the logic only
-    pages_each = -(-(200 + n) // page)
-    num_pages = b * pages_each + 3
-    perm = rng.permutation(num_pages).astype(np.int32)
-    table = perm[:b * pages_each].reshape(b, pages_each)
+    table, num_pages = inputs.block_table(rng, [200 + n] * b, page, extra_pages=3)
     prefix = rng.integers(0, 200, b).astype(np.int32)
     trees = []
     for _ in range(b):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree_gen import bf16
+from ddtree_gen import bf16, inputs
 from ddtree_gen import reference as ref
 from ddtree_gen.errors import ArgumentError
 
@@ -418,9 +418,7 @@ def _brute_attention(qn, qp, kv, table, prefix, qlens, mask, scale, tail):
 def _verify_case(rng, prefix=(0, 7), qlens=(3, 5), nq=5, h=2, r=4, p=2, page_size=3,
                  bits=False):
     bsz = len(prefix)
-    max_pages = 16
-    num_pages = bsz * max_pages + 2
-    table = rng.permutation(num_pages)[:bsz * max_pages].reshape(bsz, max_pages).astype(np.int32)
+    table, num_pages = inputs.block_table(rng, [16 * page_size] * bsz, page_size, extra_pages=2)   # 16 pages each
     qn = rng.normal(size=(bsz, nq, h, r))
     qp = rng.normal(size=(bsz, nq, h, p))
     kv = rng.normal(size=(num_pages, page_size, r + p))

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..inputs import block_table
+
 
 def make_block_table(batch: int, tokens_per_request: int, page_size: int, seed: int = 0):
     """(block_table [B, max_pages] int32, num_pages): every request gets its own pages, in a
     shuffled order (pages of a request are not contiguous), plus one page nobody uses."""
-    max_pages = -(-tokens_per_request // page_size)
-    num_pages = batch * max_pages + 1
-    perm = np.random.default_rng(seed).permutation(num_pages)[:batch * max_pages]
-    return perm.reshape(batch, max_pages).astype(np.int32), num_pages
+    return block_table(np.random.default_rng(seed), [tokens_per_request] * batch, page_size, extra_pages=1)
 
 
 def chain_mask(q: int, words: int) -> np.ndarray:
