@@ -82,3 +82,12 @@ def test_graph_time_below_the_peak_is_refused(monkeypatch):
     times = iter([0.001, 0.002])
     with pytest.raises(RuntimeError, match="not a measurement"):
         bench.checked_graph_time_ms(None, "x", 0.1)
+
+
+def test_every_bench_is_one_module_with_run():
+    """`ddtree-gen bench NAME` runs ddtree_gen.bench.<NAME> (kv-dtype: kv_dtype): one module per benchmark, each
+    with run(args); importing them needs no GPU."""
+    import importlib
+    for name in cli.BENCHES:
+        module = importlib.import_module(f"ddtree_gen.bench.{name.replace('-', '_')}")
+        assert callable(module.run), name
