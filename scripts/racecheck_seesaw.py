@@ -16,9 +16,14 @@ sides, then __syncthreads and a write/read across it) and "control-uneven" (the 
 a barrier of its own 128 threads first, as the seesaw's warpgroups do when a tile's V rows are zeroed), and
 "control-mbarrier" (control-uneven after every thread has waited on an mbarrier, as the seesaw's threads wait on
 its tile barriers). First run (H200): control-even and control-uneven 0 hazards, so named barriers that part of the
-block passes are not what racecheck misreads.
+block passes are not what racecheck misreads. Second run (H200, docs/bench/sanitize_seesaw.txt): control-mbarrier
+(1 report: the write and read across __syncthreads) and control-loop-arrive (16: the loop's hand-offs and the same
+pair) are flagged, control-loop-sync is not: racecheck misreads code after an mbarrier wait and bar.arrive hand-offs
+in a loop, the seesaw's two patterns; --stress found no run that differs.
 Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build;
-it prints each build's distinct reported sites, file:line of the rendered source, compiled with -lineinfo)
+it prints the counts, and the controls' distinct reported sites as file:line of their source, compiled with
+-lineinfo; the kernel's builds carry no line information: a -lineinfo build of it, 2026-12-01, put its sites at
+the sScale0 / sScale1 hand-offs and the epilogue's row sums, docs/perf.md)
 """
 from __future__ import annotations
 
