@@ -5,8 +5,8 @@ the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is imp
 CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
 --ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose);
---parts the seesaw on the balanced "parts" grid, --l2-hint with L2 evict-first key loads; --rescale the seesaw's
-other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
+--parts the seesaw on the balanced "parts" grid, --l2-hint with L2 evict-first key loads; --p-store the seesaw with
+its P tiles stored by stmatrix (the default: 32-bit stores); --rescale the seesaw's other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
 """
@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="also time the seesaw on the balanced 'parts' grid")
     ap.add_argument("--l2-hint", action="store_true", help="also time the seesaw with L2 evict-first key loads")
     ap.add_argument("--rescale", action="store_true", help="also time the seesaw's rescale modes exact and skip")
+    ap.add_argument("--p-store", action="store_true", help="also time the seesaw with the P tiles stored by "
+                    "stmatrix (the default build: 32-bit stores)")
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
     from ddtree_gen import needs
@@ -68,9 +70,10 @@ def main() -> None:
         assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
 
-        def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded", rescale="lazy"):
+        def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded", rescale="lazy",
+                    p_store="sts"):
             v = make_variant(by_name("tree_verify_wgmma"), spec, schedule=schedule, ablate=ablate, l2_hint=l2_hint,
-                             grid=grid, s_order=s_order, rescale=rescale)
+                             grid=grid, s_order=s_order, rescale=rescale, p_store=p_store)
             return variant_set([v], also=[COMBINE])
         sets["lockstep"] = variant("lockstep")
         if args.slab_order:
@@ -82,6 +85,8 @@ def main() -> None:
         if args.rescale:
             for mode in ("exact", "skip"):
                 sets[f"seesaw rescale {mode}"] = variant("seesaw", rescale=mode)
+        if args.p_store:
+            sets["seesaw p_store stmatrix"] = variant("seesaw", p_store="stmatrix")
         if args.ablate:
             for name, bits in (("seesaw no S", 1), ("seesaw no PV", 2), ("seesaw no S no PV", 3)):
                 sets[name] = variant("seesaw", bits)

@@ -84,9 +84,11 @@ def schedule_for(spec, kernel: str) -> str:
 # parts of the batch's key tiles (parts_for) instead of per-request chunks; s_order "slab": WG1's S in slab order
 # rather than in the order its slabs were loaded; sync_handoffs: the warpgroups' hand-offs as bar.sync on both
 # sides (for racecheck: scripts/racecheck_seesaw.py); rescale (seesaw only, RESCALES): "exact" (the first seesaw),
-# "skip" or "lazy" (the default)
+# "skip" or "lazy" (the default); p_store (seesaw only): "sts" (32-bit stores, the default) or "stmatrix" for the
+# P tiles the other warpgroup reads (the same results, within +-2 % of the time: docs/perf.md)
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy"}
+         "rescale": "lazy", "p_store": "sts"}
+P_STORES = ("sts", "stmatrix")
 
 
 def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma") -> dict:
@@ -110,6 +112,8 @@ def spell(config) -> tuple:
         parts.append("sync-handoffs")
     if config.get("rescale", KNOBS["rescale"]) != KNOBS["rescale"]:
         parts.append(f"rescale-{config['rescale']}")
+    if config.get("p_store", KNOBS["p_store"]) != KNOBS["p_store"]:
+        parts.append(f"p-store-{config['p_store']}")
     return tuple(parts)
 
 
@@ -122,6 +126,8 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         f"(seesaw needs a bf16 cache, page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
     if config.get("rescale", "lazy") not in RESCALES:
         raise SpecError(f"rescale {config['rescale']!r}: one of {', '.join(RESCALES)}")
+    if config.get("p_store", "sts") not in P_STORES:
+        raise SpecError(f"p_store {config['p_store']!r}: one of {', '.join(P_STORES)}")
     tma = bool(config["tma"])
     if tma and not uses_tma(spec, kernel):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, a bf16 cache and "
@@ -146,6 +152,8 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's rescale mode (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA"),
                                 RESCALES[config.get("rescale") or "lazy"])} if sched == "seesaw" else {}),
+                        **({"P_STMATRIX": sympy.Integer(1 if config.get("p_store") == "stmatrix" else 0)}
+                           if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 

@@ -129,6 +129,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define RESCALE_SKIP 1
 #define MAX_SLACK 8
 #define EXP_FMA 1
+// The config's "p_store": "sts" (0, the default): the P tiles go to shared memory by 32-bit stores (16 per thread,
+// each with its swizzled address); "stmatrix" (1): by stmatrix (4 per warp and tile; the same bits, no faster)
+#define P_STMATRIX 0
 
 static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
@@ -302,6 +305,19 @@ __device__ __forceinline__ void keep_u32(uint32_t (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i]) :: "memory");
 }
 // P[r][c], P[r][c + 1] (c even) of a [64][64] bf16 tile in the K-major swizzle: byte offset in its slab
+// This warp's 16 rows of a [64][64] bf16 P tile (K-major swizzle) from its A fragments: p[2 j] / p[2 j + 1] hold rows
+// r0 / r0 + 8 of 8-column group j (the mma accumulator layout, which is stmatrix's); x4 number c stores groups 2c,
+// 2c + 1, lane l giving the row address of row (l & 7) of matrix l >> 3
+__device__ __forceinline__ void store_p(unsigned char* tile, const uint32_t (&p)[16], int g, int lane) {
+    const int mi = lane >> 3, rr = lane & 7;
+    const uint32_t row = smem_addr(tile) + (uint32_t)((16 * g + 8 * (mi & 1) + rr) * 128);
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const uint32_t addr = row + ((uint32_t)((2 * c + (mi >> 1)) ^ rr) << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+                     :: "r"(addr), "r"(p[4 * c]), "r"(p[4 * c + 1]), "r"(p[4 * c + 2]), "r"(p[4 * c + 3]) : "memory");
+    }
+}
 __device__ __forceinline__ uint32_t p_off(int r, int c) {
     return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2);
 }
@@ -611,7 +627,19 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
-                if (all_one(f1)) {           // P_a unscaled: its bf16 fragments as they are
+                if (P_STMATRIX) {
+                    if (all_one(f1)) {
+                        store_p(sP0, pb, g, lane);
+                    } else {
+                        uint32_t q[16];
+                        #pragma unroll
+                        for (int j = 0; j < NS / 4; ++j) {
+                            q[2 * j] = pack_bf16(s[4 * j] * f1[0], s[4 * j + 1] * f1[0]);
+                            q[2 * j + 1] = pack_bf16(s[4 * j + 2] * f1[1], s[4 * j + 3] * f1[1]);
+                        }
+                        store_p(sP0, q, g, lane);
+                    }
+                } else if (all_one(f1)) {    // P_a unscaled: its bf16 fragments as they are
                     #pragma unroll
                     for (int j = 0; j < NS / 4; ++j) {
                         const int c = 8 * j + 2 * qd;
@@ -664,11 +692,15 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 named_arrive(BAR_SCALE1, 256);
                 scale_o(f);
                 if (has_b) {
-                    #pragma unroll
-                    for (int j = 0; j < NS / 4; ++j) {
-                        const int c = 8 * j + 2 * qd;
-                        *reinterpret_cast<uint32_t*>(sP1 + p_off(r0, c)) = pb[2 * j];
-                        *reinterpret_cast<uint32_t*>(sP1 + p_off(r0 + 8, c)) = pb[2 * j + 1];
+                    if (P_STMATRIX) {
+                        store_p(sP1, pb, g, lane);
+                    } else {
+                        #pragma unroll
+                        for (int j = 0; j < NS / 4; ++j) {
+                            const int c = 8 * j + 2 * qd;
+                            *reinterpret_cast<uint32_t*>(sP1 + p_off(r0, c)) = pb[2 * j];
+                            *reinterpret_cast<uint32_t*>(sP1 + p_off(r0 + 8, c)) = pb[2 * j + 1];
+                        }
                     }
                     wg_fence();
                     #pragma unroll
