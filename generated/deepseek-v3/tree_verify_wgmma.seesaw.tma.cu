@@ -304,7 +304,6 @@ __device__ __forceinline__ void keep_u32(uint32_t (&d)[N]) {
     #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i]) :: "memory");
 }
-// P[r][c], P[r][c + 1] (c even) of a [64][64] bf16 tile in the K-major swizzle: byte offset in its slab
 // This warp's 16 rows of a [64][64] bf16 P tile (K-major swizzle) from its A fragments: p[2 j] / p[2 j + 1] hold rows
 // r0 / r0 + 8 of 8-column group j (the mma accumulator layout, which is stmatrix's); x4 number c stores groups 2c,
 // 2c + 1, lane l giving the row address of row (l & 7) of matrix l >> 3
@@ -318,6 +317,7 @@ __device__ __forceinline__ void store_p(unsigned char* tile, const uint32_t (&p)
                      :: "r"(addr), "r"(p[4 * c]), "r"(p[4 * c + 1]), "r"(p[4 * c + 2]), "r"(p[4 * c + 3]) : "memory");
     }
 }
+// P[r][c], P[r][c + 1] (c even) of a [64][64] bf16 tile in the K-major swizzle: byte offset in its slab
 __device__ __forceinline__ uint32_t p_off(int r, int c) {
     return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2);
 }
