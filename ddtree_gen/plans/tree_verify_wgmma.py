@@ -110,10 +110,9 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    if config.get("rescale", KNOBS["rescale"]) != KNOBS["rescale"]:
-        parts.append(f"rescale-{config['rescale']}")
-    if config.get("p_store", KNOBS["p_store"]) != KNOBS["p_store"]:
-        parts.append(f"p-store-{config['p_store']}")
+    for knob in ("rescale", "p_store"):
+        if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
+            parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     return tuple(parts)
 
 
@@ -124,10 +123,11 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
                         f"(seesaw needs a bf16 cache, page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
-    if config.get("rescale", "lazy") not in RESCALES:
-        raise SpecError(f"rescale {config['rescale']!r}: one of {', '.join(RESCALES)}")
-    if config.get("p_store", "sts") not in P_STORES:
-        raise SpecError(f"p_store {config['p_store']!r}: one of {', '.join(P_STORES)}")
+    rescale, p_store = config.get("rescale", KNOBS["rescale"]), config.get("p_store", KNOBS["p_store"])
+    if rescale not in RESCALES:
+        raise SpecError(f"rescale {rescale!r}: one of {', '.join(RESCALES)}")
+    if p_store not in P_STORES:
+        raise SpecError(f"p_store {p_store!r}: one of {', '.join(P_STORES)}")
     tma = bool(config["tma"])
     if tma and not uses_tma(spec, kernel):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, a bf16 cache and "
@@ -149,11 +149,9 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
                         "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
-                        **({k: sympy.Integer(v) for k, v in      # the seesaw's rescale mode (its template only)
-                            zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA"),
-                                RESCALES[config.get("rescale") or "lazy"])} if sched == "seesaw" else {}),
-                        **({"P_STMATRIX": sympy.Integer(1 if config.get("p_store") == "stmatrix" else 0)}
-                           if sched == "seesaw" else {}),
+                        **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
+                            zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX"),
+                                (*RESCALES[rescale], int(p_store == "stmatrix")))} if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
