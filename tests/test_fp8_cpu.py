@@ -521,14 +521,14 @@ def test_sanitizer_runs_every_kernel_with_cases():
 
 
 def test_bench_kv_dtype_specs():
-    """bench kv-dtype: the issue's six configs; each H and kv_dtype from a shipped spec with exactly those values
+    """bench kv-dtype: issue 22's seven configs; each H and kv_dtype from a shipped spec with exactly those values
     where there is one, else an unshipped variant that differs from the base only in name, H and kv_dtype."""
     import dataclasses
 
     from ddtree_gen.bench import kv_dtype as bench
     from ddtree_gen.bench.specs import spec_variant
-    assert bench.KV_DTYPE_CONFIGS == [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (8, 16, 4096), (8, 64, 4096),
-                                      (8, 128, 4096)]
+    assert bench.KV_DTYPE_CONFIGS == [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096),
+                                      (8, 128, 4096), (8, 64, 16384)]
     assert "kv-dtype" in cli.BENCHES
     shipped = {s.name for s in all_specs()}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):

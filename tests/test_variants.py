@@ -46,7 +46,10 @@ def test_procedural_names(kimi):
     assert exact.name == "tree_verify_wgmma.seesaw.tma.rescale-exact" and exact.plan().consts["RESCALE_SKIP"] == 0
     assert variant(tail, kimi).name == "tree_verify_tail_wgmma.lockstep.cpasync"
     assert variant(by_name("tree_build"), kimi).name == "tree_build"
-    assert variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8")).name == "tree_verify_wgmma.lockstep.cpasync"
+    fp8 = variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"))   # the seesaw with its converter warpgroup
+    assert fp8.name == "tree_verify_wgmma.seesaw.tma" and fp8.plan().consts["ROPE_EARLY"] == 1
+    assert fp8.plan().template_constants()["THREADS"] == 384
+    assert variant(WGMMA, kimi, rope_early=True).name == "tree_verify_wgmma.seesaw.tma.rope-early"
 
 
 def test_a_non_default_variant_has_its_own_name_and_key(kimi):
@@ -71,8 +74,10 @@ def test_knobs_are_checked(kimi):
         variant(WGMMA, kimi, "sm_80")
     with pytest.raises(SpecError, match="seesaw schedule loads its key tiles by TMA"):
         variant(WGMMA, kimi, tma=False).plan()
-    with pytest.raises(SpecError, match="TMA key tiles need"):
-        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), tma=True).plan()
+    with pytest.raises(SpecError, match="TMA key tiles need"):   # the lockstep schedule's fp8 stages: cp.async
+        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), schedule="lockstep", tma=True).plan()
+    with pytest.raises(SpecError, match="fp8 seesaw runs the grid 'chunks' only"):
+        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), grid="parts").plan()
     with pytest.raises(SpecError, match="configuration"):
         variant(by_name("tree_verify_mma"), kimi, BN=48).plan()
 

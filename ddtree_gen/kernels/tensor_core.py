@@ -124,8 +124,9 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         part_o, part_lse, spans = (((WS, 0), (WS, slots * r * 4), (WS, slots * (r + 1) * 4)) if need else
                                    (np.uint64(0), np.uint64(0), np.uint64(0)))
         # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
-        # boxes of one key tile's rows by one 64-column (128-byte) slab
-        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64),)
+        # boxes of one key tile's rows by one 64-column slab (bf16: 128 bytes, swizzled; e4m3: 64 bytes, as they are)
+        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64,
+                          *((1, False) if spec.kv_fp8 else ())),)
                if consts.get("USE_TMA") else ())
         blocks = splits * row_tiles if parts else b * splits * row_tiles
         steps.append(Step(name, (blocks,),

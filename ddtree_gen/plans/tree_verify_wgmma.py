@@ -52,16 +52,25 @@ V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 
 
 def uses_tma(spec, kernel: str) -> bool:
-    """Whether `kernel` of `spec` loads its key tiles with TMA: the full kernel (its tiles start on multiples
-    of BN) of a bf16 cache whose pages hold whole tiles (page_size % BN == 0), so that a tile is one
-    rectangle of the cache: 9 boxes of 64 keys x 64 columns. Otherwise cp.async (the tail kernel's tiles
-    start at prefix_len; an fp8 stage is converted by the threads anyway)."""
-    return kernel == "tree_verify_wgmma" and not spec.kv_fp8 and spec.page_size % BN == 0
+    """Whether `kernel` of `spec` can load its key tiles with TMA: the full kernel (its tiles start on multiples
+    of BN) of a cache whose pages hold whole tiles (page_size % BN == 0), so that a tile is one rectangle of
+    the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the wgmma swizzle; fp8: 64-byte rows of
+    e4m3 bytes, which only the seesaw takes: its converter warpgroup turns them into bf16 slabs). Otherwise
+    cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are converted by its threads)."""
+    return kernel == "tree_verify_wgmma" and spec.page_size % BN == 0
+
+
+def lockstep_tma(spec, kernel: str) -> bool:
+    """TMA key tiles in the lockstep schedule: a bf16 cache only (its fp8 stages come by cp.async)."""
+    return uses_tma(spec, kernel) and not spec.kv_fp8
 
 
 # Seesaw: Q, two key tiles, the even tile's P (the odd tile's lives in Q's rope slab), the row max and the two
-# rescale factors and the row sums of both warpgroups (5 x BM floats), one mbarrier per slab of each tile buffer
+# rescale factors and the row sums of both warpgroups (5 x BM floats), one mbarrier per slab of each tile buffer;
+# an fp8 cache: a second mbarrier per slab (its bf16 slab is converted) and a third, converter warpgroup (its e4m3
+# bytes land in the upper half of their bf16 slab group and are converted in place)
 SEESAW_SMEM = 3 * TILE + BM * BN * 2 + 5 * BM * 4 + 2 * SLABS * 8
+SEESAW_SMEM_FP8 = SEESAW_SMEM + 2 * SLABS * 8
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
@@ -69,7 +78,8 @@ RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1)}
 
 
 def seesaw_fits(spec, kernel: str) -> bool:
-    """Whether the seesaw schedule can serve `kernel` of `spec`: TMA tiles (uses_tma) and R = 512, P = 64."""
+    """Whether the seesaw schedule can serve `kernel` of `spec`: TMA tiles (uses_tma: bf16 or fp8) and R = 512,
+    P = 64."""
     return uses_tma(spec, kernel) and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
 
 
@@ -79,22 +89,30 @@ def schedule_for(spec, kernel: str) -> str:
 
 
 # the knobs of a build besides the schedule and TMA, at their values in the default build (variant_config):
-# ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones (wrong results on purpose, for timing);
+# ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones; fp8: bit 2 the converter's conversion, bit 3
+# its fences, bit 4 its arithmetic (wrong results on purpose, for timing);
 # l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint; grid "parts" (seesaw only): the balanced
 # parts of the batch's key tiles (parts_for) instead of per-request chunks; s_order "slab": WG1's S in slab order
 # rather than in the order its slabs were loaded; sync_handoffs: the warpgroups' hand-offs as bar.sync on both
 # sides (for racecheck: scripts/racecheck_seesaw.py); rescale (seesaw only, RESCALES): "exact" (the first seesaw),
 # "skip" or "lazy" (the default); p_store (seesaw only): "sts" (32-bit stores, the default) or "stmatrix" for the
-# P tiles the other warpgroup reads (the same results, within +-2 % of the time: docs/perf.md)
+# P tiles the other warpgroup reads (the same results, within +-2 % of the time: docs/perf.md); rope_early (seesaw):
+# the rope slab loaded and multiplied with the early group (V_L's slabs) instead of the late one (an fp8 cache: always,
+# its in-place conversion needs it; a bf16 one with it gives the fp8 build's bits on the dequantized cache)
+# convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean" or "group")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts"}
+         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "slab"}
+# the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE) of templates/tree_verify_seesaw.cu.j2
+CONVERT_SYNCS = {"slab": (0, 0), "lean": (1, 0), "group": (1, 1)}
 P_STORES = ("sts", "stmatrix")
 
 
 def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma") -> dict:
     """The policy (plans/variant.default_config): the schedule of schedule_for, TMA key tiles wherever they
     can be used (uses_tma), every other knob off."""
-    return {"schedule": schedule_for(spec, kernel), "tma": uses_tma(spec, kernel), **KNOBS}
+    sched = schedule_for(spec, kernel)
+    return {"schedule": sched, "tma": uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel),
+            **KNOBS}
 
 
 def spell(config) -> tuple:
@@ -110,9 +128,11 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store"):
+    for knob in ("rescale", "p_store", "convert_sync"):
         if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
+    if config.get("rope_early"):
+        parts.append("rope-early")
     return tuple(parts)
 
 
@@ -122,24 +142,30 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
-                        f"(seesaw needs a bf16 cache, page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
+                        f"(seesaw needs page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
     rescale, p_store = config.get("rescale", KNOBS["rescale"]), config.get("p_store", KNOBS["p_store"])
     if rescale not in RESCALES:
         raise SpecError(f"rescale {rescale!r}: one of {', '.join(RESCALES)}")
     if p_store not in P_STORES:
         raise SpecError(f"p_store {p_store!r}: one of {', '.join(P_STORES)}")
+    convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
+    if convert_sync not in CONVERT_SYNCS:
+        raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
     tma = bool(config["tma"])
-    if tma and not uses_tma(spec, kernel):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, a bf16 cache and "
-                        f"page_size % {BN} == 0")
+    if tma and not (uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel)):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, page_size % {BN} "
+                        f"== 0 and (lockstep schedule) a bf16 cache")
     if sched == "seesaw" and not tma:
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the seesaw schedule loads its key tiles by TMA (tma=False "
                         f"is the lockstep schedule's)")
+    if sched == "seesaw" and spec.kv_fp8 and config.get("grid", "chunks") != "chunks":
+        raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
+    threads = THREADS + 128 if sched == "seesaw" and spec.kv_fp8 else THREADS   # fp8: the converter warpgroup
     if sched == "seesaw":
-        smem = SEESAW_SMEM
+        smem = SEESAW_SMEM_FP8 if spec.kv_fp8 else SEESAW_SMEM
     else:
         smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
-    return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(THREADS), min_blocks=1,
+    return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"BM": sympy.Integer(BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
                         "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
@@ -150,8 +176,11 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
-                            zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX"),
-                                (*RESCALES[rescale], int(p_store == "stmatrix")))} if sched == "seesaw" else {}),
+                            zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
+                                 "GROUP_FENCE"),
+                                (*RESCALES[rescale], int(p_store == "stmatrix"),
+                                 int(bool(spec.kv_fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
+                           if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 

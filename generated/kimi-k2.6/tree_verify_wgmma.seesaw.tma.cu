@@ -79,6 +79,14 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // not loaded) are masked, and their V rows zeroed by the tile's S warpgroup before anyone reads them.
 // Shared memory: Q (its rope slab later holds P_b), two key tiles, P_a; 64-column slabs [slab][row][128 B]
 // in the 128-byte swizzle of the wgmma descriptors. No atomics: deterministic.
+//
+// FP8 cache (FP8 1, kv_dtype = "fp8_e4m3"): a third warpgroup, the converter, turns the e4m3 bytes into the same
+// bf16 slabs, exactly (NaN bytes become NaN), while the other two compute (setmaxnreg: 232 registers for each of
+// them, 32 for it; the pool is the launch's 168 x 384, and 240 / 32 would not fit: the increase would wait forever). A slab's e4m3 box (64 keys x 64 bytes, TMA, no swizzle) lands in the upper half of its group of
+// bf16 slabs (early group: V_L slabs 0-3 and the rope slab 8, refilled as soon as WG0's P.V_L is done; late group:
+// V_R slabs 4-7): in slab order each bf16 slab overwrites only e4m3 bytes that the converter has read (one barrier
+// of its 128 threads per slab), and it arrives on a second mbarrier per slab that the S products wait on. kv_scale
+// is applied in fp32 as in every fp8 kernel (scale_log2, v_scale).
 
 #define TAIL 0
 #define NUM_HEADS 64
@@ -88,6 +96,8 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define PAGE 64
 #define MASK_WORDS 3
 #define THREADS 256
+#define FP8 0
+#define CONSUMERS 256                    // the two computing warpgroups (FP8: warpgroup 2 converts)
 #define BM 64                      // query rows per block
 #define BN 64                      // keys per tile
 #define SLABS 9                // 64-column slabs per tile row: ROW / 64
@@ -110,8 +120,11 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define BAR_P0 3                         // the even tile's rescaled P is in sP0
 #define BAR_P1 4                         // the odd tile's P is in sP1 (and WG1's P_a.V_aR is issued)
 #define BAR_WG 5                         // + w: warpgroup w alone
+#define BAR_CONV 7                       // the converter warpgroup (FP8)
+#define BAR_CONS 8                       // the two computing warpgroups (FP8; without a converter: __syncthreads)
 // Ablation (scripts/compare_schedules.py --ablate, results wrong on purpose): bit 0 leaves out the S products,
-// bit 1 the P.V products; 0 in every build
+// bit 1 the P.V products, bit 2 (FP8) the converter's conversion (it waits and arrives only), bit 3 (FP8) the
+// converter's fences (a race: for timing only), bit 4 (FP8) its arithmetic (it stores the e4m3 bytes); 0 in every build
 #define ABLATE 0
 #define L2_EVICT_FIRST 0     // key-tile loads with an L2 evict-first hint (the config's "l2_hint")
 // The grid (the config's "grid"): "chunks" (PARTS 0, the default): a block per (request, key chunk, row tile), as
@@ -132,8 +145,17 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // The config's "p_store": "sts" (0, the default): the P tiles go to shared memory by 32-bit stores (16 per thread,
 // each with its swizzled address); "stmatrix" (1): by stmatrix (4 per warp and tile; the same bits, no faster)
 #define P_STMATRIX 0
+// The config's "rope_early" (always with FP8): the rope slab is loaded and multiplied with the early group
+#define ROPE_EARLY 0
+// FP8, the config's "convert_sync": "slab" (0, 0: a converter barrier before every slab's stores, a fence and an
+// arrival per slab), "lean" (1, 0: barriers only where a bf16 slab overwrites e4m3 bytes), "group" (1, 1: also one
+// fence per load group, its slabs' arrivals at its end)
+#define CONV_BARS 0
+#define GROUP_FENCE 0
 
-static_assert(THREADS == 256 && BM == 64 && BN == 64, "two warpgroups, 64 x 64 tiles");
+static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
+              "two warpgroups (+ FP8's converter), 64 x 64 tiles");
+static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 
@@ -142,8 +164,9 @@ static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 #define SK_OFF (SQ_OFF + TILE_BYTES)                   // key tiles [2][SLABS][BN][128 B]
 #define SP0_OFF (SK_OFF + 2 * TILE_BYTES)              // P_a [BM][BN] bf16 = one slab
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
-#define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s
-#define SMEM_BYTES (BAR_OFF + 2 * SLABS * 8)
+#define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
+#define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
+#define SMEM_BYTES (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))
 static_assert(SMEM_BYTES == 230800, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
@@ -317,6 +340,38 @@ __device__ __forceinline__ void store_p(unsigned char* tile, const uint32_t (&p)
                      :: "r"(addr), "r"(p[4 * c]), "r"(p[4 * c + 1]), "r"(p[4 * c + 2]), "r"(p[4 * c + 3]) : "memory");
     }
 }
+// Slab order of the loads and of the S products: ROPE_EARLY loads the rope slab with the early group (V_L's slabs,
+// refilled first), which is then the first EARLY of the order 0 1 2 3 8 4 5 6 7; else slab order, the early group V_L's
+#define EARLY (ROPE_EARLY ? VSLABS + 1 : VSLABS)
+__device__ __forceinline__ int slab_at(int i) { return ROPE_EARLY ? (i < VSLABS ? i : i == VSLABS ? SLABS - 1 : i - 1) : i; }
+static_assert(ROPE_EARLY || !FP8, "the fp8 conversion in place needs the rope slab in the early group");
+// FP8: where slab s's e4m3 box (64 rows of 64 bytes) lands in its tile buffer: the upper half of its group's bf16
+// bytes (V_L: slabs 0-3, V_R: 4-7, the rope slab alone)
+__device__ __forceinline__ int stage_off(int s) {
+    return s == SLABS - 1 ? s * SLAB_BYTES + SLAB_BYTES / 2 : (s / VSLABS) * VSLABS * SLAB_BYTES + (VSLABS / 2) * SLAB_BYTES
+                                                              + (s % VSLABS) * (SLAB_BYTES / 2);
+}
+// 16 e4m3 bytes -> 16 bf16 (two 16-byte chunks), exactly; a NaN byte (rare: the slow path) becomes NaN
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& c1) {
+    uint2 a = fp8x4_to_bf16x4_finite(x.x), b = fp8x4_to_bf16x4_finite(x.y);
+    uint2 c = fp8x4_to_bf16x4_finite(x.z), d = fp8x4_to_bf16x4_finite(x.w);
+    if ((fp8x4_nan_bits(x.x) | fp8x4_nan_bits(x.y) | fp8x4_nan_bits(x.z) | fp8x4_nan_bits(x.w)) != 0u) {
+        a = fp8x4_to_bf16x4(x.x); b = fp8x4_to_bf16x4(x.y); c = fp8x4_to_bf16x4(x.z); d = fp8x4_to_bf16x4(x.w);
+    }
+    c0 = make_uint4(a.x, a.y, b.x, b.y);
+    c1 = make_uint4(c.x, c.y, d.x, d.y);
+}
+// the block's pool is the launch's registers (168 per thread at 384 threads): 2 x 128 x 232 + 128 x 32 fits it. (A second
+// converter warpgroup does not: at 512 threads ptxas has 128 registers for the whole kernel, and a m64n256 P.V product
+// needs 158.)
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory"); }
+// the computing warpgroups' block barrier (FP8: the converter is not part of it)
+__device__ __forceinline__ void consumers_sync() {
+    if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
+    else __syncthreads();
+}
+
 // P[r][c], P[r][c + 1] (c even) of a [64][64] bf16 tile in the K-major swizzle: byte offset in its slab
 __device__ __forceinline__ uint32_t p_off(int r, int c) {
     return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2);
@@ -391,6 +446,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     float* const sScale1 = sM + 2 * BM;                          // 2^(m' - m'') of the odd tile
     float* const sL = sM + 3 * BM;                               // [2][BM] row sums, at the end
     const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
+    const uint32_t rdy0 = FP8 ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
 
     const int r0 = 16 * g + grp;            // this thread's rows r0 and r0 + 8 (of both S and O)
     if (tid < BM) sM[tid] = DDT_NEG_INF;
@@ -411,18 +467,20 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             if (page < 0 || page >= num_pages) return -1;
             return page * PAGE + (int)(t % PAGE);
         };
-        // slabs [S0, S1) of tile n -> buffer n & 1, by the calling thread (one TMA box per slab, each on its
-        // own mbarrier; a tile that is not loaded completes its barriers' phase with a plain arrival)
+        // slabs slab_at(i), i in [S0, S1), of tile n -> buffer n & 1, by the calling thread (one TMA box per slab, each
+        // on its own mbarrier; a tile that is not loaded completes its barriers' phase with a plain arrival)
         auto load_slabs = [&](int n, int src, int s0, int s1) {
             const int buf = n & 1;
             const uint32_t dst = smem_addr(sK + buf * TILE_BYTES);
             #pragma unroll
-            for (int sl = s0; sl < s1; ++sl) {
+            for (int i = s0; i < s1; ++i) {
+                const int sl = slab_at(i);
                 const uint32_t bar = bar0 + 8 * (buf * SLABS + sl);
+                const uint32_t at = dst + (FP8 ? stage_off(sl) : sl * SLAB_BYTES);
                 if (src >= 0) {
-                    mbar_expect_tx(bar, SLAB_BYTES);
-                    if (L2_EVICT_FIRST) tma_load_2d_hint(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar, l2_evict_first());
-                    else tma_load_2d(dst + sl * SLAB_BYTES, &kv_map, sl * 64, src, bar);
+                    mbar_expect_tx(bar, FP8 ? SLAB_BYTES / 2 : SLAB_BYTES);
+                    if (L2_EVICT_FIRST) tma_load_2d_hint(at, &kv_map, sl * 64, src, bar, l2_evict_first());
+                    else tma_load_2d(at, &kv_map, sl * 64, src, bar);
                 } else {
                     mbar_arrive(bar);
                 }
@@ -441,7 +499,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         }
         {
             const uint32_t dst = smem_addr(sQ);
-            for (int idx = tid; idx < BM * CPR; idx += THREADS) {
+            for (int idx = tid; idx < BM * CPR; idx += CONSUMERS) {
                 const int r = idx / CPR, c = idx - r * CPR;
                 const int m = m0 + r;
                 const bool ok = m < rows_valid;
@@ -463,7 +521,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             #pragma unroll
             for (int w = 0; w < MASK_WORDS; ++w) mrow[half][w] = live ? src[w] : 0u;
         }
-        __syncthreads();               // Q and sM are visible to every thread
+        consumers_sync();              // Q and sM are visible to every thread
         // Q's rope slab -> registers: the A fragments of its 4 k-steps (its shared memory then holds P_b)
         uint32_t qreg[4][4];
         #pragma unroll
@@ -486,21 +544,23 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         const uint64_t p1_desc = desc_kmajor(smem_addr(sP1));
         constexpr uint64_t TILE16 = TILE_BYTES >> 4;              // a buffer, in descriptor units
 
-        // S of tile n (buffer n & 1) for slabs [S0, S1), each slab's 4 k-steps issued once its box has
-        // landed and committed as one group; init: its first k-step overwrites s (the product's first part)
+        // S of tile n (buffer n & 1) for slabs slab_at(i), i in [S0, S1), each slab's 4 k-steps issued once its box
+        // has landed (FP8: is converted) and committed as one group; init: its first k-step overwrites s (the
+        // product's first part)
         auto s_gemm = [&](float (&s)[NS], int n, int s0, int s1, bool init) {
             const int buf = n & 1;
             const uint32_t parity = (uint32_t)((buf ? uses1 : uses0) + (n >> 1)) & 1u;   // the buffer's use count mod 2
             wg_fence();
             #pragma unroll
-            for (int sl = s0; sl < s1; ++sl) {
-                mbar_wait(bar0 + 8 * (buf * SLABS + sl), parity);
+            for (int i = s0; i < s1; ++i) {
+                const int sl = slab_at(i);
+                mbar_wait(rdy0 + 8 * (buf * SLABS + sl), parity);
                 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const uint64_t koff = (uint64_t)((sl * SLAB_BYTES + k * 32) >> 4);
                     if (ABLATE & 1) continue;
                     if (sl == QREG_SLAB) wgmma_s_rs(s, qreg[k], k_desc + buf * TILE16 + koff);
-                    else wgmma_s_ss(s, q_desc + koff, k_desc + buf * TILE16 + koff, !(init && sl == s0 && k == 0));
+                    else wgmma_s_ss(s, q_desc + koff, k_desc + buf * TILE16 + koff, !(init && i == s0 && k == 0));
                 }
                 wg_commit();
             }
@@ -623,7 +683,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 keep_u32(pb);
                 // ---- WG1's max of tile b: P_a rescaled to it -> sP0 (for WG1's P_a V_aR); O_L rescaled
                 named_sync(BAR_SCALE1, 256);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, VSLABS);   // V_aL's slabs are free
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
@@ -670,12 +730,12 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                         wgmma_pv_ss(o, p1_desc + (uint64_t)((ks * 32) >> 4), vb + (uint64_t)((ks * 16 * 128) >> 4));
                     wg_commit();
                 }
-                if (next_a) s_gemm(s, a + 2, 0, VSLABS, true);              // tile a + 2's V_L slabs: loaded first
+                if (next_a) s_gemm(s, a + 2, 0, EARLY, true);               // tile a + 2's early group: loaded first
                 if (has_b) {
-                    if (next_a) wg_wait<VSLABS>(); else wg_wait<0>();        // P_b V_bL is done
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, VSLABS);   // V_bL's slabs are free
+                    if (next_a) wg_wait<EARLY>(); else wg_wait<0>();        // P_b V_bL is done
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
                 }
-                if (next_a) s_gemm(s, a + 2, VSLABS, SLABS, false);
+                if (next_a) s_gemm(s, a + 2, EARLY, SLABS, false);
                 wg_wait<0>();
                 wg_keep(o);
                 wg_keep(s);
@@ -721,18 +781,18 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     named_arrive(BAR_P1, 256);
                     wg_wait<1>();                                            // P_b V_bR is done
                     keep_u32(pb);
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, VSLABS, SLABS);
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
                 }
                 wg_wait<0>();                                                // P_a' V_aR is done
                 wg_keep(o);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, VSLABS, SLABS);
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
                 src_b = src_nb;
                 if (next_b) {
                     // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before
                     // WG0's V_L slabs (after its P_b V_bL, which the tensor cores run after this one's products)
                     if (S_LOADED_ORDER) {
-                        s_gemm(s, a + 3, VSLABS, SLABS, true);
-                        s_gemm(s, a + 3, 0, VSLABS, false);
+                        s_gemm(s, a + 3, EARLY, SLABS, true);
+                        s_gemm(s, a + 3, 0, EARLY, false);
                     } else {
                         s_gemm(s, a + 3, 0, SLABS, true);
                     }
@@ -744,7 +804,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     }
 
     // ---- epilogue: row sums of both warpgroups through shared memory; the final max is sM's
-    __syncthreads();
+    consumers_sync();
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float l = l_part[half];
@@ -752,7 +812,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         l += __shfl_xor_sync(FULL, l, 2);
         if (qd == 0) sL[wg * BM + r0 + 8 * half] = l;
     }
-    __syncthreads();
+    consumers_sync();
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = r0 + 8 * half;
