@@ -3,7 +3,7 @@
 process: the fp8 seesaw (the default: a converter warpgroup turns the e4m3 tiles into bf16 slabs), the same with
 the conversion left out (ablate bit 2: wrong results on purpose; what the conversion costs), the fp8 lockstep
 kernel (the default before), and the bf16 seesaw with and without rope_early (the fp8 seesaw's slab order);
---sync adds the converter's other synchronisations (convert_sync "lean", "group"), --ablate builds with its fences or
+--sync adds the converter's synchronisations (convert_sync "slab", "lean", "group", "pairs"), --ablate builds with its fences or
 its arithmetic left out (ablate bits 3, 4; wrong results on purpose), --no-lockstep leaves the lockstep build out.
 Prints per shape the CUDA-graph times, % of the bf16 matmul peak measured in the same run, fp8 speed (bf16 ms /
 fp8 ms) and how far each fp8 build's output is from the fp8 lockstep one's (relative, per row, the worst row).
@@ -23,7 +23,7 @@ SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 409
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
-    ap.add_argument("--sync", action="store_true", help="also the converter's convert_sync modes lean and group")
+    ap.add_argument("--sync", action="store_true", help="also the converter's convert_sync modes")
     ap.add_argument("--ablate", action="store_true", help="also the converter without fences / without arithmetic")
     ap.add_argument("--no-lockstep", action="store_true", help="leave out the fp8 lockstep build")
     args = ap.parse_args()
@@ -52,10 +52,10 @@ def main() -> None:
             "bf16 seesaw": (load(bf, kernels=["tree_verify_wgmma", COMBINE]), False),
             "bf16 seesaw rope_early": (variant_set([variant(wg, bf, rope_early=True)], also=[COMBINE]), False),
             "fp8 seesaw": (load(f8, kernels=["tree_verify_wgmma", COMBINE]), True),
-            "fp8 seesaw no conversion": fp8(ablate=4),
+            "fp8 seesaw no conversion": fp8(ablate=4, convert_sync="slab"),   # the ablations are the per-slab loop's
         }
         if args.sync:
-            for mode in ("slab", "lean", "group"):
+            for mode in ("slab", "lean", "group", "pairs"):
                 builds[f"fp8 seesaw sync {mode}"] = fp8(convert_sync=mode)
         if args.ablate:
             for mode in ("slab", "group"):

@@ -48,6 +48,7 @@ def test_procedural_names(kimi):
     assert variant(by_name("tree_build"), kimi).name == "tree_build"
     fp8 = variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"))   # the seesaw with its converter warpgroup
     assert fp8.name == "tree_verify_wgmma.seesaw.tma" and fp8.plan().consts["ROPE_EARLY"] == 1
+    assert fp8.plan().consts["CONV_PAIRS"] == 1   # convert_sync "pairs"
     assert fp8.plan().template_constants()["THREADS"] == 384
     assert variant(WGMMA, kimi, rope_early=True).name == "tree_verify_wgmma.seesaw.tma.rope-early"
 
@@ -78,6 +79,10 @@ def test_knobs_are_checked(kimi):
         variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), schedule="lockstep", tma=True).plan()
     with pytest.raises(SpecError, match="fp8 seesaw runs the grid 'chunks' only"):
         variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), grid="parts").plan()
+    with pytest.raises(SpecError, match="convert_sync 'x': one of slab, lean, group, pairs"):
+        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), convert_sync="x").plan()
+    with pytest.raises(SpecError, match="ablate bits 2-4 .* per-slab converter"):   # the default "pairs" has none
+        variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), ablate=4).plan()
     with pytest.raises(SpecError, match="configuration"):
         variant(by_name("tree_verify_mma"), kimi, BN=48).plan()
 

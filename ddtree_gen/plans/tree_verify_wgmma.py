@@ -99,11 +99,12 @@ def schedule_for(spec, kernel: str) -> str:
 # P tiles the other warpgroup reads (the same results, within +-2 % of the time: docs/perf.md); rope_early (seesaw):
 # the rope slab loaded and multiplied with the early group (V_L's slabs) instead of the late one (an fp8 cache: always,
 # its in-place conversion needs it; a bf16 one with it gives the fp8 build's bits on the dequantized cache)
-# convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean" or "group")
+# convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean", "group" or "pairs":
+# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "slab"}
+         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs"}
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE) of templates/tree_verify_seesaw.cu.j2
-CONVERT_SYNCS = {"slab": (0, 0), "lean": (1, 0), "group": (1, 1)}
+CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
 
 
@@ -151,6 +152,9 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
+    if int(config.get("ablate", 0)) & 28 and convert_sync == "pairs":
+        raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
+                        "'lean' or 'group'")
     tma = bool(config["tma"])
     if tma and not (uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, page_size % {BN} "
@@ -177,7 +181,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
-                                 "GROUP_FENCE"),
+                                 "GROUP_FENCE", "CONV_PAIRS"),
                                 (*RESCALES[rescale], int(p_store == "stmatrix"),
                                  int(bool(spec.kv_fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
                            if sched == "seesaw" else {}),

@@ -147,10 +147,11 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define P_STMATRIX 0
 // The config's "rope_early" (always with FP8): the rope slab is loaded and multiplied with the early group
 #define ROPE_EARLY 1
-// FP8, the config's "convert_sync": "slab" (0, 0: a converter barrier before every slab's stores, a fence and an
-// arrival per slab), "lean" (1, 0: barriers only where a bf16 slab overwrites e4m3 bytes), "group" (1, 1: also one
-// fence per load group, its slabs' arrivals at its end)
-#define CONV_BARS 0
+// FP8, the config's "convert_sync" (CONV_BARS, GROUP_FENCE, CONV_PAIRS): "pairs" (1, 0, 1; the default): two slabs per
+// converter step, at 224 / 40 registers; "slab" (0, 0, 0): a converter barrier before every slab's stores, a fence
+// and an arrival per slab; "lean" (1, 0, 0): barriers only where a bf16 slab overwrites e4m3 bytes; "group" (1, 1, 0):
+// also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
+#define CONV_BARS 1
 #define GROUP_FENCE 0
 
 static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
@@ -364,8 +365,9 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // the block's pool is the launch's registers (168 per thread at 384 threads): 2 x 128 x 232 + 128 x 32 fits it. (A second
 // converter warpgroup does not: at 512 threads ptxas has 128 registers for the whole kernel, and a m64n256 P.V product
 // needs 158.)
-__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
-__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory"); }
+// (CONV_PAIRS: 224 / 40, room for two slabs per converter step)
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
 __device__ __forceinline__ void consumers_sync() {
     if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
@@ -467,34 +469,41 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             const int buf = n & 1;
             const uint32_t parity = (uint32_t)(n >> 1) & 1u;
             unsigned char* const tile = sK + buf * TILE_BYTES;
+            // two slabs per step (order 0 1 | 2 3 | 8 4 | 5 6 | 7): one barrier per step before its stores (every e4m3
+            // byte a store overwrites is read by then), one fence, two arrivals
             #pragma unroll 1
-            for (int i = 0; i < SLABS; ++i) {
-                const int sl = slab_at(i);
-                mbar_wait(bar0 + 8 * (buf * SLABS + sl), parity);
-                if (!(ABLATE & 4)) {
-                    const unsigned char* const stg = tile + stage_off(sl) + 16 * ct;
-                    const uint4 x0 = *reinterpret_cast<const uint4*>(stg);
-                    const uint4 x1 = *reinterpret_cast<const uint4*>(stg + SLAB_BYTES / 4);   // 32 rows on
-                    // before a bf16 slab overwrites e4m3 bytes, every thread has read them: slabs 2 and 3 of a V group
-                    // overlap its e4m3 slabs 0, 1 and 2, 3, the rope slab its own (CONV_BARS 0: before every slab)
-                    if (!CONV_BARS || sl == SLABS - 1 || sl % VSLABS >= VSLABS / 2) named_sync(BAR_CONV, 128);
-                    unsigned char* const dst = tile + sl * SLAB_BYTES + crow * 128;
-                    const int x7 = crow & 7;   // the swizzle's row phase (rows crow and crow + 32 share it)
-                    uint4 c0 = x0, c1 = x1;                           // ABLATE bit 4: the bytes as they are
-                    if (!(ABLATE & 16)) fp8x16_to_bf16(x0, c0, c1);
-                    *reinterpret_cast<uint4*>(dst + (((2 * cq) ^ x7) << 4)) = c0;
-                    *reinterpret_cast<uint4*>(dst + (((2 * cq + 1) ^ x7) << 4)) = c1;
-                    if (!(ABLATE & 16)) fp8x16_to_bf16(x1, c0, c1);
-                    *reinterpret_cast<uint4*>(dst + 32 * 128 + (((2 * cq) ^ x7) << 4)) = c0;
-                    *reinterpret_cast<uint4*>(dst + 32 * 128 + (((2 * cq + 1) ^ x7) << 4)) = c1;
+            for (int i = 0; i < SLABS; i += 2) {
+                const bool two = i + 1 < SLABS;
+                const int sa = slab_at(i), sb = two ? slab_at(i + 1) : sa;
+                mbar_wait(bar0 + 8 * (buf * SLABS + sa), parity);
+                if (two) mbar_wait(bar0 + 8 * (buf * SLABS + sb), parity);
+                const unsigned char* const ga = tile + stage_off(sa) + 16 * ct;
+                const unsigned char* const gb = tile + stage_off(sb) + 16 * ct;
+                const uint4 a0 = *reinterpret_cast<const uint4*>(ga), a1 = *reinterpret_cast<const uint4*>(ga + SLAB_BYTES / 4);
+                uint4 b0 = a0, b1 = a1;
+                if (two) { b0 = *reinterpret_cast<const uint4*>(gb); b1 = *reinterpret_cast<const uint4*>(gb + SLAB_BYTES / 4); }
+                named_sync(BAR_CONV, 128);
+                const int x7 = crow & 7;
+                uint4 c0, c1;
+                unsigned char* d = tile + sa * SLAB_BYTES + crow * 128;
+                fp8x16_to_bf16(a0, c0, c1);
+                *reinterpret_cast<uint4*>(d + (((2 * cq) ^ x7) << 4)) = c0;
+                *reinterpret_cast<uint4*>(d + (((2 * cq + 1) ^ x7) << 4)) = c1;
+                fp8x16_to_bf16(a1, c0, c1);
+                *reinterpret_cast<uint4*>(d + 32 * 128 + (((2 * cq) ^ x7) << 4)) = c0;
+                *reinterpret_cast<uint4*>(d + 32 * 128 + (((2 * cq + 1) ^ x7) << 4)) = c1;
+                if (two) {
+                    d = tile + sb * SLAB_BYTES + crow * 128;
+                    fp8x16_to_bf16(b0, c0, c1);
+                    *reinterpret_cast<uint4*>(d + (((2 * cq) ^ x7) << 4)) = c0;
+                    *reinterpret_cast<uint4*>(d + (((2 * cq + 1) ^ x7) << 4)) = c1;
+                    fp8x16_to_bf16(b1, c0, c1);
+                    *reinterpret_cast<uint4*>(d + 32 * 128 + (((2 * cq) ^ x7) << 4)) = c0;
+                    *reinterpret_cast<uint4*>(d + 32 * 128 + (((2 * cq + 1) ^ x7) << 4)) = c1;
                 }
-                // the bf16 slab(s) -> the tensor cores: per slab, or (GROUP_FENCE) once per load group, whose slabs
-                // then all arrive at its end
-                if (!GROUP_FENCE || i == EARLY - 1 || i == SLABS - 1) {
-                    if (!(ABLATE & 12)) fence_proxy_async();
-                    for (int j = GROUP_FENCE ? (i < EARLY ? 0 : EARLY) : i; j <= i; ++j)
-                        mbar_arrive(rdy0 + 8 * (buf * SLABS + slab_at(j)));
-                }
+                fence_proxy_async();
+                mbar_arrive(rdy0 + 8 * (buf * SLABS + sa));
+                if (two) mbar_arrive(rdy0 + 8 * (buf * SLABS + sb));
             }
         }
         return;

@@ -147,10 +147,11 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define P_STMATRIX 0
 // The config's "rope_early" (always with FP8): the rope slab is loaded and multiplied with the early group
 #define ROPE_EARLY 0
-// FP8, the config's "convert_sync": "slab" (0, 0: a converter barrier before every slab's stores, a fence and an
-// arrival per slab), "lean" (1, 0: barriers only where a bf16 slab overwrites e4m3 bytes), "group" (1, 1: also one
-// fence per load group, its slabs' arrivals at its end)
-#define CONV_BARS 0
+// FP8, the config's "convert_sync" (CONV_BARS, GROUP_FENCE, CONV_PAIRS): "pairs" (1, 0, 1; the default): two slabs per
+// converter step, at 224 / 40 registers; "slab" (0, 0, 0): a converter barrier before every slab's stores, a fence
+// and an arrival per slab; "lean" (1, 0, 0): barriers only where a bf16 slab overwrites e4m3 bytes; "group" (1, 1, 0):
+// also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
+#define CONV_BARS 1
 #define GROUP_FENCE 0
 
 static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
@@ -364,8 +365,9 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // the block's pool is the launch's registers (168 per thread at 384 threads): 2 x 128 x 232 + 128 x 32 fits it. (A second
 // converter warpgroup does not: at 512 threads ptxas has 128 registers for the whole kernel, and a m64n256 P.V product
 // needs 158.)
-__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
-__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory"); }
+// (CONV_PAIRS: 224 / 40, room for two slabs per converter step)
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
 __device__ __forceinline__ void consumers_sync() {
     if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
