@@ -291,3 +291,31 @@ def test_misaligned_rows_use_scalar_loads(spec, fake_alloc):
     from ddtree_gen.kernels import draft_topk as mod
     prep = mod._prepare(ks2, (_logits(1, 2, 4096), None, None, None), 3, 1.0, False)
     assert prep.steps[0].args[5] == IsAligned(0, 16)
+
+
+@pytest.mark.parametrize("rows_b,v", [(64, 129280), (1, 129280), (2, 1000)])
+def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
+    """The "stream" build (template constant STREAM = 1): stage 0 on at most SMs x MIN_BLOCKS blocks (a grid
+    stride over the rows x chunks, passed as `total`), stage 1 and the workspace as in the chunks schedule."""
+    from ddtree_gen.kernels import draft_topk as mod
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
+    from ddtree_gen.plans.variant import variant
+    stream = variant(by_name("draft_topk"), spec, schedule="stream").plan().template_constants()
+    assert stream["STREAM"] == 1 and stream["MIN_BLOCKS"] == MIN_BLOCKS
+    ks = Recorder(spec)
+    assert ks.constants("draft_topk")["STREAM"] == 0            # the default build: chunks
+    monkeypatch.setattr(ks, "constants", lambda name, device=None: stream)
+    monkeypatch.setattr(mod, "sm_count", lambda device: 132)
+    dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
+    draft_topk(ks, _logits(rows_b, dp, v), k)
+    c, rows = chunks(v, "bf16"), rows_b * dp
+    assert ks.seen[0][1]["grid"] == (min(rows * c, 132 * MIN_BLOCKS),)
+    a = ks.seen[0][1]["args"]
+    assert int(a[-2]) == rows * c and int(a[-1]) == 0
+    if c > 1:
+        assert ks.seen[1][1]["grid"] == (rows,) and int(ks.seen[1][1]["args"][-1]) == 1
+        assert int(ks.seen[1][1]["args"][-2]) == rows * c
+    assert len(ks.seen) == 1 + (c > 1)
+    with pytest.raises(Exception, match="schedule 'nope'"):
+        variant(by_name("draft_topk"), spec, schedule="nope").plan()

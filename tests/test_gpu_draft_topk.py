@@ -1,7 +1,8 @@
 """draft_topk on the GPU against reference.draft_topk: ids bit for bit, log-probs within
 1e-5 + 2^-22 |ref| of the float64 log-softmax (docs/contract.md section 5a), on every spec.
 
-Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
+Every test runs on both builds of the schedule option (plans/draft_topk.SCHEDULES): "chunks" (the default
+build) and "stream" (a variant build). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
 replays it. Every output is poisoned before the launch (ids 0x7BADBEEF, log-probs NaN) and every
 element is checked, so an element the kernel forgets to write shows up.
 """
@@ -13,7 +14,7 @@ import pytest
 
 from ddtree_gen import bf16
 from ddtree_gen import reference as ref
-from ddtree_gen.plans.draft_topk import NVEC, THREADS   # a chunk: THREADS x NVEC 16-byte vectors
+from ddtree_gen.plans.draft_topk import NVEC, SCHEDULES, THREADS   # a chunk: THREADS x NVEC 16-byte vectors
 from ddtree_gen.reference import DraftTopkOutput
 
 pytestmark = pytest.mark.gpu
@@ -23,10 +24,23 @@ FLT_MAX = float(np.finfo(np.float32).max)
 # a chunk's logits (plans/draft_topk.CHUNK): 16384 bf16, 8192 float32; the candidate list holds 1024
 
 
-@pytest.fixture
-def ks(spec):
+def load_schedule(spec, schedule):
+    """The kernel set with draft_topk built with `schedule`: the default build for its default, else a variant."""
     import ddtree_gen
-    return ddtree_gen.load(spec, kernels=["draft_topk"])
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.variant import default_config, variant
+    kdef = by_name("draft_topk")
+    if default_config(kdef, spec)["schedule"] == schedule:
+        return ddtree_gen.load(spec, kernels=["draft_topk"])
+    return variant_set([variant(kdef, spec, schedule=schedule)])
+
+
+@pytest.fixture(params=SCHEDULES)
+def ks(spec, request):
+    got = load_schedule(spec, request.param)
+    assert got.constants("draft_topk")["STREAM"] == int(request.param == "stream")
+    return got
 
 
 @pytest.fixture
@@ -255,3 +269,39 @@ def test_against_torch_topk(ks, spec, seed):
     kk = got.topk_ids.shape[-1]
     assert torch.equal(got.topk_ids.long(), idx[..., :kk])
     assert torch.allclose(got.topk_logprobs, lp[..., :kk], atol=2e-5, rtol=0)
+
+
+def test_schedules_agree_on_a_large_batch(spec, seed):
+    """Both schedules on the bench's shape class (B x D' rows of V = 129280 bf16: more chunks than the stream
+    grid holds, so its blocks walk several), a misaligned copy of it (plain loads), and float32 V = 262144
+    (32 chunks a row): outputs bitwise equal to each other, and rows of it against the reference."""
+    import cupy
+    rng = np.random.default_rng(seed)
+    sets = {s: load_schedule(spec, s) for s in SCHEDULES}
+    k = spec.max_tree_size - 1
+    dp = min(15, spec.max_depth)
+    cases = [("bf16", bf16.to_bits(rng.standard_normal((8, dp, 129280)) * 3), False),
+             ("bf16 misaligned", bf16.to_bits(rng.standard_normal((2, dp, 129280)) * 3), True),
+             ("float32 V=262144", np.asarray(rng.standard_normal((2, 2, 262144)) * 3, np.float32), False)]
+    for name, x, shift in cases:
+        if shift:   # the logits 2 or 4 bytes past a 16-byte boundary: vec_ok = 0
+            flat = cupy.empty(x.size + 1, x.dtype)
+            flat[1:] = cupy.asarray(x.ravel())
+            dev = flat[1:].reshape(x.shape)
+            assert dev.data.ptr % 16 != 0
+        else:
+            dev = cupy.asarray(x)
+        got = {}
+        for s, kset in sets.items():
+            ids = cupy.full(x.shape[:2] + (k,), POISON, dtype=np.uint32).view(np.int32)
+            lps = cupy.full(x.shape[:2] + (k,), np.nan, dtype=np.float32)
+            kset.draft_topk(dev, k, 0.9, out=DraftTopkOutput(ids, lps))
+            got[s] = (cupy.asnumpy(ids), cupy.asnumpy(lps))
+        a, b = got[SCHEDULES[0]], got[SCHEDULES[1]]
+        assert np.array_equal(a[0], b[0]), f"{name}: the schedules' ids differ, {where(seed)}"
+        assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), f"{name}: log-probs differ, {where(seed)}"
+        rows = rng.choice(x.shape[0] * x.shape[1], 3, replace=False)
+        flat_x = x.reshape(-1, x.shape[2])[rows][None]
+        for s, (ids, lps) in got.items():
+            check(ids.reshape(-1, k)[rows][None], lps.reshape(-1, k)[rows][None], flat_x, k, 0.9,
+                  f"{spec.name} {name} {s}, {where(seed)}")

@@ -5,15 +5,19 @@
 
 One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float32 logits) or twice:
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
-one block per row, merges them. Nothing is read on the host (graph-capturable).
+one block per row, merges them. Nothing is read on the host (graph-capturable). The build option `schedule`
+(plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks
+(the template constant STREAM of the loaded build says which); the workspace is the same.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, chunks
+from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, MIN_BLOCKS, chunks
 from ..reference import DraftTopkOutput, temperature_arg
 from ..runtime import IsAligned, Prepared, Step, run_call
 from .checks import INT32_MAX
@@ -89,14 +93,24 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     vec = IsAligned(0, 16) if v % _VEC[dtype] == 0 else np.int32(0)
     keys, ms = ((WS, 0), (WS, rows * ch * k * 8)) if need else (np.uint64(0), np.uint64(0))
     common = (0, np.int32(v), np.int32(k), np.int32(ch), np.int32(dtype == "bf16"), vec, np.float32(inv_t),
-              np.float32(c), keys, ms, 2, 1)
+              np.float32(c), keys, ms, 2, 1, np.int32(rows * ch))
     steps = []
     if rows:
-        steps.append(Step(KERNEL, (rows * ch,), (*common, np.int32(0))))
+        grid0 = rows * ch
+        if kset.constants(KERNEL, device).get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
+            grid0 = min(grid0, sm_count(device) * MIN_BLOCKS)
+        steps.append(Step(KERNEL, (grid0,), (*common, np.int32(0))))
         if ch > 1:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))
     return Prepared(device=device, kind=lg.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(aligned),
                     disjoint=tuple(disjoint), returns=(DraftTopkOutput, (1, 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: int) -> int:
+    """The multiprocessors of `device` (asked once): the stream schedule's stage 0 keeps MIN_BLOCKS blocks on each."""
+    from cupy.cuda import runtime
+    return int(runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
 def torch_fake(spec, logits, k, temperature=1.0):

@@ -7,6 +7,7 @@ import numpy as np
 import sympy
 
 from ..bf16 import to_bits
+from ..errors import SpecError
 from ..resources import N, Plan
 from .declaration import Bundles, Declaration, TorchOp
 from .kernel_def import KernelDef
@@ -20,6 +21,22 @@ CMAX = MAX_VOCAB // CHUNK["float32"]   # the most chunks of a row: 32
 assert CMAX <= 32 and THREADS % 32 == 0 and THREADS & (THREADS - 1) == 0   # the merge reduces a row's chunks in one warp
 KMAX = N - 1                 # the largest k
 KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounded up to a power of two
+# the build option `schedule` (plans/variant.py; templates/draft_topk.cu.j2 says how each works):
+# "chunks": one block per chunk (the default); "stream": a persistent stage 0 of at most SMs x MIN_BLOCKS blocks
+# that copies its next chunk (cp.async) while it computes the current one, tau from the warps' own thread maxima
+# (one barrier), stage 1 by ranks (binary searches) instead of bitonic merges. Same outputs, bit for bit.
+SCHEDULES = ("chunks", "stream")
+MIN_BLOCKS = 3               # blocks per SM (__launch_bounds__); the stream grid is SMs x MIN_BLOCKS at most
+
+
+def policy(spec, arch: str = "sm_90a") -> dict:
+    """The default build configuration (plans/variant.default_config): the chunks schedule."""
+    return {"schedule": "chunks"}
+
+
+def spell(config) -> tuple:
+    """A configuration's part of the variant name: draft_topk (chunks), draft_topk.stream."""
+    return () if config["schedule"] == "chunks" else (config["schedule"],)
 
 
 def chunks(v: int, dtype: str) -> int:
@@ -27,17 +44,26 @@ def chunks(v: int, dtype: str) -> int:
     return -(-v // CHUNK[dtype])
 
 
-def plan(spec) -> Plan:
+def plan(spec, config=None) -> Plan:
+    schedule = (config or policy(spec))["schedule"]
+    if schedule not in SCHEDULES:
+        raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
+    stream = schedule == "stream"
+    if spec.max_tree_size - 1 > THREADS:   # tau: the k-th largest of THREADS thread maxima (stream: of WARPS x q)
+        raise SpecError(f"spec {spec.name!r}, kernel draft_topk: N - 1 = {spec.max_tree_size - 1} above {THREADS}")
     warps = THREADS // 32
     stage0 = 8 * CAP + 8 * KP + 4 * (2 * warps + 2 * warps + warps + warps) + 16   # candidates, list, sums
+    if stream:
+        stage0 += 4 * warps + 16 * NVEC * THREADS       # the warps' thresholds, the next chunk's buffer
     stage1 = 8 * CMAX * KP + 16                                                     # the chunks' lists, M and S
-    return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=3,
+    return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
                 static_smem=sympy.Max(stage0, stage1),
                 consts={"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
-                        "NVEC": sympy.Integer(NVEC)})
+                        "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream))})
 
 
-KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan)]
+KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan,
+                     policy=policy, spell=spell)]
 
 
 def bundle_inputs(spec, rng, case) -> dict:
