@@ -73,6 +73,17 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //  stage 1: one block per row merges the chunks' lists (a tree of bitonic top-k merges) and their
 //           (m, s) pairs, and writes the row.
 // Log-probs: (x - M) * (1/T) - log(S) in one fma; S's error analysis is in the contract.
+//
+// Schedules (plans/draft_topk.py, build option `schedule`; STREAM below):
+//  "chunks" (STREAM 0): as above, one block per chunk, its 16-byte loads issued at the block's start.
+//  "stream" (STREAM 1): stage 0 is persistent: a grid of at most (SMs x MIN_BLOCKS) blocks walks the
+//           rows' chunks with a grid stride; each thread's next chunk is copied by cp.async into its own
+//           slots of a shared buffer while the current chunk is computed (rows 16-byte aligned; else the
+//           plain loads). tau is the least of the warps' q-th largest thread maxima (q = ceil(k / WARPS):
+//           at least WARPS * q >= k thread maxima are >= tau; ballots in each warp, one block barrier),
+//           the exact block search only where a warp holds no finite maximum. Stage 1 ranks each list
+//           entry among the other lists by binary searches (the keys are distinct) and writes the ranks
+//           below k: two block barriers instead of the bitonic merges' chain.
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -83,6 +94,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define NVEC 8                   // 16-byte vectors per thread and chunk
 #define WORDS (NVEC * 4)         // 32-bit words a thread holds
 #define FULL 0xffffffffu
+#define STREAM 0            // the schedule: 0 "chunks", 1 "stream"
 
 typedef unsigned long long u64;
 
@@ -119,6 +131,10 @@ struct Stage0 {
     float fred[WARPS];      // the sum of exponentials per warp
     unsigned wmax[WARPS];   // the maximum key per warp
     int cnt[4];             // candidate counts: fast path, > tau, final, spare
+#if STREAM
+    unsigned wtau[WARPS];   // the q-th largest thread key per warp
+    uint4 buf[NVEC * THREADS];   // the next chunk, by cp.async: thread t's vector j at [j * THREADS + t]
+#endif
 };
 struct Stage1 {
     u64 buf[CMAX * KP];     // the chunks' lists, merged in place
@@ -206,24 +222,13 @@ __device__ __forceinline__ void write_row(const u64* list, int k, float M, float
     }
 }
 
+// A thread's logits of one chunk by plain loads (16-byte vectors where vec_ok); logits past V are -inf.
 template <bool BF16>
-__device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned char* __restrict__ logits, int V,
-                                           int k, int chunks, int vec_ok, float inv_t, float c,
-                                           u64* __restrict__ ws_keys, float2* __restrict__ ws_ms,
-                                           float* __restrict__ out_lp, int* __restrict__ out_id) {
+__device__ __forceinline__ void load_chunk(uint32_t (&w)[WORDS], const unsigned char* __restrict__ rowp, int base,
+                                           int V, int vec_ok) {
     typedef Layout<BF16> Lay;
-    const int VEC = Lay::VEC, E = Lay::E;
-    Stage0& s = sh.a;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const long long row = blockIdx.x / chunks;
-    const int chunk = blockIdx.x - (int)row * chunks;
-    const int base = chunk * THREADS * NVEC * VEC;          // the chunk's first logit in the row
-    const unsigned char* rowp = logits + (size_t)row * (size_t)V * Lay::ES;
-    if (tid < 4) s.cnt[tid] = 0;
-    for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
-
-    // ---- load (logits past V are -inf), NaN -> -inf
-    uint32_t w[WORDS];
+    const int VEC = Lay::VEC;
+    const int tid = threadIdx.x;
     #pragma unroll
     for (int j = 0; j < NVEC; ++j) {
         const int e0 = base + j * THREADS * VEC + tid * VEC;
@@ -248,6 +253,66 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned c
             }
         }
     }
+}
+
+#if STREAM
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(a), "l"(gmem) : "memory");
+}
+// Copy this thread's vectors of chunk g (rows * chunks order) into its own slots of s.buf (rows 16-byte
+// aligned, V a multiple of VEC); the vectors past V are not copied (read_chunk makes them -inf).
+template <bool BF16>
+__device__ __forceinline__ void issue_chunk(Stage0& s, const unsigned char* __restrict__ logits, long long g,
+                                            int chunks, int V) {
+    typedef Layout<BF16> Lay;
+    const int VEC = Lay::VEC, tid = threadIdx.x;
+    const long long row = g / chunks;
+    const int base = (int)(g - row * chunks) * THREADS * NVEC * VEC;
+    const unsigned char* rowp = logits + (size_t)row * (size_t)V * Lay::ES;
+    #pragma unroll
+    for (int j = 0; j < NVEC; ++j) {
+        const int e0 = base + j * THREADS * VEC + tid * VEC;
+        if (e0 < V) cp_async16(&s.buf[j * THREADS + tid], rowp + (size_t)e0 * Lay::ES);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Wait for this thread's copies, then take its words of the chunk at `base` from its slots (past V: -inf).
+// Only this thread writes and reads its slots: no block barrier. The next issue_chunk into the same slots
+// comes after a block barrier that every word read here has reached through the thread maximum (tkey).
+template <bool BF16>
+__device__ __forceinline__ void read_chunk(uint32_t (&w)[WORDS], const Stage0& s, int base, int V) {
+    typedef Layout<BF16> Lay;
+    const int VEC = Lay::VEC, tid = threadIdx.x;
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    #pragma unroll
+    for (int j = 0; j < NVEC; ++j) {
+        const int e0 = base + j * THREADS * VEC + tid * VEC;
+        uint4 q = BF16 ? make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u)
+                       : make_uint4(0xff800000u, 0xff800000u, 0xff800000u, 0xff800000u);
+        if (e0 < V) q = s.buf[j * THREADS + tid];
+        w[4 * j] = q.x; w[4 * j + 1] = q.y; w[4 * j + 2] = q.z; w[4 * j + 3] = q.w;
+    }
+}
+#endif
+
+// One chunk (row, chunk) of a thread's words w: its top-k and (m, s) to the workspace, or the row's outputs
+// (a row of one chunk). `next` (stream): the chunk whose copies this thread issues once its words are read (-1: none).
+template <bool BF16>
+__device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WORDS],
+                                           const unsigned char* __restrict__ logits, int V,
+                                           int k, int chunks, long long row, int chunk, long long next, float inv_t, float c,
+                                           u64* __restrict__ ws_keys, float2* __restrict__ ws_ms,
+                                           float* __restrict__ out_lp, int* __restrict__ out_id) {
+    typedef Layout<BF16> Lay;
+    const int VEC = Lay::VEC, E = Lay::E;
+    Stage0& s = sh.a;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int base = chunk * THREADS * NVEC * VEC;          // the chunk's first logit in the row
+    const unsigned char* rowp = logits + (size_t)row * (size_t)V * Lay::ES;
+    if (tid < 4) s.cnt[tid] = 0;
+    for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
+
     // NaN -> -inf; the maximum of each vector and of the thread
     float vmax[NVEC];
     float tmax = DDT_NEG_INF;
@@ -269,6 +334,38 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned c
 
     // ---- the block's maximum, and tau = the k-th largest thread maximum (binary search on the key)
     const unsigned tkey = okey(tmax);
+#if STREAM
+    // tau: the least of the warps' q-th largest thread keys (each warp has >= q keys >= its own, so >= k
+    // thread maxima, distinct logits, are >= tau); one block barrier
+    unsigned p;
+    {
+        const int q = (k + WARPS - 1) / WARPS;          // k <= THREADS: q <= 32
+        unsigned wp = 0u;
+        #pragma unroll
+        for (int b = 31; b >= Lay::LOWBIT; --b) {
+            const unsigned cand = wp | (1u << b);
+            if (__popc(__ballot_sync(FULL, tkey >= cand)) >= q) wp = cand;
+        }
+        if (BF16 && !(wp & 0x80000000u)) wp |= 0xffffu;   // a negative bf16 key ends in 16 ones
+        const unsigned wk = __reduce_max_sync(FULL, tkey);
+        if (lane == 0) { s.wmax[warp] = wk; s.wtau[warp] = wp; }
+        __syncthreads();
+        if (next >= 0) issue_chunk<BF16>(s, logits, next, chunks, V);   // every word of w is read (tkey)
+        p = FULL;
+        #pragma unroll
+        for (int i = 0; i < WARPS; ++i) p = min(p, s.wtau[i]);
+        if (p <= 0x007fffffu) {
+            // a warp whose q-th largest maximum is -inf's key (its logits -inf / NaN, or past V): the exact
+            // k-th largest thread maximum, as the chunks schedule finds it (uniform: p is the block's)
+            p = 0u;
+            for (int b = 31; b >= Lay::LOWBIT; --b) {
+                const unsigned cand = p | (1u << b);
+                if (__syncthreads_count(tkey >= cand) >= k) p = cand;
+            }
+            if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;
+        }
+    }
+#else
     {
         const unsigned wk = __reduce_max_sync(FULL, tkey);
         if (lane == 0) s.wmax[warp] = wk;
@@ -280,6 +377,7 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, const unsigned c
         if (__syncthreads_count(tkey >= cand) >= k) p = cand;
     }
     if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;   // a negative bf16 key ends in 16 ones
+#endif
     float tau = key_float(p);
     unsigned mk = 0u;
     #pragma unroll
@@ -484,6 +582,86 @@ __device__ __forceinline__ void merge_rows(DraftTopkShared& sh, int k, int chunk
     write_row(s.buf, k, s.ms[0], s.ms[1], inv_t, row, out_lp, out_id);
 }
 
+#if STREAM
+// stream stage 0: the block walks chunks blockIdx.x, + gridDim.x, ... of the rows * chunks; the next one's
+// copies are in flight while the current one is computed (rows 16-byte aligned; else plain loads)
+template <bool BF16>
+__device__ __forceinline__ void stream_chunks(DraftTopkShared& sh, const unsigned char* __restrict__ logits, int V,
+                                              int k, int chunks, long long total, int vec_ok, float inv_t, float c,
+                                              u64* __restrict__ ws_keys, float2* __restrict__ ws_ms,
+                                              float* __restrict__ out_lp, int* __restrict__ out_id) {
+    typedef Layout<BF16> Lay;
+    long long g = blockIdx.x;
+    if (vec_ok && g < total) issue_chunk<BF16>(sh.a, logits, g, chunks, V);
+    for (; g < total; g += gridDim.x) {
+        const long long next = vec_ok && g + gridDim.x < total ? g + gridDim.x : -1;
+        const long long row = g / chunks;
+        const int chunk = (int)(g - row * chunks);
+        const int base = chunk * THREADS * NVEC * Lay::VEC;
+        __syncthreads();   // every thread is done with the previous chunk's shared state
+        uint32_t w[WORDS];
+        if (vec_ok) read_chunk<BF16>(w, sh.a, base, V);
+        else load_chunk<BF16>(w, logits + (size_t)row * (size_t)V * Lay::ES, base, V, 0);
+        chunk_topk<BF16>(sh, w, logits, V, k, chunks, row, chunk, next, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+    }
+}
+
+// stream stage 1: one block per row; each entry of the chunks' lists (descending, distinct keys but the
+// trailing 0s, "none") has the row rank (its index in its list) + (the entries above it in each other
+// list, by binary search); the ranks below k are the row's top k in order.
+__device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int chunks, float inv_t, float c,
+                                                const u64* __restrict__ ws_keys, const float2* __restrict__ ws_ms,
+                                                float* __restrict__ out_lp, int* __restrict__ out_id) {
+    Stage1& s = sh.b;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const long long row = blockIdx.x;
+    const int n = chunks * k;
+    const u64* src = ws_keys + row * n;
+    for (int idx = tid; idx < n; idx += THREADS) s.buf[idx] = src[idx];
+    if (tid < 32) {
+        float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
+        float M = ms.x;
+        #pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+        float part;
+        if (M == DDT_NEG_INF) part = 0.0f;
+        else if (M == DDT_POS_INF) part = ms.x == DDT_POS_INF ? ms.y : 0.0f;
+        else part = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
+        #pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) part += __shfl_xor_sync(FULL, part, o);
+        if (lane == 0) { s.ms[0] = M; s.ms[1] = part; }
+    }
+    __syncthreads();
+    const float M = s.ms[0], L = logf(s.ms[1]);
+    for (int idx = tid; idx < n; idx += THREADS) {
+        const u64 key = s.buf[idx];
+        if (key == 0ull) continue;                       // none (a chunk of fewer than k logits)
+        const int ch = idx / k;
+        int r = idx - ch * k;
+        for (int o = 0; o < chunks && r < k; ++o) {
+            if (o == ch) continue;
+            const u64* l = s.buf + o * k;
+            int lo = 0, hi = k;                          // l[0, lo) > key, l[hi, k) < key
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (l[mid] > key) lo = mid + 1;
+                else hi = mid;
+            }
+            r += lo;
+        }
+        if (r < k) {
+            const float v = key_float((unsigned)(key >> 32));
+            float lp;
+            if (M == DDT_NEG_INF) lp = DDT_NEG_INF;                                   // an all -inf row
+            else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? -L : DDT_NEG_INF;      // +inf logits share
+            else lp = fmaf(__fsub_rn(v, M), inv_t, -L);                             // (x - M) / T - log S
+            out_lp[row * k + r] = lp;
+            out_id[row * k + r] = (int)~(unsigned)key;
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256, 3)
 ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 bits or float32
             int V, int k, int chunks,                    // chunks per row: ceil(V / CHUNK)
@@ -493,13 +671,32 @@ ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 
             float2* __restrict__ ws_ms,                  // [rows, chunks]
             float* __restrict__ out_lp,                  // [rows, k]
             int* __restrict__ out_id,                    // [rows, k]
-            int stage)                                   // 0: the chunks (grid rows * chunks); 1: the merge (grid rows)
+            int total,                                   // rows * chunks
+            int stage)                                   // 0: the chunks (grid rows * chunks; stream: at most
+                                                         //    SMs x MIN_BLOCKS); 1: the merge (grid rows)
 {
     __shared__ __align__(16) DraftTopkShared sh;
+#if STREAM
     if (stage == 0) {
-        if (is_bf16) chunk_topk<true>(sh, logits, V, k, chunks, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
-        else chunk_topk<false>(sh, logits, V, k, chunks, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+        if (is_bf16) stream_chunks<true>(sh, logits, V, k, chunks, total, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+        else stream_chunks<false>(sh, logits, V, k, chunks, total, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+    } else {
+        merge_rows_rank(sh, k, chunks, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+    }
+#else
+    if (stage == 0) {
+        const long long row = blockIdx.x / chunks;
+        const int chunk = blockIdx.x - (int)row * chunks;
+        uint32_t w[WORDS];
+        if (is_bf16) {
+            load_chunk<true>(w, logits + (size_t)row * (size_t)V * 2, chunk * THREADS * NVEC * 8, V, vec_ok);
+            chunk_topk<true>(sh, w, logits, V, k, chunks, row, chunk, -1, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+        } else {
+            load_chunk<false>(w, logits + (size_t)row * (size_t)V * 4, chunk * THREADS * NVEC * 4, V, vec_ok);
+            chunk_topk<false>(sh, w, logits, V, k, chunks, row, chunk, -1, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+        }
     } else {
         merge_rows(sh, k, chunks, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
     }
+#endif
 }
