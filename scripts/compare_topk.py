@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""draft_topk's two schedules side by side, in one process on the same logits: "chunks" (the default build: one
+block per chunk) and "stream" (the variant draft_topk.stream: a persistent stage 0 that copies its next chunk while
+it computes the current one, tau from the warps' own maxima, stage 1 by ranks; plans/draft_topk.SCHEDULES).
+Per shape: the outputs of the two compared bit for bit (ids and log-probs) and rows of each against
+reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
+% of the floor: the logits read once at the device-to-device copy rate measured in the same run.
+When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
+Run: PYTHONPATH=. python3 scripts/compare_topk.py [--spec kimi-k2.6-tp8] [--shapes B,D',V,dtype ...] [--rows 4]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+# (B, D', V, dtype): the bench's shapes (DeepSeek-V3's and Kimi K2's vocabularies), B = 1 and 8, and float32 rows
+SHAPES = [(64, 15, 129280, "bf16"), (64, 15, 163840, "bf16"), (8, 15, 129280, "bf16"), (1, 15, 129280, "bf16"),
+          (1, 15, 163840, "bf16"), (8, 15, 129280, "float32"), (2, 4, 262144, "float32")]
+SCHEDULES = ("chunks", "stream")
+
+
+def make_logits(rng, b, dp, v, dtype):
+    """Random logits (scale 3) as the kernel's input (uint16 bf16 bits or float32) on the host, with a few
+    rows of the edge cases: ties at the top, NaN / -inf, an all -inf row, a constant row."""
+    from ddtree_gen import bf16
+    x = rng.standard_normal((b, dp, v)) * 3
+    flat = x.reshape(-1, v)
+    if flat.shape[0] >= 4:
+        flat[1] = np.round(flat[1])                     # a few values: ties everywhere
+        flat[2, rng.random(v) < 0.2] = np.nan           # NaN as -inf
+        flat[2, rng.random(v) < 0.2] = -np.inf
+        flat[3] = -np.inf                               # all -inf: ids 0..k-1
+    if flat.shape[0] >= 5:
+        flat[4] = 0.0                                   # constant: the ties overflow the candidate list
+    return bf16.to_bits(x) if dtype == "bf16" else x.astype(np.float32)
+
+
+def check_rows(ids, lps, host, rows, k, t) -> str | None:
+    """None if rows `rows` match reference.draft_topk, else what differs."""
+    from ddtree_gen import reference
+    v = host.shape[-1]
+    want = reference.draft_topk(host.reshape(-1, v)[rows][None], k, t)
+    got_ids, got_lps = ids.reshape(-1, k)[rows][None], lps.reshape(-1, k)[rows][None].astype(np.float64)
+    if not np.array_equal(got_ids, want.topk_ids):
+        return f"ids differ at {tuple(np.argwhere(got_ids != want.topk_ids)[0])}"
+    w = want.topk_logprobs
+    neg = np.isneginf(w) | (w < -float(np.finfo(np.float32).max))
+    if np.isnan(got_lps).any() or not np.array_equal(np.isneginf(got_lps), neg):
+        return "NaN or misplaced -inf log-probs"
+    err = np.abs(got_lps[~neg] - w[~neg])
+    if err.size and not np.all(err <= 1e-5 + 2.0**-22 * np.abs(w[~neg])):
+        return f"log-prob error {err.max():.3g}"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="kimi-k2.6-tp8", help="the spec whose builds are compared (k = min(64, N-1))")
+    ap.add_argument("--shapes", nargs="*", help="B,D',V,dtype quadruples (dtype bf16 or float32; default: "
+                    + " ".join(f"{b},{d},{v},{t}" for b, d, v, t in SHAPES) + ")")
+    ap.add_argument("--rows", type=int, default=4, help="rows per shape checked against the numpy reference")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    args = ap.parse_args()
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True)
+    import cupy
+    from ddtree_gen.bench.timing import copy_bandwidth_gbs, graph_time_ms
+    from ddtree_gen.kernel_set import load, variant_set
+    from ddtree_gen.kernels.draft_topk import workspace_elems
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.variant import default_config, variant
+    from ddtree_gen.reference import DraftTopkOutput
+    from ddtree_gen.spec import find_spec
+
+    spec = find_spec(args.spec)
+    kdef = by_name("draft_topk")
+    default = default_config(kdef, spec)["schedule"]
+    sets = {s: load(spec, kernels=["draft_topk"]) if s == default else variant_set([variant(kdef, spec, schedule=s)])
+            for s in SCHEDULES}
+    for s, ks in sets.items():
+        assert ks.constants("draft_topk")["STREAM"] == int(s == "stream"), s
+    k = min(64, spec.max_tree_size - 1)
+    t = args.temperature
+    shapes = ([(int(b), int(d), int(v), dt) for b, d, v, dt in (q.split(",") for q in args.shapes)]
+              if args.shapes else SHAPES)
+    gbs = copy_bandwidth_gbs()
+    rng = np.random.default_rng(0)
+    print(f"draft_topk schedules on {spec.name}, k = {k}, T = {t}; device copy rate {gbs:.0f} GB/s (read + write); "
+          f"floor = the logits' bytes at that rate; times: CUDA-graph replay medians per call")
+    header = ["B", "D'", "V", "dtype", "MB", "floor us"] + [f"{s} us" for s in SCHEDULES] + \
+             [f"{s} %floor" for s in SCHEDULES] + ["stream/chunks", "same bits", "vs reference"]
+    table, failed = [], False
+    for b, dp, v, dtype in shapes:
+        dp = min(dp, spec.max_depth)
+        host = make_logits(rng, b, dp, v, dtype)
+        x = cupy.asarray(host)
+        ws = cupy.empty(max(1, workspace_elems(b, dp, v, k, dtype)), np.int32)
+        outs, times = {}, {}
+        for s, ks in sets.items():
+            out = DraftTopkOutput(cupy.full((b, dp, k), 0x7BADBEEF, np.int32), cupy.full((b, dp, k), np.nan, np.float32))
+            ks.draft_topk(x, k, t, out=out, workspace=ws)
+            cupy.cuda.Device().synchronize()
+            outs[s] = (cupy.asnumpy(out.topk_ids), cupy.asnumpy(out.topk_logprobs))
+            times[s] = graph_time_ms(lambda ks=ks, out=out: ks.draft_topk(x, k, t, out=out, workspace=ws),
+                                     per_graph=10) * 1e3
+        (ia, la), (ib, lb) = outs["chunks"], outs["stream"]
+        same = np.array_equal(ia, ib) and np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+        rows = sorted(set(range(min(5, b * dp))) | set(rng.choice(b * dp, min(args.rows, b * dp), replace=False).tolist()))
+        bad = [f"{s}: {why}" for s, (i, lp) in outs.items() if (why := check_rows(i, lp, host, rows, k, t))]
+        failed |= (not same) or bool(bad)
+        nbytes = host.nbytes
+        floor = nbytes / (gbs * 1e9) * 1e6
+        table.append([b, dp, v, dtype, f"{nbytes / 1e6:.1f}", f"{floor:.1f}"] +
+                     [f"{times[s]:.1f}" for s in SCHEDULES] + [f"{100 * floor / times[s]:.0f}%" for s in SCHEDULES] +
+                     [f"{times['stream'] / times['chunks']:.3f}", "yes" if same else "NO",
+                      "ok" if not bad else "; ".join(bad)])
+        del x, ws
+    widths = [max(len(str(r[i])) for r in [header] + table) for i in range(len(header))]
+    for r in [header] + table:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    if failed:
+        raise SystemExit("error: a schedule's outputs differ from the other's or from the reference (table above)")
+
+
+if __name__ == "__main__":
+    main()
