@@ -54,7 +54,7 @@ def plan(spec, config=None) -> Plan:
     warps = THREADS // 32
     stage0 = 8 * CAP + 8 * KP + 4 * (2 * warps + 2 * warps + warps + warps) + 16   # candidates, list, sums
     if stream:
-        stage0 += 4 * warps + 16 * NVEC * THREADS       # the warps' thresholds, the next chunk's buffer
+        stage0 += 4 * warps + 4 * warps * warps + 16 * NVEC * THREADS   # the warps' thresholds and counts, the next chunk
     stage1 = 8 * CMAX * KP + 16                                                     # the chunks' lists, M and S
     return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
                 static_smem=sympy.Max(stage0, stage1),

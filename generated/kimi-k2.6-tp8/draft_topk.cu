@@ -79,9 +79,10 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //  "stream" (STREAM 1): stage 0 is persistent: a grid of at most (SMs x MIN_BLOCKS) blocks walks the
 //           rows' chunks with a grid stride; each thread's next chunk is copied by cp.async into its own
 //           slots of a shared buffer while the current chunk is computed (rows 16-byte aligned; else the
-//           plain loads). tau is the least of the warps' q-th largest thread maxima (q = ceil(k / WARPS):
-//           at least WARPS * q >= k thread maxima are >= tau; ballots in each warp, one block barrier),
-//           the exact block search only where a warp holds no finite maximum. Stage 1 ranks each list
+//           plain loads). tau is one of the warps' q-th largest thread maxima (q = ceil(k / WARPS)): the
+//           largest of them with >= k thread maxima at or above it (the least has: WARPS * q >= k of
+//           them); ballots in each warp, two block barriers; the exact block search only where a warp
+//           holds no finite maximum. Stage 1 ranks each list
 //           entry among the other lists by binary searches (the keys are distinct) and writes the ranks
 //           below k: two block barriers instead of the bitonic merges' chain.
 
@@ -133,6 +134,7 @@ struct Stage0 {
     int cnt[4];             // candidate counts: fast path, > tau, final, spare
 #if STREAM
     unsigned wtau[WARPS];   // the q-th largest thread key per warp
+    int wcnt[WARPS][WARPS]; // [w][i]: warp w's thread keys >= wtau[i]
     uint4 buf[NVEC * THREADS];   // the next chunk, by cp.async: thread t's vector j at [j * THREADS + t]
 #endif
 };
@@ -336,7 +338,8 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
     const unsigned tkey = okey(tmax);
 #if STREAM
     // tau: the least of the warps' q-th largest thread keys (each warp has >= q keys >= its own, so >= k
-    // thread maxima, distinct logits, are >= tau); one block barrier
+    // thread maxima, distinct logits, are >= tau), then raised to the largest of them that >= k thread keys
+    // reach; two block barriers
     unsigned p;
     {
         const int q = (k + WARPS - 1) / WARPS;          // k <= THREADS: q <= 32
@@ -354,7 +357,33 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
         p = FULL;
         #pragma unroll
         for (int i = 0; i < WARPS; ++i) p = min(p, s.wtau[i]);
-        if (p <= 0x007fffffu) {
+        if (p > 0x007fffffu) {
+            // tighter: the largest of the warps' keys with >= k thread keys at or above it in the block (the
+            // least has; counted per warp by ballots, summed after one more barrier; uniform)
+            {   // lane i < WARPS of each warp counts for warp i's key
+                const unsigned mine = s.wtau[lane & (WARPS - 1)];
+                int n_i = 0;
+                #pragma unroll 1
+                for (int i = 0; i < WARPS; ++i) {
+                    const int c_i = __popc(__ballot_sync(FULL, tkey >= __shfl_sync(FULL, mine, i)));
+                    n_i = lane == i ? c_i : n_i;
+                }
+                if (lane < WARPS) s.wcnt[warp][lane] = n_i;
+            }
+            __syncthreads();
+            {   // lane i < WARPS sums the block's count for warp i's key (every warp the same, from shared)
+                int total = 0;
+                #pragma unroll
+                for (int w2 = 0; w2 < WARPS; ++w2) total += s.wcnt[w2][lane & (WARPS - 1)];
+                const unsigned cand = s.wtau[lane & (WARPS - 1)];
+                const unsigned ok = __ballot_sync(FULL, lane < WARPS && total >= k);   // warp 0's answer = every warp's
+                #pragma unroll 1
+                for (int i = 0; i < WARPS; ++i) {
+                    const unsigned c_i = __shfl_sync(FULL, cand, i);
+                    if ((ok >> i) & 1u) p = max(p, c_i);
+                }
+            }
+        } else {
             // a warp whose q-th largest maximum is -inf's key (its logits -inf / NaN, or past V): the exact
             // k-th largest thread maximum, as the chunks schedule finds it (uniform: p is the block's)
             p = 0u;
