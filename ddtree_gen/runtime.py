@@ -7,6 +7,8 @@ A launcher splits its work in two (FlashInfer's plan/run, Triton's specializatio
     (runtime.run_call); it raises ArgumentError before anything is launched or allocated.
   * per call: the data pointers, the pointer checks (alignment, overlap), the new outputs and
     the launch on the current stream of the arrays' device.
+A cached signature of torch tensors is found by a guarded entry first (_guard: torch's TensorGuards checks
+every tensor's metadata in one C call), else by its signature in a dict.
 Modules are loaded lazily per device, under a lock, so a kernel set works on any GPU of the
 process and from any thread; per device, each kernel's build is the one of its targets that runs
 there (archs.select: the sm_90a cubin on compute capability 9.0, the sm_80 PTX elsewhere). This
@@ -63,6 +65,7 @@ class Prepared:
     group_ok: object = field(init=False, default=None, repr=False, compare=False)
     group_checks: object = field(init=False, default=None, repr=False, compare=False)
     run: object = field(init=False, default=None, repr=False, compare=False)
+    guarded: object = field(init=False, default=None, repr=False, compare=False)   # False: no guarded entry (_guard)
 
     def __post_init__(self):
         if self.result is None:
@@ -134,11 +137,72 @@ def _group_signature(arrays, first: int, ptrs: list, sigs: list) -> bool:
     return True
 
 
+GUARDED_ENTRIES = 8   # guarded entries per launcher (signatures x dispatch contexts); later ones: the dict alone
+_GUARDS = []          # torch's TensorGuards (or None where it is absent or does not check what a signature holds)
+_DATA_PTR = [None]    # torch.Tensor.data_ptr
+
+
+def _tensor_guards():
+    """torch._C._dynamo.guards.TensorGuards, the C++ check behind torch.compile's guards: built from example
+    tensors, check(*tensors) is True when each has the same Python type, dispatch keys (device type, the
+    thread's dispatch state), dtype, device index, requires_grad, sizes and strides as its example (and no
+    tensor is passed twice), i.e. everything run_call's signature of a torch tensor holds, and more. A private
+    torch API: probed once on what the signature needs it to refuse; None (run_call's dict alone) if it fails."""
+    if not _GUARDS:
+        cls = None
+        try:
+            import torch
+            from torch._C._dynamo.guards import TensorGuards as cls
+            a = torch.zeros((2, 3), dtype=torch.int32)
+            g = cls(a, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            others = (torch.zeros((3, 2), dtype=torch.int32), torch.zeros((2, 3), dtype=torch.float32),
+                      torch.zeros((3, 2), dtype=torch.int32).t(), torch.zeros((2, 3), dtype=torch.uint32),
+                      torch.zeros((2, 3, 1), dtype=torch.int32), torch.zeros(6, dtype=torch.int32))
+            if not g.check(torch.ones((2, 3), dtype=torch.int32)) or any(g.check(x) for x in others):
+                cls = None
+            _DATA_PTR[0] = torch.Tensor.data_ptr
+        except Exception:   # noqa: BLE001 - absent or changed: the dict alone
+            cls = None
+        _GUARDS.append(cls)
+    return _GUARDS[0]
+
+
+def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
+    """Give prep a guarded entry under its launcher's code (run_call's first test): its scalar key, the length of
+    its leading run of torch tensors and the Nones after them, and a TensorGuards of those tensors. Only
+    for calls whose arrays are torch.Tensor objects followed by Nones (prep.guarded = False otherwise: that is
+    fixed by the signature), each tensor passed once; at most GUARDED_ENTRIES per launcher."""
+    m = len(arrays)
+    while m and arrays[m - 1] is None:
+        m -= 1
+    head, tensor = arrays[:m], _arrays.TORCH_TENSOR[0]
+    guards = _tensor_guards() if tensor is not None else None
+    if guards is None or not m or any(type(a) is not tensor for a in head):
+        prep.guarded = False
+        return
+    entries = kset.prepared_calls.get(code, ())
+    if len(entries) >= GUARDED_ENTRIES or len(set(map(id, head))) != m:
+        return
+    g = guards(*head, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    if g.check(*head):
+        prep.guarded = True
+        n = len(arrays) - m
+        kset.prepared_calls[code] = (*entries, (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, prep))
+
+
 def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
     """Run one launcher call: the cached Prepared of this signature (prepare() on a miss), the
     pointer checks, new outputs, the launches. `prepare()` takes no arguments (a closure over the
     launcher's arguments); `key` holds the launcher's non-array arguments that prepare reads.
     `group`: arrays[group:] must share one signature (kv_commit's layers): read in one pass (_group_signature)."""
+    if cache:   # a guarded entry of this launcher (_guard): the signature checked by torch in one C call
+        code = prepare.__code__
+        for k, host, m, tail, zeros, guards, prep in kset.prepared_calls.get(code, ()):
+            # (the Nones by type: == on a tuple would compare a tensor to None through torch's __eq__; host: the
+            # device a CPU tensor stands for, part of its signature, -1 on a GPU)
+            if (k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail
+                    and guards.check(*arrays[:m])):
+                return prep.run(arrays, [*map(_DATA_PTR[0], arrays[:m]), *zeros])
     n = len(arrays) if group is None else group
     ptrs, sigs = [0] * n, [None] * n
     tensor = _arrays.TORCH_TENSOR[0]
@@ -176,6 +240,8 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         if cache:
             prepared_calls[k] = prep
     elif prep.run is not None:   # the cached call, compiled (callplan.compile_runner)
+        if prep.guarded is not False:
+            _guard(kset, prepare.__code__, key, arrays, prep)
         return prep.run(arrays, ptrs)
     # the first call of this signature (or a call that is not cached): checked and bound here
     if prep.aligned or prep.disjoint:
@@ -189,6 +255,7 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     if cache:
         prep.run = compile_runner(prep, bound, (_CUDA or _cuda()) if bound else {}, arrays, group, kset,
                                   (allocate, pointer_of))
+        _guard(kset, prepare.__code__, key, arrays, prep)
         return prep.run(arrays, ptrs)
     if prep.new:
         arrays = list(arrays)

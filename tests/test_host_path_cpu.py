@@ -441,3 +441,127 @@ def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
     kset.tree_verify(**other)
     words = struct.unpack_from("16Q", storage, offsets[tm_index])
     assert encoded == [ptr, other["kv_cache"].data_ptr()] and words[0] == other["kv_cache"].data_ptr()
+
+
+def _guarded(kset) -> list:
+    """The guarded entries of a kernel set (runtime._guard), each (key, host device, tensors, Nones' types, zeros,
+    TensorGuards, Prepared), all launchers together."""
+    return [e for k, v in kset.prepared_calls.items() if not isinstance(k, tuple) for e in v]
+
+
+def _count_guards(monkeypatch):
+    """Calls that went through the signature dict (each ends in runtime._guard), counted."""
+    seen = []
+    real = runtime._guard
+    monkeypatch.setattr(runtime, "_guard", lambda *a: seen.append(a[1]) or real(*a))
+    return seen
+
+
+def test_guards_probe_finds_torchs_tensor_guards(monkeypatch):
+    """This torch has the TensorGuards run_call relies on, and it refuses what a signature tells apart."""
+    monkeypatch.setattr(runtime, "_GUARDS", [])
+    assert runtime._tensor_guards() is not None
+    g = runtime._tensor_guards()(torch.zeros((2, 3)), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    assert g.check(torch.ones((2, 3))) and not g.check(torch.ones((2, 3), dtype=torch.float64))
+    assert not g.check(torch.ones((3, 2)).t()) and not g.check(torch.ones((2, 3), requires_grad=True))
+
+
+def test_guarded_entry_serves_the_same_signature_and_each_calls_pointers(monkeypatch):
+    """After a signature's first call, its later calls (new tensors of the same dtype, shape, strides and device)
+    go through the guarded entry (no signature read, no dict lookup) and launch their own pointers."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    kset.tree_verify(**v)
+    assert len(_guarded(kset)) == 1
+    through_dict = _count_guards(monkeypatch)
+    other = {k: (x.clone() if isinstance(x, torch.Tensor) else x) for k, x in v.items()}
+    n = len(launches)
+    res = kset.tree_verify(**other)
+    assert not through_dict and len(launches) == n + 2 and len(_guarded(kset)) == 1
+    assert launches[n][5] == launches[n - 2][5]   # the same bound parameter buffer, repacked
+    (prep,) = _runner_of(kset, "tree_verify_wgmma")
+    flat = prep.bound[0][10].fmt.replace("[", "").replace("]", "")
+    packed = struct.unpack_from(flat, prep.bound[0][6], 0)
+    assert list(packed[:7]) == [other[k].data_ptr() for k in ("q_nope", "q_pe", "kv_cache", "block_table",
+                                                              "prefix_lens", "q_lens", "tree_mask")]
+    assert packed[14] == res.out.data_ptr() and packed[15] == res.lse.data_ptr()   # after 7 constants
+
+
+def test_guarded_entry_misses_on_each_component(monkeypatch):
+    """Any change a signature holds misses the guarded entry: the full checks run (and refuse with the first call's
+    message), or another signature is prepared; a tensor passed twice, or given outputs, take the dict."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    kset.tree_verify(**v)
+    q = v["q_nope"]
+    for bad, word in ((q.float(), "q_nope: dtype"), (q[:, :7].clone(), "q_pe"),
+                      (torch.zeros((1, 65, 512, 8), dtype=q.dtype).transpose(2, 3), "q_nope: not C-contiguous")):
+        with pytest.raises(ArgumentError, match=word):
+            kset.tree_verify(**{**v, "q_nope": bad})
+    assert len(_guarded(kset)) == 1 and len(_runner_of(kset, "tree_verify_wgmma")) == 1
+    # the device a tensor stands for (here: runtime.HOST_DEVICE) is part of the entry
+    monkeypatch.setattr(runtime, "HOST_DEVICE", 1)
+    kset.tree_verify(**v)
+    assert len(_runner_of(kset, "tree_verify_wgmma")) == 2 and launches[-1][0] == launches[-3][0]
+    monkeypatch.setattr(runtime, "HOST_DEVICE", 0)
+    # outputs given: not the entry of the call without them (its own signature and entry)
+    through_dict = _count_guards(monkeypatch)
+    res = kset.tree_verify(**v)
+    assert not through_dict
+    kset.tree_verify(**v, out=res.out.clone(), lse=res.lse.clone())
+    assert len(through_dict) == 1 and len(_guarded(kset)) == 3   # (device 0, device 1, outputs given)
+    # one tensor passed twice (merge_states in place): never a guarded entry, always the dict, still checked
+    o, lse = q.clone(), torch.zeros(q.shape[:3])
+    for _ in range(3):
+        kset.merge_states(o, lse, q.clone(), lse.clone(), out=o, lse=lse)
+    in_place = [e for e in _guarded(kset) if e[6].steps[0].kernel == "merge_states"]
+    assert not in_place and len(through_dict) == 1 + 3
+
+
+def test_guarded_layer_list_refuses_a_layer_changed_in_place(monkeypatch):
+    """kv_commit's guarded entry checks every layer's metadata, not its pointer: a layer resized in place (the same
+    object and pointer, another shape) or made non-contiguous by as_strided_ is refused with the full checks'
+    message; the same list again goes through the entry."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    acc = kset.tree_accept(kset.tree_build(*build, spec.max_tree_size - 1), target, v["prefix_lens"])
+    layers = [c.clone() for c in caches]
+    kset.kv_commit(acc, v["prefix_lens"], layers, v["block_table"])
+    through_dict = _count_guards(monkeypatch)
+    kset.kv_commit(acc, v["prefix_lens"], layers, v["block_table"])
+    assert not through_dict
+    shape = layers[0].shape
+    ptr = layers[30].data_ptr()
+    layers[30].resize_((shape[0] - 1, *shape[1:]))
+    assert layers[30].data_ptr() == ptr
+    with pytest.raises(ArgumentError, match=r"kv_caches\[30\]: shape"):
+        kset.kv_commit(acc, v["prefix_lens"], layers, v["block_table"])
+    layers[30].resize_(shape)
+    layers[44].as_strided_(shape, (shape[1] * shape[2], 1, shape[1]))
+    with pytest.raises(ArgumentError, match=r"kv_caches\[44\]: not C-contiguous"):
+        kset.kv_commit(acc, v["prefix_lens"], layers, v["block_table"])
+    layers[44] = caches[44].clone()
+    n = len(launches)
+    kset.kv_commit(acc, v["prefix_lens"], layers, v["block_table"])
+    assert len(launches) == n + 1 and len(_runner_of(kset, "kv_commit")) == 1
+
+
+def test_without_tensor_guards_the_dict_serves_every_call(monkeypatch):
+    """Where torch has no usable TensorGuards (the probe fails), no entry is made and every call takes the
+    signature dict, with the same launches."""
+    monkeypatch.setattr(runtime, "_GUARDS", [None])
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    for _ in range(3):
+        kset.tree_verify(**v)
+        kset.tree_build(*build, spec.max_tree_size - 1)
+    assert not _guarded(kset) and len(launches) == 9 and len(_runner_of(kset, "tree_verify_wgmma")) == 1
+
+
+def test_guarded_entries_per_launcher_are_bounded(monkeypatch):
+    """At most GUARDED_ENTRIES per launcher; later signatures are served by the dict, correctly."""
+    monkeypatch.setattr(runtime, "GUARDED_ENTRIES", 2)
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    q = v["q_nope"]
+    for k in range(1, 5):
+        o, lse = q[:, :k].clone(), torch.zeros((1, k, q.shape[2]))
+        kset.merge_states(o, lse, o.clone(), lse.clone())
+        res = kset.merge_states(o, lse, o.clone(), lse.clone())
+        assert res.out.shape == o.shape
+    assert len(_guarded(kset)) == 2 and len(_runner_of(kset, "merge_states")) == 4 and len(launches) == 8
