@@ -189,6 +189,9 @@ OUTPUT_ALIGN = 256   # bytes: each output of a call's one buffer starts at such 
 # the host cost model of torch outputs, in us (an H200 host, docs/perf.md "Host cost of a call"): a CUDA
 # torch.empty, and any other torch op on the host (a view, as_strided, unbind)
 EMPTY_US, VIEW_US = 3.2, 1.6
+# what a view op saves below torch's ADInplaceOrView key (torch._C._AutoDispatchBelowADInplaceOrView: no autograd
+# view record), and entering and leaving that guard (plus a margin), in us on the build machine's CPU
+BELOW_US = {"as_strided": 0.37, "view": 0.17, "unbind": 0.16, "guard": 1.0}
 
 
 class OutputPlan:
@@ -387,7 +390,8 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
         for i, shape, dtype in missing:
             if kind == "torch":
                 empty, kw = _arrays._TORCH_NEW.get((dtype, device)) or _arrays._torch_empty_kwargs(dtype, device)
-                body += [f"    o{i} = {name(empty)}({tuple(shape)!r}, dtype={name(kw['dtype'])}, "
+                # (size= rather than a positional tuple: torch parses it ~0.7 us faster on the CPU)
+                body += [f"    o{i} = {name(empty)}(size={tuple(shape)!r}, dtype={name(kw['dtype'])}, "
                          f"device={name(kw['device'])})", f"    ptrs[{i}] = o{i}.data_ptr()"]
             else:
                 allocate, pointer_of = alloc or (_arrays.allocate, _arrays.pointer_of)
@@ -419,23 +423,34 @@ def _buffer_lines(plan: OutputPlan, kind: str, device: int, name, source: dict) 
             if i not in plan.scratch:
                 source[i] = f"a[{i}]"
         return ["    a = list(arrays)", f"    {name(plan.allocate)}({kind!r}, {device}, a, ptrs)"]
+    import torch
     base_dtype, elems, others, groups, empty = plan._torch or plan._torch_plan()
-    lines = [f"    b = {name(empty)}({elems}, dtype={name(base_dtype)}, device={name(_arrays.torch_device(device))})"]
+    views = []
     typed = {base_dtype: "b"}
     for k, d in enumerate(others):
         typed[d] = f"b{k}"
-        lines.append(f"    b{k} = b.view({name(d)})")
+        views.append(f"b{k} = b.view({name(d)})")
     for k, (d, shape, strides, off, index, members) in enumerate(groups):
         view = f"{typed[d]}.as_strided({tuple(shape)!r}, {tuple(strides)!r}, {off})"
         if members is None:
-            lines.append(f"    o{index} = {view}")
+            views.append(f"o{index} = {view}")
             source[index] = f"o{index}"
             continue
-        lines.append(f"    {', '.join(f'o{i}' for i, _ in members)}, = {view}.unbind(0)")
+        views.append(f"{', '.join(f'o{i}' for i, _ in members)}, = {view}.unbind()")
         for i, cast in members:
             if cast is not None:
-                lines.append(f"    o{i} = o{i}.view({name(cast)})")
+                views.append(f"o{i} = o{i}.view({name(cast)})")
             source[i] = f"o{i}"
+    lines = [f"    b = {name(empty)}({elems}, dtype={name(base_dtype)}, device={name(_arrays.torch_device(device))})"]
+    # below torch's ADInplaceOrView key (no autograd view records: each output its own tensor over the buffer,
+    # as inference mode makes them), where what that saves per view op outweighs entering the guard
+    below = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+    saved = (BELOW_US["as_strided"] * len(groups) + BELOW_US["view"] * sum(v.count(".view(") for v in views)
+             + BELOW_US["unbind"] * sum(len(m) for *_, m in groups if m))
+    if below is not None and saved > BELOW_US["guard"]:
+        lines += [f"    with {name(below)}():", *(f"        {v}" for v in views)]
+    else:
+        lines += [f"    {v}" for v in views]
     lines.append("    p = b.data_ptr()")
     lines += [f"    ptrs[{i}] = p + {off}" if off else f"    ptrs[{i}] = p" for i, _, _, off in plan.entries]
     return lines
