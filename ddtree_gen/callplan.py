@@ -404,7 +404,12 @@ def compile_runner(prep, bound, env: dict, arrays, group=None, kset=None, alloc=
     if prep.returns is not None:
         record, indices = prep.returns
         items = ", ".join(source.get(i, f"arrays[{i}]") for i in indices)
-        body.append(f"    return {name(record)}({items})" if record is not None else "    return None")
+        if record is None:
+            body.append("    return None")
+        elif issubclass(record, tuple) and hasattr(record, "_fields"):   # a namedtuple, made without its __new__ frame
+            body.append(f"    return {name(tuple.__new__)}({name(record)}, ({items},))")
+        else:
+            body.append(f"    return {name(record)}({items})")
     else:
         body.append("    a = list(arrays)")
         body += [f"    a[{i}] = {s}" for i, s in source.items() if s != f"a[{i}]"]

@@ -200,9 +200,10 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         for k, host, m, tail, zeros, guards, prep in kset.prepared_calls.get(code, ()):
             # (the Nones by type: == on a tuple would compare a tensor to None through torch's __eq__; host: the
             # device a CPU tensor stands for, part of its signature, -1 on a GPU)
-            if (k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail
-                    and guards.check(*arrays[:m])):
-                return prep.run(arrays, [*map(_DATA_PTR[0], arrays[:m]), *zeros])
+            if k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail:
+                head = arrays[:m]
+                if guards.check(*head):
+                    return prep.run(arrays, [*map(_DATA_PTR[0], head), *zeros])
     n = len(arrays) if group is None else group
     ptrs, sigs = [0] * n, [None] * n
     tensor = _arrays.TORCH_TENSOR[0]

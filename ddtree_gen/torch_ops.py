@@ -52,9 +52,10 @@ _IMPLS: dict = {}      # op name -> its CUDA implementation (implementation())
 
 
 def _positional(name: str):
-    """The op of kernel `name` whose implementation is the launcher, its arguments given positionally."""
+    """The op of kernel `name` whose implementation is the launcher, its arguments given positionally. The
+    launcher's record (a namedtuple) is returned as it is: the dispatcher takes any tuple for the op's returns."""
     def impl(spec, *args):
-        return tuple(getattr(_kset(spec), name)(*args))
+        return getattr(_kset(spec), name)(*args)
     impl.__name__ = name
     return impl
 
@@ -74,14 +75,14 @@ def implementation(op: str):
 
 def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                 impl="auto", kv_scale=None):
-    return tuple(_kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                         softmax_scale, impl=impl, kv_scale=kv_scale))
+    return _kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                   softmax_scale, impl=impl, kv_scale=kv_scale)
 
 
 def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                      impl="auto", kv_scale=None):
-    return tuple(_kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                              softmax_scale, impl=impl, kv_scale=kv_scale))
+    return _kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                        softmax_scale, impl=impl, kv_scale=kv_scale)
 
 
 def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
