@@ -171,7 +171,8 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     """Give prep a guarded entry under its launcher's code (run_call's first test): its scalar key, the length of
     its leading run of torch tensors and the Nones after them, and a TensorGuards of those tensors. Only
     for calls whose arrays are torch.Tensor objects followed by Nones (prep.guarded = False otherwise: that is
-    fixed by the signature), each tensor passed once; at most GUARDED_ENTRIES per launcher."""
+    fixed by the signature); a tensor passed twice is guarded once, its repeats tested by identity (`alias`: the
+    picker of the distinct tensors and the (repeat, first) positions); at most GUARDED_ENTRIES per launcher."""
     m = len(arrays)
     while m and arrays[m - 1] is None:
         m -= 1
@@ -181,13 +182,25 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
         prep.guarded = False
         return
     entries = kset.prepared_calls.get(code, ())
-    if len(entries) >= GUARDED_ENTRIES or len(set(map(id, head))) != m:
+    if len(entries) >= GUARDED_ENTRIES:
         return
-    g = guards(*head, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    if g.check(*head):
+    # a tensor passed twice (merge_states in place): the guard holds each tensor once, the entry the repeats
+    first, alias = {}, []
+    for j, a in enumerate(head):
+        i = first.setdefault(id(a), j)
+        if i != j:
+            alias.append((j, i))
+    unique = tuple(first.values())
+    if alias:
+        pick = operator.itemgetter(*unique) if len(unique) > 1 else (lambda h, i=unique[0]: (h[i],))
+        alias, tensors = (pick, tuple(alias)), pick(head)
+    else:
+        alias, tensors = None, head
+    g = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    if g.check(*tensors):
         prep.guarded = True
         n = len(arrays) - m
-        kset.prepared_calls[code] = (*entries, (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, prep))
+        kset.prepared_calls[code] = (*entries, (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, prep))
 
 
 def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
@@ -197,12 +210,13 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     `group`: arrays[group:] must share one signature (kv_commit's layers): read in one pass (_group_signature)."""
     if cache:   # a guarded entry of this launcher (_guard): the signature checked by torch in one C call
         code = prepare.__code__
-        for k, host, m, tail, zeros, guards, prep in kset.prepared_calls.get(code, ()):
+        for k, host, m, tail, zeros, guards, alias, prep in kset.prepared_calls.get(code, ()):
             # (the Nones by type: == on a tuple would compare a tensor to None through torch's __eq__; host: the
             # device a CPU tensor stands for, part of its signature, -1 on a GPU)
             if k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail:
                 head = arrays[:m]
-                if guards.check(*head):
+                if (guards.check(*head) if alias is None else
+                        all(head[j] is head[i] for j, i in alias[1]) and guards.check(*alias[0](head))):
                     return prep.run(arrays, [*map(_DATA_PTR[0], head), *zeros])
     n = len(arrays) if group is None else group
     ptrs, sigs = [0] * n, [None] * n

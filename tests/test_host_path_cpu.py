@@ -445,7 +445,7 @@ def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
 
 def _guarded(kset) -> list:
     """The guarded entries of a kernel set (runtime._guard), each (key, host device, tensors, Nones' types, zeros,
-    TensorGuards, Prepared), all launchers together."""
+    TensorGuards, alias, Prepared), all launchers together."""
     return [e for k, v in kset.prepared_calls.items() if not isinstance(k, tuple) for e in v]
 
 
@@ -488,7 +488,7 @@ def test_guarded_entry_serves_the_same_signature_and_each_calls_pointers(monkeyp
 
 def test_guarded_entry_misses_on_each_component(monkeypatch):
     """Any change a signature holds misses the guarded entry: the full checks run (and refuse with the first call's
-    message), or another signature is prepared; a tensor passed twice, or given outputs, take the dict."""
+    message), or another signature is prepared; given outputs, or a tensor passed twice, are entries of their own."""
     spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     kset.tree_verify(**v)
     q = v["q_nope"]
@@ -508,12 +508,22 @@ def test_guarded_entry_misses_on_each_component(monkeypatch):
     assert not through_dict
     kset.tree_verify(**v, out=res.out.clone(), lse=res.lse.clone())
     assert len(through_dict) == 1 and len(_guarded(kset)) == 3   # (device 0, device 1, outputs given)
-    # one tensor passed twice (merge_states in place): never a guarded entry, always the dict, still checked
+    # one tensor passed twice (merge_states in place): an entry of its own that tests the repeats by identity; the
+    # same signature with distinct tensors, or with another tensor passed twice, is not served by it
     o, lse = q.clone(), torch.zeros(q.shape[:3])
     for _ in range(3):
         kset.merge_states(o, lse, q.clone(), lse.clone(), out=o, lse=lse)
-    in_place = [e for e in _guarded(kset) if e[6].steps[0].kernel == "merge_states"]
-    assert not in_place and len(through_dict) == 1 + 3
+    merges = [e for e in _guarded(kset) if e[-1].steps[0].kernel == "merge_states"]
+    assert len(merges) == 1 and merges[0][6][1] == ((4, 0), (5, 1)) and len(through_dict) == 1 + 1
+    o_b, lse_b = q.clone(), lse.clone()
+    kset.merge_states(o, lse, o_b, lse_b, out=o_b, lse=lse_b)   # in place into the other side
+    kset.merge_states(o, lse, o_b, lse_b, out=o.clone(), lse=lse.clone())   # distinct tensors
+    assert len(through_dict) == 1 + 3 and len(_runner_of(kset, "merge_states")) == 1
+    part = torch.zeros(o.numel() * 2, dtype=o.dtype)   # out overlapping o_a, not o_a: refused after the hits
+    a0, a1 = part[:o.numel()].view(o.shape), part[256:256 + o.numel()].view(o.shape)
+    kset.merge_states(a0, lse, o_b, lse_b, out=a0, lse=lse)
+    with pytest.raises(ArgumentError, match=r"out: overlaps o_a in memory"):
+        kset.merge_states(a0, lse, o_b, lse_b, out=a1, lse=lse)
 
 
 def test_guarded_layer_list_refuses_a_layer_changed_in_place(monkeypatch):
