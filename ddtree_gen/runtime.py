@@ -137,7 +137,11 @@ def _group_signature(arrays, first: int, ptrs: list, sigs: list) -> bool:
     return True
 
 
-GUARDED_ENTRIES = 8   # guarded entries per launcher (signatures x dispatch contexts); later ones: the dict alone
+# guarded entries per launcher (signatures x dispatch contexts), the newest first; a new one pushes the oldest out
+# (each entry a call passes over costs it ~0.45 us on the build machine). A launcher that has made GUARDED_MADE
+# of them (signatures that come and go faster than the entries hold them: each miss costs the failed tests and a
+# new guard) keeps the dict alone.
+GUARDED_ENTRIES, GUARDED_MADE = 4, 64
 _GUARDS = []          # torch's TensorGuards (or None where it is absent or does not check what a signature holds)
 _DATA_PTR = [None]    # torch.Tensor.data_ptr
 
@@ -172,7 +176,10 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     its leading run of torch tensors and the Nones after them, and a TensorGuards of those tensors. Only
     for calls whose arrays are torch.Tensor objects followed by Nones (prep.guarded = False otherwise: that is
     fixed by the signature); a tensor passed twice is guarded once, its repeats tested by identity (`alias`: the
-    picker of the distinct tensors and the (repeat, first) positions); at most GUARDED_ENTRIES per launcher."""
+    picker of the distinct tensors and the (repeat, first) positions). GUARDED_ENTRIES / GUARDED_MADE bound them."""
+    made = kset.prepared_calls.get(("guarded entries made", code), 0)
+    if made >= GUARDED_MADE:   # signatures come and go too often here: the dict alone
+        return
     m = len(arrays)
     while m and arrays[m - 1] is None:
         m -= 1
@@ -180,9 +187,6 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     guards = _tensor_guards() if tensor is not None else None
     if guards is None or not m or any(type(a) is not tensor for a in head):
         prep.guarded = False
-        return
-    entries = kset.prepared_calls.get(code, ())
-    if len(entries) >= GUARDED_ENTRIES:
         return
     # a tensor passed twice (merge_states in place): the guard holds each tensor once, the entry the repeats
     first, alias = {}, []
@@ -200,7 +204,12 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     if g.check(*tensors):
         prep.guarded = True
         n = len(arrays) - m
-        kset.prepared_calls[code] = (*entries, (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, prep))
+        entry = (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, prep)
+        entries = kset.prepared_calls.get(code, ())
+        kset.prepared_calls[code] = (entry, *entries[:GUARDED_ENTRIES - 1])   # the oldest out
+        kset.prepared_calls[("guarded entries made", code)] = made + 1
+        if made + 1 >= GUARDED_MADE:
+            del kset.prepared_calls[code]
 
 
 def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
@@ -210,7 +219,9 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     `group`: arrays[group:] must share one signature (kv_commit's layers): read in one pass (_group_signature)."""
     if cache:   # a guarded entry of this launcher (_guard): the signature checked by torch in one C call
         code = prepare.__code__
-        for k, host, m, tail, zeros, guards, alias, prep in kset.prepared_calls.get(code, ()):
+        entries = kset.prepared_calls.get(code, ())
+        for e in entries:
+            k, host, m, tail, zeros, guards, alias, prep = e
             # (the Nones by type: == on a tuple would compare a tensor to None through torch's __eq__; host: the
             # device a CPU tensor stands for, part of its signature, -1 on a GPU)
             if k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail:

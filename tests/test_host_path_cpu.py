@@ -565,13 +565,25 @@ def test_without_tensor_guards_the_dict_serves_every_call(monkeypatch):
 
 
 def test_guarded_entries_per_launcher_are_bounded(monkeypatch):
-    """At most GUARDED_ENTRIES per launcher; later signatures are served by the dict, correctly."""
+    """At most GUARDED_ENTRIES per launcher, the newest first (a new signature pushes the oldest out, which the dict
+    still serves); after GUARDED_MADE entries made, the launcher keeps the dict alone; every call launches right."""
     monkeypatch.setattr(runtime, "GUARDED_ENTRIES", 2)
+    monkeypatch.setattr(runtime, "GUARDED_MADE", 5)
     spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     q = v["q_nope"]
+    args = []
     for k in range(1, 5):
         o, lse = q[:, :k].clone(), torch.zeros((1, k, q.shape[2]))
-        kset.merge_states(o, lse, o.clone(), lse.clone())
-        res = kset.merge_states(o, lse, o.clone(), lse.clone())
+        args.append((o, lse, o.clone(), lse.clone()))
+        kset.merge_states(*args[-1])
+        res = kset.merge_states(*args[-1])
         assert res.out.shape == o.shape
-    assert len(_guarded(kset)) == 2 and len(_runner_of(kset, "merge_states")) == 4 and len(launches) == 8
+    entries = _guarded(kset)
+    assert [e[-1] for e in entries] == [_runner_of(kset, "merge_states")[k] for k in (3, 2)]
+    assert len(_runner_of(kset, "merge_states")) == 4 and len(launches) == 8
+    through_dict = _count_guards(monkeypatch)
+    kset.merge_states(*args[0])   # pushed out: the dict, and an entry again (the fifth made)
+    assert len(through_dict) == 1 and len(_guarded(kset)) == 0   # (GUARDED_MADE reached: none kept)
+    for a in args:
+        assert kset.merge_states(*a).out.shape == a[0].shape
+    assert len(through_dict) == 1 + 4 and len(_guarded(kset)) == 0 and len(launches) == 8 + 5
