@@ -662,7 +662,8 @@ def test_fp8_matches_bf16_twin(spec, impl):
         from ddtree_gen.plans.tree_verify_wgmma import schedule_for
         from ddtree_gen.plans.variant import variant
         sched = schedule_for(spec, "tree_verify_wgmma")
-        knobs = {"rope_early": True} if sched == "seesaw" else {}   # the fp8 seesaw's S products in its slab order
+        # the fp8 seesaw's S products in its slab order: the rope slab in the early group, WG1's early group first
+        knobs = {"rope_early": True, "s_order": "slab"} if sched == "seesaw" else {}
         same = variant(by_name("tree_verify_wgmma"), twin, schedule=sched, **knobs)
         ks_twin = variant_set([same], also=[k for k in impl.kernels if k != "tree_verify_wgmma"])
     seed = fresh_seed()

@@ -132,7 +132,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // batch's key tiles (cut on the device from the lengths), one segment per request.
 #define PARTS 0
 // WG1's S of its next tile in the order its slabs were loaded (1, the default: its own V_R and rope slabs first) or
-// in slab order (0; the config's "s_order": "slab")
+// in slab order (0; the config's "s_order": "slab"). FP8: always in slab order (slab_at's: the early group first), the
+// order in which the converter delivers them (measured: waiting there for its own late group first was a quarter of
+// the computing warps' stall samples)
 #define S_LOADED_ORDER 1
 #define SYNC_HANDOFFS 0      // the config's "sync_handoffs": both sides of a hand-off bar.sync
 // The config's "rescale" (docs/perf.md, "fewer instructions per tile"): "exact" (0, 0, 0) is the first seesaw;
@@ -848,7 +850,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 if (next_b) {
                     // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before
                     // WG0's V_L slabs (after its P_b V_bL, which the tensor cores run after this one's products)
-                    if (S_LOADED_ORDER) {
+                    if (S_LOADED_ORDER && !FP8) {
                         s_gemm(s, a + 3, EARLY, SLABS, true);
                         s_gemm(s, a + 3, 0, EARLY, false);
                     } else {
