@@ -81,12 +81,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // in the 128-byte swizzle of the wgmma descriptors. No atomics: deterministic.
 //
 // FP8 cache (FP8 1, kv_dtype = "fp8_e4m3"): a third warpgroup, the converter, turns the e4m3 bytes into the same
-// bf16 slabs, exactly (NaN bytes become NaN), while the other two compute (setmaxnreg: 232 registers for each of
-// them, 32 for it; the pool is the launch's 168 x 384, and 240 / 32 would not fit: the increase would wait forever). A slab's e4m3 box (64 keys x 64 bytes, TMA, no swizzle) lands in the upper half of its group of
-// bf16 slabs (early group: V_L slabs 0-3 and the rope slab 8, refilled as soon as WG0's P.V_L is done; late group:
-// V_R slabs 4-7): in slab order each bf16 slab overwrites only e4m3 bytes that the converter has read (one barrier
-// of its 128 threads per slab), and it arrives on a second mbarrier per slab that the S products wait on. kv_scale
-// is applied in fp32 as in every fp8 kernel (scale_log2, v_scale).
+// bf16 slabs, exactly (NaN bytes become NaN), while the other two compute (setmaxnreg, below regs_inc). A slab's e4m3
+// box (64 keys x 64 bytes, TMA, no swizzle) lands in the upper half of its group of bf16 slabs (early group: V_L
+// slabs 0-3 and the rope slab 8, refilled as soon as WG0's P.V_L is done; late group: V_R slabs 4-7). The converter
+// walks the tiles in order and each tile's slabs in the order 0 1 2 3 8 4 5 6 7 (convert_sync "pairs": two per
+// step): a bf16 slab overwrites only e4m3 bytes the converter has read (a barrier of its 128 threads before the
+// stores), and each slab arrives on a second mbarrier that the S products wait on, in that same order. kv_scale is
+// applied in fp32 as in every fp8 kernel (scale_log2, v_scale). docs/perf.md "FP8 on the seesaw, built".
 
 #define TAIL 0
 #define NUM_HEADS 8
@@ -364,10 +365,10 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
     c0 = make_uint4(a.x, a.y, b.x, b.y);
     c1 = make_uint4(c.x, c.y, d.x, d.y);
 }
-// the block's pool is the launch's registers (168 per thread at 384 threads): 2 x 128 x 232 + 128 x 32 fits it. (A second
-// converter warpgroup does not: at 512 threads ptxas has 128 registers for the whole kernel, and a m64n256 P.V product
-// needs 158.)
-// (CONV_PAIRS: 224 / 40, room for two slabs per converter step)
+// FP8's register split: the block's pool is the launch's registers (168 per thread at 384 threads); 2 x 128 x 232 +
+// 128 x 32 fits it (240 / 32 does not: the increase would wait forever), and CONV_PAIRS' 224 / 40 (room for two slabs
+// per converter step). A second converter warpgroup does not fit: at 512 threads ptxas has 128 registers for the
+// whole kernel, and a m64n256 P.V product needs 158.
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
