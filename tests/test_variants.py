@@ -83,6 +83,8 @@ def test_knobs_are_checked(kimi):
         variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), convert_sync="x").plan()
     with pytest.raises(SpecError, match="ablate bits 2-4 .* per-slab converter"):   # the default "pairs" has none
         variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), ablate=4).plan()
+    with pytest.raises(SpecError, match="bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's"):
+        variant(WGMMA, kimi, convert_sync="slab").plan()
     with pytest.raises(SpecError, match="configuration"):
         variant(by_name("tree_verify_mma"), kimi, BN=48).plan()
 

@@ -103,7 +103,7 @@ def schedule_for(spec, kernel: str) -> str:
 # two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
          "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs"}
-# the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE) of templates/tree_verify_seesaw.cu.j2
+# the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
 
@@ -152,6 +152,9 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
+    if not spec.kv_fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
+        raise SpecError(f"spec {spec.name!r} has a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
+                        f"converter's")
     if int(config.get("ablate", 0)) & 28 and convert_sync == "pairs":
         raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
                         "'lean' or 'group'")
