@@ -228,6 +228,29 @@ def compare(spec: Spec, kernel: str, bundle) -> list[str]:
     return problems
 
 
+def still_holds(spec: Spec, kernel: str, case: str, made: dict, path) -> bool:
+    """Whether the bundle at `path` may stay as it is when regenerating: its seed and input arrays are exactly
+    `made`'s and its outputs pass compare(). Float outputs of the attention references come from float64 BLAS
+    products whose summation order depends on the machine, so a regenerated float32 value may differ by an ulp
+    from the stored one while both are within compare()'s bar; keeping the stored bundle then stops `refs` from
+    rewriting files for nothing (integer and bit-exact outputs differ only when the reference changed)."""
+    try:
+        old = kdtr.read(path)
+    except (kdtr.KdtrError, OSError):
+        return False
+    if (old.spec, old.kernel, old.case, old.seed) != (spec.name, kernel, case, made["seed"]):
+        return False
+    ins = {k: v for k, v in made["arrays"].items() if k.startswith("in.")}
+    old_ins = {k: v for k, v in old.arrays.items() if k.startswith("in.")}
+    outs = {k for k in made["arrays"] if k.startswith("out.")}
+    if set(ins) != set(old_ins) or outs != {k for k in old.arrays if k.startswith("out.")}:
+        return False
+    if any(a.dtype != old_ins[k].dtype or a.shape != old_ins[k].shape or a.tobytes() != old_ins[k].tobytes()
+           for k, a in ins.items()):
+        return False
+    return not compare(spec, kernel, old)
+
+
 def main(args) -> int:
     from .spec import all_specs, find_spec
     from .errors import DdtreeError
@@ -257,6 +280,10 @@ def main(args) -> int:
                         print(f"    {p if str(path) in p else f'{path}: {p}'}")
                 else:
                     made = make(spec, kernel, case)
+                    if still_holds(spec, kernel, case, made, path):
+                        print(f"kept {path.relative_to(paths.project_root())} (its inputs are the seed's, its outputs "
+                              f"within the check's bar)")
+                        continue
                     path.parent.mkdir(parents=True, exist_ok=True)
                     kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"],
                                arrays=made["arrays"])

@@ -27,3 +27,29 @@ def test_compare_notices_a_changed_output(spec):
     bundle.arrays["out.tokens"] = bundle.arrays["out.tokens"].copy()
     bundle.arrays["out.tokens"][0, 3] += 1
     assert any("tokens" in p for p in bundles.compare(spec, "tree_build", bundle))
+
+
+def test_regenerating_keeps_a_bundle_that_still_holds(spec, tmp_path):
+    """`ddtree-gen refs` keeps a bundle whose inputs are the seed's and whose outputs pass the check (a float output
+    one ulp off, as another machine's BLAS order gives), and rewrites it when an input or an output is wrong."""
+    import numpy as np
+    kernel, case = next((k, c) for k, c in CASES if k == "tree_verify")
+    made = bundles.make(spec, kernel, case)
+    path = tmp_path / "b.kdtr"
+    arrays = dict(made["arrays"])
+    kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"], arrays=arrays)
+    assert bundles.still_holds(spec, kernel, case, made, path)
+    lse = arrays["out.lse"].copy()
+    finite = np.flatnonzero(np.isfinite(lse.reshape(-1)))
+    lse.reshape(-1)[finite[0]] = np.nextafter(lse.reshape(-1)[finite[0]], np.float32(np.inf))   # one ulp
+    kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"], arrays={**arrays, "out.lse": lse})
+    assert bundles.still_holds(spec, kernel, case, made, path)
+    lse.reshape(-1)[finite[0]] += 1.0                                                              # wrong
+    kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"], arrays={**arrays, "out.lse": lse})
+    assert not bundles.still_holds(spec, kernel, case, made, path)
+    key = next(k for k in arrays if k.startswith("in.") and arrays[k].size and arrays[k].dtype.kind in "iu")
+    changed = arrays[key].copy()
+    changed.reshape(-1)[0] += 1                                                                     # another input
+    kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"], arrays={**arrays, key: changed})
+    assert not bundles.still_holds(spec, kernel, case, made, path)
+    assert not bundles.still_holds(spec, kernel, case, made, tmp_path / "missing.kdtr")
