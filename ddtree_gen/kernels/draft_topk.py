@@ -11,15 +11,13 @@ one block per row, merges them. Nothing is read on the host (graph-capturable). 
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
 from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, MIN_BLOCKS, chunks
 from ..reference import DraftTopkOutput, temperature_arg
-from ..runtime import IsAligned, Prepared, Step, run_call
+from ..runtime import IsAligned, Prepared, Step, run_call, sm_count
 from .checks import INT32_MAX
 
 KERNEL = "draft_topk"
@@ -104,13 +102,6 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))
     return Prepared(device=device, kind=lg.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(aligned),
                     disjoint=tuple(disjoint), returns=(DraftTopkOutput, (1, 2)))
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: int) -> int:
-    """The multiprocessors of `device` (asked once): the stream schedule's stage 0 keeps MIN_BLOCKS blocks on each."""
-    from cupy.cuda import runtime
-    return int(runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
 def torch_fake(spec, logits, k, temperature=1.0):
