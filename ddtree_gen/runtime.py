@@ -204,12 +204,43 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     if g.check(*tensors):
         prep.guarded = True
         n = len(arrays) - m
-        entry = (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, prep)
+        match = _matcher(m, n, g.check, alias[1] if alias else (), unique, _DATA_PTR[0])
+        entry = (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, match, prep)
         entries = kset.prepared_calls.get(code, ())
         kset.prepared_calls[code] = (entry, *entries[:GUARDED_ENTRIES - 1])   # the oldest out
         kset.prepared_calls[("guarded entries made", code)] = made + 1
         if made + 1 >= GUARDED_MADE:
             del kset.prepared_calls[code]
+
+
+MATCH_INLINE = 16   # a guarded entry of up to this many tensors names each in its compiled test (_matcher)
+
+
+def _matcher(m: int, n: int, check, alias: tuple, unique: tuple, data_ptr):
+    """A guarded entry's test of a call's arrays, compiled once (straight-line code, no slices or maps per call for a
+    few tensors): the pointers of arrays[:m] followed by n zeros when the arrays are m tensors that pass `check`
+    (TensorGuards.check of the distinct ones, `unique`: their positions; `alias`: (repeat, first) positions tested by
+    identity) followed by exactly n Nones; else None. (The Nones by identity: == would compare a tensor to None
+    through its __eq__.)"""
+    total = m + n
+    cond = " and ".join([f"len(arrays) == {total}", *(f"arrays[{i}] is None" for i in range(m, total))])
+    if m <= MATCH_INLINE:
+        names = [f"a{i}" for i in range(m)]
+        test = [f"a{j} is a{i}" for j, i in alias] + [f"check({', '.join(names[i] for i in unique)})"]
+        body = [f"        {', '.join(names)}, = arrays[:{m}]",
+                f"        if {' and '.join(test)}:",
+                f"            return [{', '.join([f'dp({x})' for x in names] + ['0'] * n)}]"]
+    else:   # many tensors (kv_commit's layers): C-level maps over the slice
+        pick = ", ".join(f"head[{i}]" for i in unique) if alias else "*head"
+        test = [f"head[{j}] is head[{i}]" for j, i in alias] + [f"check({pick})"]
+        body = [f"        head = arrays[:{m}]", f"        if {' and '.join(test)}:",
+                f"            return [*map(dp, head){', *zeros' if n else ''}]"]
+    src = "\n".join(["def match(arrays):", f"    if {cond}:", *body, "    return None"]) + "\n"
+    ns = {"check": check, "dp": data_ptr, "zeros": (0,) * n}
+    exec(compile(src, "<ddtree_gen guarded entry>", "exec"), ns)
+    match = ns["match"]
+    match.source = src
+    return match
 
 
 def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
@@ -221,14 +252,12 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         code = prepare.__code__
         entries = kset.prepared_calls.get(code, ())
         for e in entries:
-            k, host, m, tail, zeros, guards, alias, prep = e
-            # (the Nones by type: == on a tuple would compare a tensor to None through torch's __eq__; host: the
-            # device a CPU tensor stands for, part of its signature, -1 on a GPU)
-            if k == key and host == HOST_DEVICE and tuple(map(type, arrays[m:])) == tail:
-                head = arrays[:m]
-                if (guards.check(*head) if alias is None else
-                        all(head[j] is head[i] for j, i in alias[1]) and guards.check(*alias[0](head))):
-                    return prep.run(arrays, [*map(_DATA_PTR[0], head), *zeros])
+            # (host: the device a CPU tensor stands for, part of its signature, -1 on a GPU; e[7]: the entry's
+            # compiled test of the arrays, their pointers or None: _matcher)
+            if e[0] == key and e[1] == HOST_DEVICE:
+                ptrs = e[7](arrays)
+                if ptrs is not None:
+                    return e[8].run(arrays, ptrs)
     n = len(arrays) if group is None else group
     ptrs, sigs = [0] * n, [None] * n
     tensor = _arrays.TORCH_TENSOR[0]

@@ -265,6 +265,18 @@ def test_profile_launch_script_without_a_gpu():
         assert row in run.stdout
 
 
+def test_probe_op_dispatch_script_without_a_gpu():
+    """scripts/probe_op_dispatch.py (op - plain taken apart) runs on the CPU and prints a row per torch op."""
+    script = ROOT / "scripts" / "probe_op_dispatch.py"
+    run = subprocess.run([sys.executable, str(script), "--calls", "20"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "dispatcher" in run.stdout and "penalty" in run.stdout
+    rows = {line.split("  ")[0].strip(): line.split()[-5:] for line in run.stdout.splitlines()[2:]}
+    for row in ("tree_build", "tree_verify (auto)", "merge_states", "tree_accept", "kv_commit, 61 layers"):
+        assert row in rows and all(float(x) == float(x) for x in rows[row]), run.stdout   # five numbers, no NaN
+
+
 def _stand_in(monkeypatch):
     spec = _spec()
     kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
@@ -445,7 +457,7 @@ def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
 
 def _guarded(kset) -> list:
     """The guarded entries of a kernel set (runtime._guard), each (key, host device, tensors, Nones' types, zeros,
-    TensorGuards, alias, Prepared), all launchers together."""
+    TensorGuards, alias, the compiled test (runtime._matcher), Prepared), all launchers together."""
     return [e for k, v in kset.prepared_calls.items() if not isinstance(k, tuple) for e in v]
 
 
@@ -524,6 +536,28 @@ def test_guarded_entry_misses_on_each_component(monkeypatch):
     kset.merge_states(a0, lse, o_b, lse_b, out=a0, lse=lse)
     with pytest.raises(ArgumentError, match=r"out: overlaps o_a in memory"):
         kset.merge_states(a0, lse, o_b, lse_b, out=a1, lse=lse)
+
+
+@pytest.mark.parametrize("m", [3, runtime.MATCH_INLINE + 4])   # tensors named one by one, or read by C-level maps
+def test_guarded_entry_test_is_exact(m):
+    """A guarded entry's compiled test (runtime._matcher) gives the pointers of the tensors and a zero per None
+    only for the entry's layout: m tensors that pass the guard, the repeats the same objects, then exactly the
+    Nones; any other arrays (a tensor for a None, one None more or less, another object for a repeat, a tensor the
+    guard refuses) get None, and the dict's path then decides."""
+    ts = [torch.zeros(4, dtype=torch.int32) for _ in range(m - 1)]
+    head = (*ts, ts[1])   # the last tensor is the second passed again (merge_states in place)
+    unique = tuple(range(m - 1))
+    g = runtime._tensor_guards()(*ts, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    match = runtime._matcher(m, 2, g.check, ((m - 1, 1),), unique, torch.Tensor.data_ptr)
+    assert match((*head, None, None)) == [t.data_ptr() for t in head] + [0, 0]
+    fresh = [torch.zeros(4, dtype=torch.int32) for _ in range(m - 1)]   # new tensors of the same signature
+    assert match((*fresh, fresh[1], None, None)) == [t.data_ptr() for t in (*fresh, fresh[1])] + [0, 0]
+    for other in ((*head, None, ts[0]), (*head, None), (*head, None, None, None), (*ts, ts[0], None, None),
+                  (*ts, ts[1].clone(), None, None), (ts[0].float(), *head[1:], None, None),
+                  (ts[0][:2], *head[1:], None, None)):
+        assert match(other) is None
+    plain = runtime._matcher(m - 1, 0, g.check, (), unique, torch.Tensor.data_ptr)   # no repeats, no Nones
+    assert plain(tuple(ts)) == [t.data_ptr() for t in ts] and plain((*ts, None)) is None
 
 
 def test_guarded_layer_list_refuses_a_layer_changed_in_place(monkeypatch):
