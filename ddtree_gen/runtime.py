@@ -173,7 +173,8 @@ def _tensor_guards():
 
 def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     """Give prep a guarded entry under its launcher's code (run_call's first test): its scalar key, the length of
-    its leading run of torch tensors and the Nones after them, and a TensorGuards of those tensors. Only
+    its leading run of torch tensors and the Nones after them, a TensorGuards of those tensors and the entry's test
+    of a call's arrays compiled from them (_matcher). Only
     for calls whose arrays are torch.Tensor objects followed by Nones (prep.guarded = False otherwise: that is
     fixed by the signature); a tensor passed twice is guarded once, its repeats tested by identity (`alias`: the
     picker of the distinct tensors and the (repeat, first) positions). GUARDED_ENTRIES / GUARDED_MADE bound them."""
