@@ -1,12 +1,16 @@
 #!/usr/bin/env python
-"""draft_topk's two schedules side by side, in one process on the same logits: "chunks" (the default build: one
-block per chunk) and "stream" (the variant draft_topk.stream: a persistent stage 0 that copies its next chunk while
-it computes the current one, tau from the warps' own maxima, stage 1 by ranks; plans/draft_topk.SCHEDULES).
-Per shape: the outputs of the two compared bit for bit (ids and log-probs) and rows of each against
+"""draft_topk's schedules side by side, in one process on the same logits: "chunks" (one block per chunk), "stream"
+(a persistent stage 0 that copies its next chunk while it computes the current one, tau from the warps' own maxima,
+stage 1 by ranks) and "rows" (one block per row or part of a row, its warps streaming with a shared threshold;
+plans/draft_topk.SCHEDULES). Per shape: the ids of all compared bit for bit, the log-probs of chunks and stream
+bit for bit (rows: the same within 2e-5 + 2^-21 |x|, its sums add in another order), and rows of each against
 reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
 % of the floor: the logits read once at the device-to-device copy rate measured in the same run.
 When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
+--waves N ...: the rows build again with kernels/draft_topk.ROWS_WAVES = N (it streams a row per block where the rows
+are at least N x SMs x MIN_BLOCKS, else runs the chunks schedule; 0: streaming on every shape), one column each.
 Run: PYTHONPATH=. python3 scripts/compare_topk.py [--spec kimi-k2.6-tp8] [--shapes B,D',V,dtype ...] [--rows 4]
+     [--waves 1 4]
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ import numpy as np
 # (B, D', V, dtype): the bench's shapes (DeepSeek-V3's and Kimi K2's vocabularies), B = 1 and 8, and float32 rows
 SHAPES = [(64, 15, 129280, "bf16"), (64, 15, 163840, "bf16"), (8, 15, 129280, "bf16"), (1, 15, 129280, "bf16"),
           (1, 15, 163840, "bf16"), (8, 15, 129280, "float32"), (2, 4, 262144, "float32")]
-SCHEDULES = ("chunks", "stream")
 
 
 def make_logits(rng, b, dp, v, dtype):
@@ -61,6 +64,8 @@ def main() -> None:
                     + " ".join(f"{b},{d},{v},{t}" for b, d, v, t in SHAPES) + ")")
     ap.add_argument("--rows", type=int, default=4, help="rows per shape checked against the numpy reference")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--waves", type=int, nargs="*", default=[],
+                    help="extra columns: the rows build with kernels/draft_topk.ROWS_WAVES set to each (0: always streaming)")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)
@@ -68,7 +73,9 @@ def main() -> None:
     from ddtree_gen.bench.timing import copy_bandwidth_gbs, graph_time_ms
     from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.kernels.draft_topk import workspace_elems
+    from ddtree_gen.kernels import draft_topk as launcher
     from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.draft_topk import SCHEDULES
     from ddtree_gen.plans.variant import default_config, variant
     from ddtree_gen.reference import DraftTopkOutput
     from ddtree_gen.spec import find_spec
@@ -80,6 +87,10 @@ def main() -> None:
             for s in SCHEDULES}
     for s, ks in sets.items():
         assert ks.constants("draft_topk")["STREAM"] == int(s == "stream"), s
+        assert ks.constants("draft_topk")["ROWS"] == int(s == "rows"), s
+    default_waves = launcher.ROWS_WAVES
+    runs = [(s, s, None) for s in SCHEDULES] + [(f"rows w{w}", "rows", w) for w in args.waves]
+    names = [n for n, _, _ in runs]
     k = min(64, spec.max_tree_size - 1)
     t = args.temperature
     shapes = ([(int(b), int(d), int(v), dt) for b, d, v, dt in (q.split(",") for q in args.shapes)]
@@ -88,8 +99,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"draft_topk schedules on {spec.name}, k = {k}, T = {t}; device copy rate {gbs:.0f} GB/s (read + write); "
           f"floor = the logits' bytes at that rate; times: CUDA-graph replay medians per call")
-    header = ["B", "D'", "V", "dtype", "MB", "floor us"] + [f"{s} us" for s in SCHEDULES] + \
-             [f"{s} %floor" for s in SCHEDULES] + ["stream/chunks", "same bits", "vs reference"]
+    header = ["B", "D'", "V", "dtype", "MB", "floor us"] + [f"{n} us" for n in names] + \
+             [f"{n} %floor" for n in names] + ["rows/chunks", "same", "vs reference"]
     table, failed = [], False
     for b, dp, v, dtype in shapes:
         dp = min(dp, spec.max_depth)
@@ -97,23 +108,34 @@ def main() -> None:
         x = cupy.asarray(host)
         ws = cupy.empty(max(1, workspace_elems(b, dp, v, k, dtype)), np.int32)
         outs, times = {}, {}
-        for s, ks in sets.items():
+        for name, s, waves in runs:
+            ks = sets[s]
+            launcher.ROWS_WAVES = default_waves if waves is None else waves
+            ks.prepared_calls.clear()   # the parts are chosen when a call's signature is first prepared
             out = DraftTopkOutput(cupy.full((b, dp, k), 0x7BADBEEF, np.int32), cupy.full((b, dp, k), np.nan, np.float32))
             ks.draft_topk(x, k, t, out=out, workspace=ws)
             cupy.cuda.Device().synchronize()
-            outs[s] = (cupy.asnumpy(out.topk_ids), cupy.asnumpy(out.topk_logprobs))
-            times[s] = graph_time_ms(lambda ks=ks, out=out: ks.draft_topk(x, k, t, out=out, workspace=ws),
-                                     per_graph=10) * 1e3
-        (ia, la), (ib, lb) = outs["chunks"], outs["stream"]
-        same = np.array_equal(ia, ib) and np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+            outs[name] = (cupy.asnumpy(out.topk_ids), cupy.asnumpy(out.topk_logprobs))
+            times[name] = graph_time_ms(lambda ks=ks, out=out: ks.draft_topk(x, k, t, out=out, workspace=ws),
+                                        per_graph=10) * 1e3
+        launcher.ROWS_WAVES = default_waves
+        (ia, la) = outs["chunks"]
+        same = all(np.array_equal(ia, i) for i, _ in outs.values())
+        same &= np.array_equal(la.view(np.uint32), outs["stream"][1].view(np.uint32))
+        for n in names:
+            if n.startswith("rows"):
+                lr = outs[n][1]
+                fin = np.isfinite(la)
+                same &= np.array_equal(fin, np.isfinite(lr)) and np.array_equal(la[~fin], lr[~fin], equal_nan=True)
+                same &= bool(np.all(np.abs(lr[fin] - la[fin]) <= 2e-5 + 2.0**-21 * np.abs(la[fin])))
         rows = sorted(set(range(min(5, b * dp))) | set(rng.choice(b * dp, min(args.rows, b * dp), replace=False).tolist()))
         bad = [f"{s}: {why}" for s, (i, lp) in outs.items() if (why := check_rows(i, lp, host, rows, k, t))]
         failed |= (not same) or bool(bad)
         nbytes = host.nbytes
         floor = nbytes / (gbs * 1e9) * 1e6
         table.append([b, dp, v, dtype, f"{nbytes / 1e6:.1f}", f"{floor:.1f}"] +
-                     [f"{times[s]:.1f}" for s in SCHEDULES] + [f"{100 * floor / times[s]:.0f}%" for s in SCHEDULES] +
-                     [f"{times['stream'] / times['chunks']:.3f}", "yes" if same else "NO",
+                     [f"{times[n]:.1f}" for n in names] + [f"{100 * floor / times[n]:.0f}%" for n in names] +
+                     [f"{times['rows'] / times['chunks']:.3f}", "yes" if same else "NO",
                       "ok" if not bad else "; ".join(bad)])
         del x, ws
     widths = [max(len(str(r[i])) for r in [header] + table) for i in range(len(header))]

@@ -304,7 +304,7 @@ def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     stream = variant(by_name("draft_topk"), spec, schedule="stream").plan().template_constants()
     assert stream["STREAM"] == 1 and stream["MIN_BLOCKS"] == MIN_BLOCKS
     ks = Recorder(spec)
-    assert ks.constants("draft_topk")["STREAM"] == 0            # the default build: chunks
+    assert ks.constants("draft_topk")["STREAM"] == 0            # the default build: rows (STREAM 0)
     monkeypatch.setattr(ks, "constants", lambda name, device=None: stream)
     monkeypatch.setattr(mod, "sm_count", lambda device: 132)
     dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
@@ -319,3 +319,33 @@ def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     assert len(ks.seen) == 1 + (c > 1)
     with pytest.raises(Exception, match="schedule 'nope'"):
         variant(by_name("draft_topk"), spec, schedule="nope").plan()
+
+
+@pytest.mark.parametrize("rows_b,v", [(64, 129280), (53, 163840), (52, 129280), (8, 129280), (1, 1000)])
+def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
+    """The "rows" build (template constants ROWS = 1, no static shared memory): stage 2 alone, one block per row and
+    no workspace, where the rows are at least ROWS_WAVES x SMs x MIN_BLOCKS; below that the chunks schedule's two
+    stages and workspace."""
+    from ddtree_gen.kernels import draft_topk as mod
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
+    from ddtree_gen.plans.variant import variant
+    plan = variant(by_name("draft_topk"), spec, schedule="rows").plan()
+    consts = plan.template_constants()
+    assert consts["ROWS"] == 1 and consts["STREAM"] == 0 and consts["STATIC_SMEM"] == 0
+    assert consts["DYNAMIC_SMEM"] * consts["MIN_BLOCKS"] <= 227 * 1024   # MIN_BLOCKS blocks fit an H100 / H200 SM
+    ks = Recorder(spec)
+    monkeypatch.setattr(ks, "constants", lambda name, device=None: consts)
+    monkeypatch.setattr(mod, "sm_count", lambda device: 132)
+    dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
+    draft_topk(ks, _logits(rows_b, dp, v), k)
+    rows, c = rows_b * dp, chunks(v, "bf16")
+    if rows >= mod.ROWS_WAVES * 132 * MIN_BLOCKS:
+        assert len(ks.seen) == 1 and ks.seen[0][1]["grid"] == (rows,)
+        assert int(ks.seen[0][1]["args"][-1]) == 2
+        assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace
+    else:
+        assert ks.seen[0][1]["grid"] == (rows * c,) and int(ks.seen[0][1]["args"][-1]) == 0
+        assert len(ks.seen) == 1 + (c > 1)
+        if c > 1:
+            assert ks.seen[1][1]["grid"] == (rows,) and int(ks.seen[1][1]["args"][-1]) == 1

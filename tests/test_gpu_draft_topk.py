@@ -1,8 +1,9 @@
 """draft_topk on the GPU against reference.draft_topk: ids bit for bit, log-probs within
 1e-5 + 2^-22 |ref| of the float64 log-softmax (docs/contract.md section 5a), on every spec.
 
-Every test runs on both builds of the schedule option (plans/draft_topk.SCHEDULES): "chunks" (the default
-build) and "stream" (a variant build). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
+Every test runs on every build of the schedule option (plans/draft_topk.SCHEDULES): "chunks", "stream" and
+"rows" (the default build and variant builds), and on the rows build made to stream a row per block on every call
+("rows streaming"; by default it does so only where the rows fill the GPU). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
 replays it. Every output is poisoned before the launch (ids 0x7BADBEEF, log-probs NaN) and every
 element is checked, so an element the kernel forgets to write shows up.
 """
@@ -36,11 +37,27 @@ def load_schedule(spec, schedule):
     return variant_set([variant(kdef, spec, schedule=schedule)])
 
 
-@pytest.fixture(params=SCHEDULES)
-def ks(spec, request):
-    got = load_schedule(spec, request.param)
-    assert got.constants("draft_topk")["STREAM"] == int(request.param == "stream")
-    return got
+# the rows build streams a row per block only where the rows fill the GPU (kernels/draft_topk.ROWS_WAVES); "rows
+# streaming" is that build with ROWS_WAVES = 0: its stage 2 on every call, whatever the batch
+RUNS = (*SCHEDULES, "rows streaming")
+
+
+def streaming_everywhere(monkeypatch, kset):
+    from ddtree_gen.kernels import draft_topk as mod
+    monkeypatch.setattr(mod, "ROWS_WAVES", 0)
+    kset.prepared_calls.clear()   # the path is chosen when a call's signature is prepared
+
+
+@pytest.fixture(params=RUNS)
+def ks(spec, request, monkeypatch):
+    schedule = request.param.split()[0]
+    got = load_schedule(spec, schedule)
+    assert got.constants("draft_topk")["STREAM"] == int(schedule == "stream")
+    assert got.constants("draft_topk")["ROWS"] == int(schedule == "rows")
+    if request.param != schedule:
+        streaming_everywhere(monkeypatch, got)
+    yield got
+    got.prepared_calls.clear()
 
 
 @pytest.fixture
@@ -271,13 +288,15 @@ def test_against_torch_topk(ks, spec, seed):
     assert torch.allclose(got.topk_logprobs, lp[..., :kk], atol=2e-5, rtol=0)
 
 
-def test_schedules_agree_on_a_large_batch(spec, seed):
-    """Both schedules on the bench's shape class (B x D' rows of V = 129280 bf16: more chunks than the stream
+def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
+    """Every schedule on the bench's shape class (B x D' rows of V = 129280 bf16: more chunks than the stream
     grid holds, so its blocks walk several), a misaligned copy of it (plain loads), and float32 V = 262144
-    (32 chunks a row): outputs bitwise equal to each other, and rows of it against the reference."""
+    (32 chunks a row): the ids bitwise equal, the log-probs of chunks and stream bitwise equal and those of rows within
+    twice the bar of them, and rows of each against the reference."""
     import cupy
     rng = np.random.default_rng(seed)
-    sets = {s: load_schedule(spec, s) for s in SCHEDULES}
+    sets = {s: load_schedule(spec, s.split()[0]) for s in RUNS}
+    streaming_everywhere(monkeypatch, sets["rows streaming"])
     k = spec.max_tree_size - 1
     dp = min(15, spec.max_depth)
     cases = [("bf16", bf16.to_bits(rng.standard_normal((8, dp, 129280)) * 3), False),
@@ -297,9 +316,17 @@ def test_schedules_agree_on_a_large_batch(spec, seed):
             lps = cupy.full(x.shape[:2] + (k,), np.nan, dtype=np.float32)
             kset.draft_topk(dev, k, 0.9, out=DraftTopkOutput(ids, lps))
             got[s] = (cupy.asnumpy(ids), cupy.asnumpy(lps))
-        a, b = got[SCHEDULES[0]], got[SCHEDULES[1]]
-        assert np.array_equal(a[0], b[0]), f"{name}: the schedules' ids differ, {where(seed)}"
-        assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), f"{name}: log-probs differ, {where(seed)}"
+        a = got["chunks"]
+        for s, b in got.items():
+            assert np.array_equal(a[0], b[0]), f"{name}: the ids of chunks and {s} differ, {where(seed)}"
+            if s == "rows streaming":   # its sums add in another order: the log-probs agree within twice the bar
+                fin = np.isfinite(a[1])
+                assert np.array_equal(fin, np.isfinite(b[1])), f"{name}: rows' non-finite log-probs, {where(seed)}"
+                err = np.abs(b[1][fin].astype(np.float64) - a[1][fin])
+                assert np.all(err <= 2e-5 + 2.0**-21 * np.abs(a[1][fin])), f"{name}: rows' log-probs, {where(seed)}"
+            else:             # the same sums: the same bits
+                assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), \
+                    f"{name}: the log-probs of chunks and {s} differ, {where(seed)}"
         rows = rng.choice(x.shape[0] * x.shape[1], 3, replace=False)
         flat_x = x.reshape(-1, x.shape[2])[rows][None]
         for s, (ids, lps) in got.items():

@@ -5,7 +5,8 @@
 
 One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float32 logits) or twice:
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
-one block per row, merges them. Nothing is read on the host (graph-capturable). The build option `schedule`
+one block per row, merges them. The "rows" build (schedule="rows") launches stage 2 once instead, one block per
+row, where the rows fill the GPU ROWS_WAVES times over (then no workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
 (plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks
 (the template constant STREAM of the loaded build says which); the workspace is the same.
 """
@@ -21,6 +22,10 @@ from ..runtime import IsAligned, Prepared, Step, run_call, sm_count
 from .checks import INT32_MAX
 
 KERNEL = "draft_topk"
+# the rows build streams a row per block (stage 2) where the rows are at least ROWS_WAVES x (SMs x MIN_BLOCKS) (B = 64,
+# D' = 15: 960 rows, 396 blocks resident on an H200), and runs the chunks schedule's stages 0 and 1 below that (fewer
+# rows: its blocks' serial tail, the end of a row's selection, is not covered by other rows' loads)
+ROWS_WAVES = 2
 WS = 3                              # the workspace's index in the call's array list
 _VEC = {"bf16": 8, "float32": 4}    # logits per 16-byte load
 
@@ -69,7 +74,11 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     shapes = {"topk_ids": ((b, dp, k), "int32"), "topk_logprobs": ((b, dp, k), "float32")}
     new = list(ar.record_outputs(arrays, 1, shapes, has_out, "logits", lg))
     named = {"logits": lg}
-    need = workspace_elems(b, dp, v, k, dtype)
+    # the rows build: one block per row where the rows fill the GPU ROWS_WAVES times over (no workspace then), else
+    # its copy of the chunks schedule
+    rows_path = rows > 0 and bool(kset.constants(KERNEL, lg.device).get("ROWS")) and \
+        rows >= ROWS_WAVES * sm_count(lg.device) * MIN_BLOCKS
+    need = 0 if rows_path else workspace_elems(b, dp, v, k, dtype)
     aligned = []
     if need and arrays[WS] is not None:
         wa = ar.device_array(arrays[WS], "workspace", dtype="int32", ndim=None)
@@ -93,7 +102,9 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     common = (0, np.int32(v), np.int32(k), np.int32(ch), np.int32(dtype == "bf16"), vec, np.float32(inv_t),
               np.float32(c), keys, ms, 2, 1, np.int32(rows * ch))
     steps = []
-    if rows:
+    if rows_path:
+        steps.append(Step(KERNEL, (rows,), (*common, np.int32(2))))
+    elif rows:
         grid0 = rows * ch
         if kset.constants(KERNEL, device).get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
             grid0 = min(grid0, sm_count(device) * MIN_BLOCKS)

@@ -22,21 +22,28 @@ assert CMAX <= 32 and THREADS % 32 == 0 and THREADS & (THREADS - 1) == 0   # the
 KMAX = N - 1                 # the largest k
 KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounded up to a power of two
 # the build option `schedule` (plans/variant.py; templates/draft_topk.cu.j2 says how each works):
-# "chunks": one block per chunk (the default); "stream": a persistent stage 0 of at most SMs x MIN_BLOCKS blocks
+# "chunks": one block per chunk; "stream": a persistent stage 0 of at most SMs x MIN_BLOCKS blocks
 # that copies its next chunk (cp.async) while it computes the current one, tau from the warps' own thread maxima
 # (one barrier), stage 1 by ranks (binary searches) instead of bitonic merges. Same outputs, bit for bit.
-SCHEDULES = ("chunks", "stream")
+# "rows" (the default): one block per row, its warps streaming the row with their next loads in flight, a threshold shared by the
+# block, the row's top-k merged in the block, one launch and no workspace, where the rows fill the GPU
+# (kernels/draft_topk.ROWS_WAVES); below that the chunks schedule, in the same build. Its log-probs differ from the
+# other two by the rounding of another order of the sums (the same ids).
+SCHEDULES = ("chunks", "stream", "rows")
 MIN_BLOCKS = 3               # blocks per SM (__launch_bounds__); the stream grid is SMs x MIN_BLOCKS at most
+NV = 4                       # rows: 16-byte vectors per lane and round (the next round's are in flight meanwhile)
+CAPV = 512                   # rows: a warp's passing-vector entries (compacted when a step could overflow them)
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): the chunks schedule."""
-    return {"schedule": "chunks"}
+    """The default build configuration (plans/variant.default_config): the rows schedule (docs/perf.md, "The rows
+    schedule": 12-22 % faster than chunks at B = 64, the chunks schedule's own stages below that)."""
+    return {"schedule": "rows"}
 
 
 def spell(config) -> tuple:
-    """A configuration's part of the variant name: draft_topk (chunks), draft_topk.stream."""
-    return () if config["schedule"] == "chunks" else (config["schedule"],)
+    """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks, .stream."""
+    return () if config["schedule"] == "rows" else (config["schedule"],)
 
 
 def chunks(v: int, dtype: str) -> int:
@@ -48,7 +55,7 @@ def plan(spec, config=None) -> Plan:
     schedule = (config or policy(spec))["schedule"]
     if schedule not in SCHEDULES:
         raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
-    stream = schedule == "stream"
+    stream, rows = schedule == "stream", schedule == "rows"
     if spec.max_tree_size - 1 > THREADS:   # tau: the k-th largest of THREADS thread maxima (stream: of WARPS x q)
         raise SpecError(f"spec {spec.name!r}, kernel draft_topk: N - 1 = {spec.max_tree_size - 1} above {THREADS}")
     warps = THREADS // 32
@@ -56,10 +63,18 @@ def plan(spec, config=None) -> Plan:
     if stream:
         stage0 += 4 * warps + 4 * warps * warps + 16 * NVEC * THREADS   # the warps' thresholds and counts, the next chunk
     stage1 = 8 * CMAX * KP + 16                                                     # the chunks' lists, M and S
+    ecap = 8 * KP            # rows: a warp's logit candidates at the end: < 8 per entry above the k-th, or k
+    # rows: RowsShared (entries, candidates, the warps' lists, the block's list, (M, S), the threshold), in dynamic
+    # shared memory that stage 1 reuses as DraftTopkShared
+    rows_smem = 8 * warps * CAPV + 8 * warps * ecap + 8 * warps * KP + 8 * KP + 8 * warps + 16
+    consts = {"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
+              "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream)), "ROWS": sympy.Integer(int(rows)),
+              "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "ECAP": ecap}
+    if rows:
+        return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
+                    static_smem=sympy.Integer(0), dynamic_smem=sympy.Max(rows_smem, stage0, stage1), consts=consts)
     return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
-                static_smem=sympy.Max(stage0, stage1),
-                consts={"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
-                        "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream))})
+                static_smem=sympy.Max(stage0, stage1), consts=consts)
 
 
 KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan,

@@ -85,6 +85,17 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //           holds no finite maximum. Stage 1 ranks each list
 //           entry among the other lists by binary searches (the keys are distinct) and writes the ranks
 //           below k: two block barriers instead of the bitonic merges' chain.
+//  "rows" (ROWS 1): stage 2, one block per row (the launcher's choice where the rows fill the GPU; below that the
+//           build runs the chunks schedule's stages 0 and 1, in the same dynamic shared memory), its 8 warps
+//           streaming the row's 16-byte vectors NV at a time per lane, the next round's loads in flight while the
+//           current one is computed (registers, no barrier).
+//           Per lane: a running maximum and sum (run_raise keeps the sum in the form of the maximum). Per warp:
+//           the vectors whose maximum reaches the warp's threshold tf are entries (vector maximum's key, vector
+//           index) of its list; a full list is compacted to the vectors at or above the k-th largest vector
+//           maximum, which becomes tf (>= k logits are >= it) and raises the block's shared threshold, which every
+//           warp takes as its own. At the end each warp re-reads its entries' vectors, takes its k best logits
+//           (ties: lowest ids, through the entries' order, which is the row's), ranks them; the block merges the
+//           8 lists by binary searches and writes the row.
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -96,6 +107,10 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define WORDS (NVEC * 4)         // 32-bit words a thread holds
 #define FULL 0xffffffffu
 #define STREAM 0            // the schedule: 0 "chunks", 1 "stream"
+#define ROWS 1                // 1: the "rows" schedule (below); STREAM is 0 then
+#define NV 4                    // rows: 16-byte vectors per lane and round
+#define CAPV 512                // rows: a warp's passing-vector entries
+#define ECAP 512                // rows: a warp's element candidates at the end (8 KP: every case fits)
 
 typedef unsigned long long u64;
 
@@ -635,6 +650,17 @@ __device__ __forceinline__ void stream_chunks(DraftTopkShared& sh, const unsigne
     }
 }
 
+#endif
+
+#if STREAM || ROWS
+// The entries of the descending list l[0, KP) (0-padded) above key: a branchless binary search (KP a power of two).
+__device__ __forceinline__ int count_above(const u64* l, u64 key) {
+    int lo = 0;
+    #pragma unroll
+    for (int st = KP / 2; st >= 1; st >>= 1) lo += l[lo + st - 1] > key ? st : 0;
+    return lo + (l[lo] > key ? 1 : 0);
+}
+
 // stream stage 1: one block per row; each entry of the chunks' lists (descending, distinct keys but the
 // trailing 0s, "none") has the row rank (its index in its list) + (the entries above it in each other
 // list, by binary search); the ranks below k are the row's top k in order.
@@ -644,9 +670,11 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
     Stage1& s = sh.b;
     const int tid = threadIdx.x, lane = tid & 31;
     const long long row = blockIdx.x;
-    const int n = chunks * k;
-    const u64* src = ws_keys + row * n;
-    for (int idx = tid; idx < n; idx += THREADS) s.buf[idx] = src[idx];
+    const u64* src = ws_keys + row * chunks * k;
+    for (int idx = tid; idx < chunks * KP; idx += THREADS) {   // list ch at s.buf + ch * KP, 0-padded
+        const int ch = idx / KP, p = idx - ch * KP;
+        s.buf[idx] = p < k ? src[ch * k + p] : 0ull;
+    }
     if (tid < 32) {
         float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
         float M = ms.x;
@@ -662,21 +690,15 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
     }
     __syncthreads();
     const float M = s.ms[0], L = logf(s.ms[1]);
-    for (int idx = tid; idx < n; idx += THREADS) {
+    for (int idx = tid; idx < chunks * KP; idx += THREADS) {
         const u64 key = s.buf[idx];
-        if (key == 0ull) continue;                       // none (a chunk of fewer than k logits)
-        const int ch = idx / k;
-        int r = idx - ch * k;
-        for (int o = 0; o < chunks && r < k; ++o) {
-            if (o == ch) continue;
-            const u64* l = s.buf + o * k;
-            int lo = 0, hi = k;                          // l[0, lo) > key, l[hi, k) < key
-            while (lo < hi) {
-                const int mid = (lo + hi) >> 1;
-                if (l[mid] > key) lo = mid + 1;
-                else hi = mid;
-            }
-            r += lo;
+        const int ch = idx / KP;
+        int r = idx - ch * KP;
+        if (key == 0ull || r >= k) continue;             // none (a chunk of fewer than k logits), or padding
+        for (int o = 0; o < chunks; o += 4) {            // four lists' searches side by side
+            #pragma unroll
+            for (int q = 0; q < 4; ++q)
+                r += (o + q < chunks && o + q != ch) ? count_above(s.buf + (o + q) * KP, key) : 0;
         }
         if (r < k) {
             const float v = key_float((unsigned)(key >> 32));
@@ -691,6 +713,402 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
 }
 #endif
 
+#if ROWS
+// ---------------------------------------------------------------------------------------------- the rows schedule
+struct RowsShared {
+    u64 vent[WARPS][CAPV];     // a warp's passing vectors: (vector maximum's key << 32) | vector index, in row order
+    u64 el[WARPS][ECAP];       // a warp's logit candidates at the end (composite keys)
+    u64 wl[WARPS][KP];         // a warp's top-k in order (0: none); first its ties at the threshold
+    u64 list[KP];              // the block's top-k in order (0: none)
+    float2 wms[WARPS];         // a warp's (M, S)
+    unsigned tkey;             // the block's threshold key: at least k logits of the row are >= it (0: none yet)
+    unsigned pad[3];
+};
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+    unsigned m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+// The least float above v (NaN above +inf: nothing compares >= it; +0 and -0 -> the least subnormal).
+__device__ __forceinline__ float next_up(float v) {
+    if (v == DDT_POS_INF) return __uint_as_float(0x7fffffffu);
+    if (v == 0.0f) return __uint_as_float(1u);
+    const unsigned u = __float_as_uint(v);
+    return __uint_as_float(v > 0.0f ? u + 1u : u - 1u);
+}
+
+// A lane's running maximum m and sum s of its logits so far, s in one of four forms by m: "fast" (m finite and
+// |m c| < 3e38: s = sum 2^(fl(x c - R)), the fma's terms, against R = ceil(fl(m c)), an integer: a rise of R
+// rescales s by an exact power of two, so the rescales add no rounding), "plain" (|m c| beyond float32:
+// s = sum 2^((x - m) c)), m = +inf (s = the count of +inf logits), m = -inf (s = 0).
+struct Run { float m, s, R; };
+
+// 2^d for an integer-valued float d <= 0, exactly (0 below the least normal: the terms there are flushed anyway)
+__device__ __forceinline__ float exp2_int(float d) {
+    return d < -126.0f ? 0.0f : __int_as_float((127 + (int)d) << 23);
+}
+// s as sum 2^((x - m) c): the fast form is 2^(R - m c) times too small, R - m c = -fl(m c - R) (one rounding)
+__device__ __forceinline__ float run_exact(const Run& r, float c) {
+    if (r.m != DDT_NEG_INF && r.m != DDT_POS_INF && fabsf(r.R) < 3.0e38f) return r.s * ex2(-fmaf(r.m, c, -r.R));
+    return r.s;
+}
+// Raise the maximum to nm (> r.m, not NaN), s turned into nm's form.
+__device__ __forceinline__ void run_raise(Run& r, float nm, float c) {
+    if (nm == DDT_POS_INF) { r.m = nm; r.s = 0.0f; r.R = DDT_POS_INF; return; }   // the +inf are counted from here
+    const float nmc = nm * c;
+    const bool nfast = fabsf(nmc) < 3.0e38f;
+    const float nR = nfast ? ceilf(nmc) : nmc;
+    if (r.m == DDT_NEG_INF) {
+        r.s = 0.0f;
+    } else if (nfast && fabsf(r.R) < 3.0e38f) {
+        if (nR != r.R) r.s *= exp2_int(r.R - nR);                              // fast to fast: exact
+    } else {
+        const float ex = run_exact(r, c) * ex2(__fmul_rn(__fsub_rn(r.m, nm), c));   // through the exact form
+        r.s = nfast ? ex * ex2(fmaf(nm, c, -nR)) : ex;
+    }
+    r.m = nm;
+    r.R = nR;
+}
+// This round's terms of a lane's sum (its NV vectors, NaN already -inf), in r's form.
+template <bool BF16>
+__device__ __forceinline__ float round_sum(const uint32_t (&w)[NV * 4], const Run& r, float c) {
+    typedef Layout<BF16> Lay;
+    const int VEC = Lay::VEC;
+    float acc = 0.0f;
+    if (fabsf(r.R) < 3.0e38f) {   // fast (r.m is finite here: +-inf give R = +-inf)
+        const float nmc = -r.R;
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            float t[8];
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+                const uint32_t x = w[j * 4 + (BF16 ? v >> 1 : v)];
+                const float f = BF16 ? __uint_as_float((v & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+                t[v] = ex2(fmaf(f, c, nmc));
+            }
+            float vs;
+            if (BF16) vs = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+            else vs = (t[0] + t[1]) + (t[2] + t[3]);
+            acc = j == 0 ? vs : acc + vs;
+        }
+    } else if (r.m == DDT_POS_INF) {
+        #pragma unroll
+        for (int i = 0; i < NV * VEC; ++i) {
+            const uint32_t x = w[BF16 ? i >> 1 : i];
+            const float f = BF16 ? __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+            acc += f == DDT_POS_INF ? 1.0f : 0.0f;
+        }
+    } else if (r.m != DDT_NEG_INF) {   // plain
+        #pragma unroll
+        for (int i = 0; i < NV * VEC; ++i) {
+            const uint32_t x = w[BF16 ? i >> 1 : i];
+            const float f = BF16 ? __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+            acc += ex2(__fmul_rn(__fsub_rn(f, r.m), c));
+        }
+    }
+    return acc;
+}
+
+// A lane's NV vectors of a round: vector vi + 32 j of the row for j < NV (past ve: -inf; in a vector, logits past V:
+// -inf). 16-byte loads where vec_ok, else element by element.
+template <bool BF16>
+__device__ __forceinline__ void load_round(uint32_t (&w)[NV * 4], const unsigned char* __restrict__ rowp, int vi,
+                                           int ve, int V, int vec_ok) {
+    typedef Layout<BF16> Lay;
+    const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
+    #pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int v = vi + 32 * j;
+        uint4 q = make_uint4(NEG, NEG, NEG, NEG);
+        if (v < ve) {
+            if (vec_ok) {
+                q = __ldg(reinterpret_cast<const uint4*>(rowp) + v);
+            } else {
+                uint32_t h[4];
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (BF16) {
+                        const int e = v * 8 + 2 * i;
+                        const uint32_t lo = e < V ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(rowp) + e) : 0xff80u;
+                        const uint32_t hi = e + 1 < V ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(rowp) + e + 1) : 0xff80u;
+                        h[i] = lo | (hi << 16);
+                    } else {
+                        const int e = v * 4 + i;
+                        h[i] = e < V ? __ldg(reinterpret_cast<const unsigned*>(rowp) + e) : 0xff800000u;
+                    }
+                }
+                q = make_uint4(h[0], h[1], h[2], h[3]);
+            }
+        }
+        w[4 * j] = q.x; w[4 * j + 1] = q.y; w[4 * j + 2] = q.z; w[4 * j + 3] = q.w;
+    }
+}
+
+// The warp's number of entries whose vector-maximum key (high word) is >= cand.
+__device__ __forceinline__ int warp_count_ge(const u64* vent, int cnt, unsigned cand) {
+    const unsigned* hw = reinterpret_cast<const unsigned*>(vent);
+    int n = 0;
+    for (int i = threadIdx.x & 31; i < cnt; i += 32) n += hw[2 * i + 1] >= cand ? 1 : 0;
+    return __reduce_add_sync(FULL, n);
+}
+// The k-th largest vector-maximum key of the warp's cnt >= k entries (a bisection from the highest bit where
+// the entries' keys differ).
+template <bool BF16>
+__device__ __forceinline__ unsigned warp_kth(const u64* vent, int cnt, int k) {
+    const unsigned* hw = reinterpret_cast<const unsigned*>(vent);
+    unsigned lo = FULL, hi = 0u;
+    for (int i = threadIdx.x & 31; i < cnt; i += 32) {
+        lo = min(lo, hw[2 * i + 1]);
+        hi = max(hi, hw[2 * i + 1]);
+    }
+    lo = __reduce_min_sync(FULL, lo);
+    hi = __reduce_max_sync(FULL, hi);
+    const unsigned diff = lo ^ hi;
+    if (diff == 0u) return hi;
+    const int top = 31 - __clz(diff);
+    unsigned p = top == 31 ? 0u : hi & ~((2u << top) - 1u);   // the bits above top, which every key shares
+    for (int b = top; b >= (BF16 ? 16 : 0); --b) {             // a bf16 key's low half is 0 (>= 0) or ones (< 0)
+        const unsigned cand = p | (1u << b);
+        if (warp_count_ge(vent, cnt, cand) >= k) p = cand;
+    }
+    if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;
+    return p;
+}
+// Keep the warp's entries whose vector maximum is >= tf and whose key is >= kmin, in order (stable, in place: a
+// store goes to a slot at or below base + lane, which its lane has read). Returns the new count.
+__device__ __forceinline__ int keep_entries(u64* vent, int cnt, float tf, unsigned kmin) {
+    const int lane = threadIdx.x & 31;
+    int out = 0;
+    for (int base = 0; base < cnt; base += 32) {
+        const int i = base + lane;
+        const u64 e = i < cnt ? vent[i] : 0ull;
+        const unsigned h = (unsigned)(e >> 32);
+        const bool keep = i < cnt && h >= kmin && key_float(h) >= tf;
+        const unsigned kb = __ballot_sync(FULL, keep);
+        if (keep) vent[out + __popc(kb & lanemask_lt())] = e;
+        out += __popc(kb);
+    }
+    __syncwarp();
+    return out;
+}
+
+// Compact the warp's entries to those whose vectors can still hold one of the row's k best: the vectors at or above
+// p, the k-th largest vector maximum; if those are too many (ties at p), the vectors above p and the first of those
+// at p (row order: lowest ids) to k in all, and the warp's filter becomes strict. Returns the new count.
+template <bool BF16>
+__device__ __forceinline__ int compact(u64* vent, int cnt, int k, float& tf, unsigned* tkey) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    const unsigned p = warp_kth<BF16>(vent, cnt, k);
+    const int ge = warp_count_ge(vent, cnt, p);
+    const bool ties = ge > CAPV / 2;
+    const int need = ties ? k - (p == FULL ? 0 : warp_count_ge(vent, cnt, p + 1u)) : 0;
+    int out = 0, eq_seen = 0;
+    for (int base = 0; base < cnt; base += 32) {
+        const int i = base + lane;
+        const u64 e = i < cnt ? vent[i] : 0ull;
+        const unsigned h = (unsigned)(e >> 32);
+        const unsigned eqb = __ballot_sync(FULL, i < cnt && h == p);
+        const bool keep = i < cnt && (ties ? (h > p || (h == p && eq_seen + __popc(eqb & lanemask_lt()) < need)) : h >= p);
+        const unsigned kb = __ballot_sync(FULL, keep);   // every lane has read its entry: the stores below go to
+        if (keep) vent[out + __popc(kb & lanemask_lt())] = e;   // slots at or below base + lane
+        out += __popc(kb);
+        eq_seen += __popc(eqb);
+    }
+    __syncwarp();
+    const float pv = key_float(p);
+    tf = fmaxf(tf, ties ? next_up(pv) : pv);   // strict after ties: a later logit equal to pv has a higher id
+    if (lane == 0) atomicMax(tkey, p);          // the row has >= k logits >= pv
+    return out;
+}
+
+// One block: row blockIdx.x (vectors [0, ve)); its top-k and log-probs to the row's outputs.
+template <bool BF16>
+__device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __restrict__ logits, int V, int k,
+                                         int vec_ok, float inv_t, float c, float* __restrict__ out_lp,
+                                         int* __restrict__ out_id) {
+    typedef Layout<BF16> Lay;
+    const int VEC = Lay::VEC;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long row = blockIdx.x;
+    const unsigned char* rowp = logits + (size_t)row * (size_t)V * Lay::ES;
+    const int vb = 0, ve = (V + VEC - 1) / VEC;
+    if (tid == 0) s.tkey = 0u;
+    for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
+    __syncthreads();
+    u64* vent = s.vent[warp];
+    int cnt = 0;                   // the warp's entries (uniform)
+    float tf = DDT_NEG_INF;        // the warp's filter: vectors whose maximum is >= tf
+    Run r = {DDT_NEG_INF, 0.0f, DDT_NEG_INF};
+    const int STEP = THREADS * NV;             // vectors per block round
+    const int first = vb + warp * NV * 32 + lane;   // this lane's first vector of a round, less the round's base
+    uint32_t cur[NV * 4], nxt[NV * 4];
+    load_round<BF16>(cur, rowp, first, ve, V, vec_ok);
+    for (int base = 0; vb + base < ve; base += STEP) {
+        const int vi = first + base;
+        if (vb + base + STEP < ve) load_round<BF16>(nxt, rowp, vi + STEP, ve, V, vec_ok);
+        float vmax[NV];
+        float rmax = DDT_NEG_INF;
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {   // NaN -> -inf, the vectors' maxima
+            if (BF16) {
+                #pragma unroll
+                for (int h = 0; h < 4; ++h) cur[4 * j + h] = bmax2(cur[4 * j + h], 0xff80ff80u);
+                const uint32_t m = bmax2(bmax2(cur[4 * j], cur[4 * j + 1]), bmax2(cur[4 * j + 2], cur[4 * j + 3]));
+                vmax[j] = fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
+            } else {
+                #pragma unroll
+                for (int h = 0; h < 4; ++h) cur[4 * j + h] = __float_as_uint(fmaxf(__uint_as_float(cur[4 * j + h]), DDT_NEG_INF));
+                vmax[j] = fmaxf(fmaxf(__uint_as_float(cur[4 * j]), __uint_as_float(cur[4 * j + 1])),
+                                fmaxf(__uint_as_float(cur[4 * j + 2]), __uint_as_float(cur[4 * j + 3])));
+            }
+            rmax = fmaxf(rmax, vmax[j]);
+        }
+        if (rmax > r.m) run_raise(r, rmax, c);
+        r.s += round_sum<BF16>(cur, r, c);
+        tf = fmaxf(tf, key_float(*reinterpret_cast<volatile unsigned*>(&s.tkey)));   // 0 (none) gives NaN: tf
+        #pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = vi + 32 * j;
+            const bool pass = v < ve && vmax[j] >= tf;
+            const unsigned bal = __ballot_sync(FULL, pass);
+            if (bal) {
+                if (pass) vent[cnt + __popc(bal & lanemask_lt())] = ((u64)okey(vmax[j]) << 32) | (unsigned)v;
+                cnt += __popc(bal);
+                if (cnt > CAPV - 32) cnt = compact<BF16>(vent, cnt, k, tf, &s.tkey);
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < NV * 4; ++i) cur[i] = nxt[i];
+    }
+
+    // ---- the warp's (M, S)
+    {
+        const float S = run_exact(r, c);
+        float M = r.m;
+        #pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+        float part_s;
+        if (M == DDT_NEG_INF) part_s = 0.0f;
+        else if (M == DDT_POS_INF) part_s = r.m == DDT_POS_INF ? S : 0.0f;
+        else part_s = S * ex2(__fmul_rn(__fsub_rn(r.m, M), c));
+        #pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) part_s += __shfl_xor_sync(FULL, part_s, o);
+        if (lane == 0) s.wms[warp] = make_float2(M, part_s);
+    }
+
+    // ---- the warp's k best logits: from its entries' vectors, re-read (they were read once already: L2 or DRAM).
+    // First the entries below the block's final threshold go (every warp has raised it by now).
+    // (Not the warp's own tf: strict after ties, it is for the logits after it, not for the entries it kept.)
+    __syncthreads();
+    cnt = keep_entries(vent, cnt, fmaxf(DDT_NEG_INF, key_float(s.tkey)), 0u);   // tkey 0 (none) gives NaN: -inf
+    u64* el = s.el[warp];
+    u64* wl = s.wl[warp];
+    const unsigned pv = cnt >= k ? warp_kth<BF16>(vent, cnt, k) : 0u;   // >= k logits are >= it; 0: take all
+    cnt = keep_entries(vent, cnt, DDT_NEG_INF, pv);
+    int ngt = 0, ntie = 0;
+    for (int b0 = 0; b0 < cnt; b0 += 32 * NV) {
+        // NV entries per lane (b0 + lane + 32 q): their vectors loaded at once, then taken in row order
+        uint32_t wv[NV * 4];
+        int vv[NV];
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const int i = b0 + lane + 32 * q;
+            vv[q] = i < cnt ? (int)(unsigned)vent[i] : -1;
+        }
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
+            uint4 x4 = make_uint4(NEG, NEG, NEG, NEG);
+            if (vv[q] >= 0) {
+                uint32_t one[NV * 4];
+                load_round<BF16>(one, rowp, vv[q], vv[q] + 1, V, vec_ok);   // vector vv[q] alone (j = 0)
+                x4 = make_uint4(one[0], one[1], one[2], one[3]);
+            }
+            wv[4 * q] = x4.x; wv[4 * q + 1] = x4.y; wv[4 * q + 2] = x4.z; wv[4 * q + 3] = x4.w;
+        }
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+        const bool use = vv[q] >= 0;
+        const int v = vv[q];
+        uint32_t w[4];
+        #pragma unroll
+        for (int h = 0; h < 4; ++h) w[h] = BF16 ? bmax2(wv[4 * q + h], 0xff80ff80u) : __float_as_uint(fmaxf(__uint_as_float(wv[4 * q + h]), DDT_NEG_INF));
+        unsigned mgt = 0u, meq = 0u;
+        #pragma unroll
+        for (int t = 0; t < VEC; ++t) {
+            const uint32_t x = w[BF16 ? t >> 1 : t];
+            const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+            const bool ok = use && v * VEC + t < V;
+            const unsigned key = okey(f);
+            mgt |= (ok && key > pv) ? 1u << t : 0u;
+            meq |= (ok && key == pv) ? 1u << t : 0u;
+        }
+        // positions in row order (lane order = entry order): inclusive scans of the counts
+        int cg = __popc(mgt), ce = __popc(meq);
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int yg = __shfl_up_sync(FULL, cg, o), ye = __shfl_up_sync(FULL, ce, o);
+            if (lane >= o) { cg += yg; ce += ye; }
+        }
+        const int tg = __shfl_sync(FULL, cg, 31), te = __shfl_sync(FULL, ce, 31);
+        int pg = ngt + cg - __popc(mgt), pe = ntie + ce - __popc(meq);
+        #pragma unroll
+        for (int t = 0; t < VEC; ++t) {
+            const uint32_t x = w[BF16 ? t >> 1 : t];
+            const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+            if ((mgt >> t) & 1u) el[pg++] = ckey(f, v * VEC + t);
+            if ((meq >> t) & 1u) { if (pe < k) wl[pe] = ckey(f, v * VEC + t); ++pe; }
+        }
+        ngt += tg;
+        ntie += te;
+        }
+    }
+    __syncwarp();
+    int n = ngt;
+    if (ngt < k) {   // the ties at pv in row order, to k
+        const int take = min(k - ngt, ntie);
+        for (int i = lane; i < take; i += 32) el[ngt + i] = wl[i];
+        n = ngt + take;
+    }
+    __syncwarp();
+    for (int i = lane; i < KP; i += 32) wl[i] = 0ull;
+    __syncwarp();
+    for (int i = lane; i < n; i += 32) {   // exact ranks (the keys are distinct)
+        const u64 key = el[i];
+        int rk = 0;
+        for (int j = 0; j < n; ++j) rk += el[j] > key ? 1 : 0;
+        if (rk < k) wl[rk] = key;
+    }
+    __syncthreads();
+
+    // ---- the block: (M, S) and the merge of the warps' lists by ranks
+    float M = DDT_NEG_INF, S = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < WARPS; ++i) M = fmaxf(M, s.wms[i].x);
+    #pragma unroll
+    for (int i = 0; i < WARPS; ++i) {
+        const float2 ms = s.wms[i];
+        float p;
+        if (M == DDT_NEG_INF) p = 0.0f;
+        else if (M == DDT_POS_INF) p = ms.x == DDT_POS_INF ? ms.y : 0.0f;
+        else p = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
+        S += p;
+    }
+    for (int idx = tid; idx < WARPS * KP; idx += THREADS) {   // the other lists' searches side by side
+        const int wv = idx / KP, i = idx - wv * KP;
+        const u64 key = s.wl[wv][i];
+        int rk = i;
+        #pragma unroll
+        for (int o = 0; o < WARPS; ++o) rk += o == wv ? 0 : count_above(s.wl[o], key);
+        if (key != 0ull && rk < k) s.list[rk] = key;
+    }
+    __syncthreads();
+    write_row(s.list, k, M, S, inv_t, row, out_lp, out_id);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256, 3)
 ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 bits or float32
             int V, int k, int chunks,                    // chunks per row: ceil(V / CHUNK)
@@ -702,9 +1120,22 @@ ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 
             int* __restrict__ out_id,                    // [rows, k]
             int total,                                   // rows * chunks
             int stage)                                   // 0: the chunks (grid rows * chunks; stream: at most
-                                                         //    SMs x MIN_BLOCKS); 1: the merge (grid rows)
+                                                         //    SMs x MIN_BLOCKS); 1: the merge (grid rows);
+                                                         //    2 (the rows build): a block per row (grid rows)
 {
+#if ROWS
+    // RowsShared (stage 2), or the chunks schedule's DraftTopkShared (stages 0 and 1: fewer rows than the GPU holds)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DraftTopkShared& sh = *reinterpret_cast<DraftTopkShared*>(smem_raw);
+    if (stage == 2) {
+        RowsShared& rs = *reinterpret_cast<RowsShared*>(smem_raw);
+        if (is_bf16) rows_row<true>(rs, logits, V, k, vec_ok, inv_t, c, out_lp, out_id);
+        else rows_row<false>(rs, logits, V, k, vec_ok, inv_t, c, out_lp, out_id);
+        return;
+    }
+#else
     __shared__ __align__(16) DraftTopkShared sh;
+#endif
 #if STREAM
     if (stage == 0) {
         if (is_bf16) stream_chunks<true>(sh, logits, V, k, chunks, total, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
