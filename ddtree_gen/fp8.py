@@ -59,3 +59,17 @@ def from_float(x) -> np.ndarray:
 def dequantize(a, kv_scale: float) -> np.ndarray:
     """The values an fp8 cache stands for: e4m3(byte) * kv_scale, in float64."""
     return to_float64(a) * float(kv_scale)
+
+
+# the bf16 NaN the kernels' exact conversion (templates/common.cuh.j2, fp8x2_hi_to_bf16x2) gives a NaN byte: its sign,
+# then 0x7ff0 (the +-480 its fields would stand for, with the quiet-NaN bits set)
+BF16_NAN = 0x7FF0
+
+
+def to_bf16_bits(a) -> np.ndarray:
+    """e4m3 bytes -> bf16 bits (uint16), exactly as the kernels convert them: every finite e4m3 value is a bf16
+    value (subnormals, +-0 included), a NaN byte becomes its sign | BF16_NAN."""
+    from .bf16 import to_bits
+    table = to_bits(to_float64(np.arange(256, dtype=np.uint8)))
+    table[list(NAN_BYTES)] = (BF16_NAN, 0x8000 | BF16_NAN)
+    return table[as_bytes(a)]

@@ -18,7 +18,8 @@ from .errors import ArgumentError
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __all__ = ["tree_build", "tree_build_heap", "tree_verify", "tree_verify_tail",
-           "merge_states", "tree_accept", "kv_commit", "draft_topk", "DraftTopkOutput"]
+           "merge_states", "tree_accept", "kv_commit", "draft_topk", "DraftTopkOutput", "kv_dequant",
+           "KvDequantOutput"]
 
 _I32_MAX = 2**31 - 1
 
@@ -608,3 +609,53 @@ def draft_topk(logits, k, temperature=1.0):
             count = (x[plus] == np.inf).sum(axis=-1, keepdims=True)
             lp[plus] = np.where(top[plus] == np.inf, -np.log(count), -np.inf)
     return DraftTopkOutput(order.astype(np.int32), lp)
+
+
+# ------------------------------------------------------------------------------ kv_dequant
+
+class KvDequantOutput(NamedTuple):
+    """kv_dequant's record (the launcher's and this reference's): the bf16 workspace cache and its block table."""
+    kv_cache: Any         # [B * max_pages, page_size, R + P] bf16 bits (uint16): request b's page j at b * max_pages + j
+    block_table: Any      # [B, max_pages] int32: b * max_pages + j where the page was converted, else -1
+
+
+def kv_dequant(kv_cache, block_table, prefix_lens, q_lens, out=None) -> KvDequantOutput:
+    """The dequantize pre-pass of tree_verify's fp8 path "dequant" (docs/contract.md 4b), bit-exact: for request b
+    with q_len >= 1 and prefix_len >= 0, each page index j with j * page_size < prefix_len + q_len whose block-table
+    entry p lies in [0, num_pages) is converted whole, e4m3 -> bf16 exactly (fp8.to_bf16_bits: NaN bytes become
+    sign | 0x7ff0, values unscaled), into workspace page b * max_pages + j, and block_table[b, j] of the result is
+    that page; every other entry of the result's table is -1 and its page is not written. kv_cache: [num_pages,
+    page_size, R + P] e4m3 bytes (uint8 or ml_dtypes.float8_e4m3fn). `out`: a KvDequantOutput of numpy arrays
+    (uint16 kv_cache, int32 block_table) written in place (pages not converted keep their contents); without it
+    they are new, the pages not converted zero."""
+    kv = np.asarray(kv_cache)
+    if not fp8.is_e4m3(kv):
+        raise ArgumentError(f"kv_cache: expected e4m3 bytes (uint8 or float8_e4m3fn), got {kv.dtype}")
+    if kv.ndim != 3:
+        raise ArgumentError(f"kv_cache: expected 3 dimensions, got shape {kv.shape}")
+    num_pages, page, row = kv.shape
+    table = _int_array(block_table, "block_table", 2)
+    b, max_pages = table.shape
+    prefix = _int_array(prefix_lens, "prefix_lens", 1)
+    qlens = _int_array(q_lens, "q_lens", 1)
+    if prefix.shape != (b,) or qlens.shape != (b,):
+        raise ArgumentError(f"prefix_lens / q_lens: shapes {prefix.shape} / {qlens.shape}, expected ({b},)")
+    if out is None:
+        out = KvDequantOutput(np.zeros((b * max_pages, page, row), np.uint16), np.empty((b, max_pages), np.int32))
+    if out.kv_cache.shape != (b * max_pages, page, row) or out.kv_cache.dtype != np.uint16:
+        raise ArgumentError(f"out.kv_cache: expected uint16 {(b * max_pages, page, row)}")
+    if out.block_table.shape != (b, max_pages) or out.block_table.dtype != np.int32:
+        raise ArgumentError(f"out.block_table: expected int32 {(b, max_pages)}")
+    convert = fp8.to_bf16_bits(np.arange(256, dtype=np.uint8))
+    for r in range(b):
+        keys = int(prefix[r]) + int(qlens[r])
+        served = qlens[r] >= 1 and prefix[r] >= 0
+        for j in range(max_pages):
+            w = r * max_pages + j
+            p = int(table[r, j])
+            if served and j * page < keys and 0 <= p < num_pages:
+                out.kv_cache[w] = convert[fp8.as_bytes(kv[p])]
+                out.block_table[r, j] = w
+            else:
+                out.block_table[r, j] = -1
+    return out

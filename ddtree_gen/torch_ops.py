@@ -74,9 +74,9 @@ def implementation(op: str):
 # --------------------------------------------------------------- the implementations named by declarations
 
 def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                impl="auto", kv_scale=None):
+                impl="auto", kv_scale=None, fp8_path=None):
     return _kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                   softmax_scale, impl=impl, kv_scale=kv_scale)
+                                   softmax_scale, impl=impl, kv_scale=kv_scale, fp8_path=fp8_path)
 
 
 def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,

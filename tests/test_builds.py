@@ -25,7 +25,7 @@ import pytest
 from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
 from ddtree_gen.plans import all_kernels, by_name
 from ddtree_gen.plans.variant import default_config, variant
-from ddtree_gen.spec import load_spec, spec_paths
+from ddtree_gen.spec import find_spec, load_spec, spec_paths
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_NAMES = [p.stem for p in spec_paths(REPO / "specs")]
@@ -485,12 +485,16 @@ def test_list_shows_targets_per_kernel(concurrent_build, session_cache, tmp_path
     assert "targets=sm_90a,sm_80" in out
     rows = [ln.split() for ln in out.splitlines()[1:]]
     targets, kernel = {}, None
+    spec = find_spec("kimi-k2.6-tp8")
     for row in rows:
         if not row[0].startswith("sm_"):
             kernel, row = row[0], row[1:]
+        if not by_name(kernel).builds_for(spec):   # an fp8 spec's kernel (the dequantize path's): one row saying so
+            assert row[0] == "-" and "not built" in " ".join(row), row
+            continue
         targets.setdefault(kernel, []).append(row[0])
         assert "up to date" in " ".join(row) and row[-1] == "cached", row
-    assert targets == {k.name: list(k.archs) for k in KERNELS}
+    assert targets == {k.name: list(k.archs) for k in KERNELS if k.builds_for(spec)}
     (root / "specs" / "kimi-k2.6-tp8.toml").write_text(
         (root / "specs" / "kimi-k2.6-tp8.toml").read_text() + 'archs = ["sm_80"]\n')
     rc, out = _cli_inproc(monkeypatch, capsys, root, session_cache, "list", "kimi-k2.6-tp8")
@@ -768,13 +772,17 @@ def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
     registered = KERNELS
     assert sanitize.worker(["kimi-k2.6-tp8"]) == 0
     out = capsys.readouterr().out
+    spec = find_spec("kimi-k2.6-tp8")
     for k in registered:
-        if k.name in registry.sanitizer_cases():
+        if not k.builds_for(spec):   # an fp8 spec's kernel: skipped with the reason
+            assert f"kimi-k2.6-tp8 {k.name}: " in out and k.why_not_built(spec) in out
+        elif k.name in registry.sanitizer_cases():
             assert f"kimi-k2.6-tp8 {k.name} [" in out and "FAILED" not in out
         else:
             assert f"kimi-k2.6-tp8 {k.name}: " in out  # a note: launched by another kernel, or no cases
     assert "0 failed" in out
-    assert set(Kset.launched) >= {k.name for k in registered if k.name in registry.sanitizer_cases()}
+    assert set(Kset.launched) >= {k.name for k in registered if k.name in registry.sanitizer_cases()
+                                  and k.builds_for(spec)}
 
     def boom(name):
         if name == "merge_states":

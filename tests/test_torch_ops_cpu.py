@@ -22,7 +22,10 @@ def test_ops_are_registered_with_the_kv_cache_mutation():
     assert "Tensor(a!) kv_cache" in schema and schema.count("!") == 1, schema   # the one tensor it writes
     assert "!" not in str(ops.tree_verify.default._schema)
     for op in (ops.tree_verify, ops.tree_verify_tail):   # an fp8 spec's scale; optional, after impl
-        assert str(op.default._schema).endswith('str impl="auto", float? kv_scale=None) -> (Tensor, Tensor)')
+        assert 'str impl="auto", float? kv_scale=None' in str(op.default._schema)
+    # tree_verify's fp8 path (kernels/tree_verify.py: None = "fused", or "dequant"), last; the tail has none
+    assert str(ops.tree_verify.default._schema).endswith('float? kv_scale=None, str? fp8_path=None) -> (Tensor, Tensor)')
+    assert str(ops.tree_verify_tail.default._schema).endswith('float? kv_scale=None) -> (Tensor, Tensor)')
 
 
 def test_fake_shapes_follow_the_spec(spec):

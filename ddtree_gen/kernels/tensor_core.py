@@ -35,16 +35,20 @@ from ..errors import ArgumentError
 from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
-from ..plans.tree_verify_wgmma import parts_for
+from ..plans.kv_dequant import workspace_layout as dequant_layout
+from ..plans.tree_verify_wgmma import DEQUANT, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
+from .kv_dequant import dequant_step
 from .checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
                      given_outputs, validate_attention_values)
 
 READER = "tensor-core kernel"   # in alignment messages
 Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
 WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
-_INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace"))}
+KVW = WS + 1                    # fp8_path "dequant": the bf16 kv_workspace's
+KV_DEQUANT = "kv_dequant"       # its pre-pass (plans/kv_dequant.py)
+_INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
 
 
 def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -56,6 +60,41 @@ def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens
         return prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale)
     return run_call(kset, prepare, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
                                             type(kv_scale), kv_scale), cache=not validate)
+
+
+def attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, out,
+                      lse, validate, workspace, num_splits, kv_scale, kv_workspace) -> AttentionOutput:
+    """An fp8 spec's tree_verify by the dequantize path (fp8_path="dequant"): kv_dequant converts the e4m3 pages the
+    call reads into kv_workspace (a bf16 paged cache and its block table: plans/kv_dequant.workspace_layout), then
+    tree_verify_wgmma_dequant (the bf16-cache seesaw) reads it, with kv_scale applied as in the fused kernel."""
+    arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace, kv_workspace)
+
+    def prepare_dequant():
+        return prepare_attention(kset, DEQUANT, False, arrays, softmax_scale, validate, num_splits, kv_scale)
+    return run_call(kset, prepare_dequant, arrays, (type(softmax_scale), softmax_scale, type(num_splits), num_splits,
+                                                    type(kv_scale), kv_scale), cache=not validate)
+
+
+def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
+    """fp8_path "dequant": the caller's kv_workspace as a DevArray of the elements the call uses (None: not given, the
+    launcher allocates it), after its checks; and the layout (pages, table byte offset, elements)."""
+    from .kv_dequant import check_workspace_pages
+    check_workspace_pages(spec, b, max_pages)
+    layout = dequant_layout(spec, b, max_pages)
+    if len(arrays) <= KVW or arrays[KVW] is None:
+        return None, layout
+    ka, contiguous = ar.view(arrays[KVW], "kv_workspace")
+    if ka.dtype != "bf16":
+        raise ArgumentError(f"kv_workspace: dtype {ka.dtype}, expected bf16 (uint16 bits on CuPy, torch.bfloat16 on "
+                            f"torch)")
+    if not contiguous:
+        raise ArgumentError("kv_workspace: not C-contiguous")
+    if math.prod(ka.shape) < layout[2]:
+        raise ArgumentError(f"kv_workspace: {math.prod(ka.shape)} bf16 elements, B = {b} requests x max_pages = "
+                            f"{max_pages} need {layout[2]} (plans.kv_dequant.workspace_elems(spec, B, max_pages))")
+    ka = ar.DevArray(ka.obj, ka.ptr, (layout[2],), "bf16", ka.kind, ka._device)
+    ptrs.align(ka, "kv_workspace", 16, READER)
+    return ka, layout
 
 
 def available(kset, name: str, device: int) -> bool:
@@ -74,6 +113,12 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
+    dequant = name == DEQUANT
+    if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
+        if KV_DEQUANT not in kset.kernels:
+            raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
+                                f"{spec.name!r} (load it, or pass fp8_path=None)")
+        kset.require(KV_DEQUANT, qn.device)
     arch = kset.require(name, qn.device)
     consts = kset.constants(name, qn.device)
     bn = consts["BN"]
@@ -86,8 +131,10 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(qn.device) if b else DEFAULT_SMS
     if num_splits is None:
+        # the dequantize path's kernel takes the fused wgmma kernel's split count (the same table): the same bits
         splits = (parts_for(spec, b, nq, max_keys, sms) if parts else
-                  choose_splits(spec, b, nq, max_keys, bn, sms, arch, declaration(name).serves[1]))
+                  choose_splits(spec, b, nq, max_keys, bn, sms, arch,
+                                "wgmma" if dequant else declaration(name).serves[1]))
     else:
         splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
     if parts and b * -(-max_keys // bn) > INT32_MAX:
@@ -114,7 +161,9 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
                                 f"{need} (at most workspace_elems(spec, B, Nq, splits))")
         wa = ar.DevArray(wa.obj, wa.ptr, (need,), "float32", wa.kind, wa._device)   # the part the kernels use
         ptrs.align(wa, "workspace", 16, READER)
-    check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa}, reader=READER)
+    ka, layout = _kv_workspace(spec, arrays, ptrs, b, max_pages) if dequant else (None, None)
+    check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa, **({"kv_workspace": ka} if dequant else {})},
+                  reader=READER)
     if validate and b:
         validate_attention_values(tail, inputs, spec.page_size)
     new = [(7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")]
@@ -125,21 +174,29 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
                                    (np.uint64(0), np.uint64(0), np.uint64(0)))
         # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
         # boxes of one key tile's rows by one 64-column slab (bf16: 128 bytes, swizzled; e4m3: 64 bytes, as they are)
-        tma = ((TensorMap(2, num_pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64,
-                          *((1, False) if spec.kv_fp8 else ())),)
+        # the dequantize path: kv_dequant writes the bf16 pages and their block table into the kv workspace, which
+        # the kernel then reads as its cache (B * max_pages pages; the table after them)
+        kv, table, pages = (KVW, (KVW, layout[1]), layout[0]) if dequant else (2, 3, num_pages)
+        if dequant:
+            if max_pages:   # (none: the kernel reads no key, nor the table)
+                steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages))
+            new.append((KVW, (layout[2],), "bf16"))
+        tma = ((TensorMap(kv, pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64,
+                          *((1, False) if spec.kv_fp8 and not dequant else ())),)
                if consts.get("USE_TMA") else ())
         blocks = splits * row_tiles if parts else b * splits * row_tiles
         steps.append(Step(name, (blocks,),
-                          (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
-                           np.int32(num_pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
-                           *((spans,) if parts else ()), *tma)))
+                          (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq),
+                           np.int32(max_pages), np.int32(pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o,
+                           part_lse, *((spans,) if parts else ()), *tma)))
         if need:
             new.append((WS, (need,), "float32"))
         if splits > 1:
             steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
                                       spans if parts else np.uint64(0)))
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
-                    disjoint=tuple(ptrs.disjoint), scratch=(WS,), returns=(AttentionOutput, (7, 8)))
+                    disjoint=tuple(ptrs.disjoint), scratch=(WS, KVW) if dequant else (WS,),
+                    returns=(AttentionOutput, (7, 8)))
 
 
 def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:

@@ -42,7 +42,8 @@ from ..plans.tree_verify import MERGE_WARPS
 from ..plans.split_kv import COMBINE
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
-from .tensor_core import attention, available, prepare_attention
+from .tensor_core import KV_DEQUANT, attention, attention_dequant, available, prepare_attention
+from ..plans.tree_verify_wgmma import DEQUANT
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
@@ -170,6 +171,38 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate)
                     returns=(AttentionOutput, (7, 8)))
 
 
+FP8_PATHS = ("fused", "dequant")
+
+
+def _dequant_path(kset, impl, fp8_path, kv_workspace) -> bool:
+    """Whether a tree_verify call takes the dequantize path: fp8_path None (the default) or "fused": the fused kernel
+    (an fp8 spec: its converter warpgroup); "dequant" (an fp8 spec, impl "auto" or "wgmma"): kv_dequant, then
+    tree_verify_wgmma_dequant. ArgumentError naming the argument otherwise, before anything is launched."""
+    spec = kset.spec
+    if fp8_path is not None:
+        if not isinstance(fp8_path, str) or fp8_path not in FP8_PATHS:
+            raise ArgumentError(f"fp8_path: {fp8_path!r}, expected None (the default: 'fused'), "
+                                f"{' or '.join(map(repr, FP8_PATHS))}")
+        if not spec.kv_fp8:
+            raise ArgumentError(f"fp8_path: given ({fp8_path!r}), but spec {spec.name!r} has kv_dtype "
+                                f"{spec.kv_dtype!r}: its cache is read as it is (fp8_path is for kv_dtype 'fp8_e4m3')")
+    if fp8_path != "dequant":
+        if kv_workspace is not None:
+            raise ArgumentError(f"kv_workspace: only the dequantize path (fp8_path='dequant') takes it, but fp8_path is "
+                                f"{fp8_path!r}")
+        return False
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
+    if impl not in ("auto", "wgmma"):
+        raise ArgumentError(f"fp8_path: 'dequant' runs on the wgmma kernels ({KV_DEQUANT}, {DEQUANT}), but impl="
+                            f"{impl!r} was asked (pass impl='auto' or 'wgmma', or fp8_path=None)")
+    missing = [k for k in (KV_DEQUANT, DEQUANT) if k not in kset.kernels and k not in kset.requested]
+    if missing:
+        raise ArgumentError(f"fp8_path: 'dequant' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
+                            f"{spec.name!r} (load them, or pass fp8_path=None)")
+    return True
+
+
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits, kv_scale) -> AttentionOutput:
     # the candidates depend on nothing else: cached beside the prepared calls
     pick = ("impl", name, impl, workspace is None, num_splits is None) if isinstance(impl, str) else None
@@ -197,7 +230,7 @@ def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_s
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                 out=None, lse=None, *, validate=False, impl="auto", workspace=None,
-                num_splits=None, kv_scale=None) -> AttentionOutput:
+                num_splits=None, kv_scale=None, fp8_path=None, kv_workspace=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (docs/contract.md tree_verify), on the current stream.
 
     q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16 (an fp8
@@ -213,7 +246,18 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     q_nope and q_pe 16-byte aligned (the CUDA-core one: 4) and take workspace / num_splits (see
     tree_verify_mma.tree_verify); they are refused with impl="simple" and unused when "auto"
     picks the CUDA-core kernel.
+
+    fp8_path (an fp8 spec only): None (the default) or "fused": the wgmma kernel converts the e4m3 tiles on chip;
+    "dequant": kv_dequant first converts the e4m3 pages the call reads (keys < prefix_len + q_len) into a bf16
+    workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused", Hopper only
+    (impl "auto" or "wgmma"). Its kv_workspace: bf16 (uint16 on CuPy, torch.bfloat16), contiguous, 16-byte aligned,
+    at least plans.kv_dequant.workspace_elems(spec, B, max_pages) elements (B * max_pages * (page_size * (R + P) * 2
+    + 4) bytes: the pages, then their block table); allocated per call when not given.
     """
+    if fp8_path is not None or kv_workspace is not None:
+        if _dequant_path(kset, impl, fp8_path, kv_workspace):
+            return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                     softmax_scale, out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)
     return _dispatch(kset, "tree_verify", False,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
                      out, lse, validate, impl, workspace, num_splits, kv_scale)

@@ -9,7 +9,7 @@ or with impl="wgmma"; kset.tree_verify_wgmma calls them directly.
 from __future__ import annotations
 
 from ..types import AttentionOutput
-from .tensor_core import attention
+from .tensor_core import attention, attention_dequant
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -31,3 +31,14 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
     with an external prefix kernel through merge_states. Same arguments as tree_verify_wgmma."""
     return attention(kset, "tree_verify_tail_wgmma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens,
                      q_lens, tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
+
+
+def tree_verify_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                        out=None, lse=None, *, validate=False, workspace=None, num_splits=None, kv_scale=None,
+                        kv_workspace=None) -> AttentionOutput:
+    """An fp8 spec's tree_verify by the dequantize path, what kset.tree_verify(..., fp8_path="dequant") runs:
+    kv_dequant converts the e4m3 pages the call reads into kv_workspace (bf16 pages and their block table; allocated
+    when not given: plans.kv_dequant.workspace_elems), then tree_verify_wgmma_dequant (the bf16-cache seesaw) reads
+    it with kv_scale in fp32: the bits of the fused kernel (tree_verify_wgmma). Same arguments otherwise."""
+    return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                             out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)

@@ -82,7 +82,8 @@ _VERIFY_BUNDLES = Bundles("bundles:_verify_inputs", ("prefix70",), run="bundles:
 DECLARATIONS = [
     Declaration(KERNELS[0], launcher="kernels.tree_verify:tree_verify", reference="reference:tree_verify",
                 output="types:AttentionOutput", serves=("tree_verify", "simple"),
-                torch_ops=(TorchOp(f"tree_verify(str spec, {ATTENTION_ARGS}) -> (Tensor, Tensor)",
+                # tree_verify's own last argument: an fp8 spec's path (None / "fused" / "dequant": kernels/tree_verify.py)
+                torch_ops=(TorchOp(f"tree_verify(str spec, {ATTENTION_ARGS}, str? fp8_path=None) -> (Tensor, Tensor)",
                                    fake="torch_ops:attention_fake", impl="torch_ops:tree_verify"),),
                 sanitize="sanitize:_verify_cases", bundles=_VERIFY_BUNDLES),
     Declaration(KERNELS[1], launcher="kernels.tree_verify:tree_verify_tail", reference="reference:tree_verify_tail",

@@ -27,6 +27,7 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
+from .declaration import Declaration
 from .kernel_def import KernelDef
 from .split_kv import BM, MAX_SPLITS, check_spec, tensor_core_declaration
 
@@ -51,18 +52,31 @@ SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 
 V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 
 
+# The fp8 spec's dequantize path (tree_verify(..., fp8_path="dequant")): the kv_dequant pre-pass writes the e4m3 pages
+# a call reads into a bf16 workspace, then this build of the full kernel, the bf16-cache seesaw built for the fp8
+# spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (plans/kv_dequant.py)
+DEQUANT = "tree_verify_wgmma_dequant"
+FULL_KERNELS = ("tree_verify_wgmma", DEQUANT)
+
+
+def reads_fp8(spec, kernel: str) -> bool:
+    """Whether `kernel`'s build for `spec` reads e4m3 tiles: an fp8 spec's, except the dequantize path's kernel (DEQUANT),
+    which reads the bf16 workspace."""
+    return spec.kv_fp8 and kernel != DEQUANT
+
+
 def uses_tma(spec, kernel: str) -> bool:
     """Whether `kernel` of `spec` can load its key tiles with TMA: the full kernel (its tiles start on multiples
     of BN) of a cache whose pages hold whole tiles (page_size % BN == 0), so that a tile is one rectangle of
     the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the wgmma swizzle; fp8: 64-byte rows of
     e4m3 bytes, which only the seesaw takes: its converter warpgroup turns them into bf16 slabs). Otherwise
     cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are converted by its threads)."""
-    return kernel == "tree_verify_wgmma" and spec.page_size % BN == 0
+    return kernel in FULL_KERNELS and spec.page_size % BN == 0
 
 
 def lockstep_tma(spec, kernel: str) -> bool:
     """TMA key tiles in the lockstep schedule: a bf16 cache only (its fp8 stages come by cp.async)."""
-    return uses_tma(spec, kernel) and not spec.kv_fp8
+    return uses_tma(spec, kernel) and not reads_fp8(spec, kernel)
 
 
 # Seesaw: Q, two key tiles, the even tile's P (the odd tile's lives in Q's rope slab), the row max and the two
@@ -116,6 +130,13 @@ def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma"
             **KNOBS}
 
 
+def dequant_config(spec, arch: str = "sm_90a") -> dict:
+    """The policy of DEQUANT: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order "slab"),
+    every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion is
+    exact, and kv_scale enters both the same way)."""
+    return {"schedule": "seesaw", "tma": True, **KNOBS, "rope_early": True, "s_order": "slab"}
+
+
 def spell(config) -> tuple:
     """A configuration's part of a variant's name (plans/variant.py): tree_verify_wgmma.seesaw.tma,
     tree_verify_wgmma.lockstep.cpasync.ablate3 (each knob that is not at its default value after the schedule)."""
@@ -139,7 +160,12 @@ def spell(config) -> tuple:
 
 def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
-    config = variant_config(spec, kernel=kernel) if config is None else config
+    if kernel == DEQUANT and not spec.kv_fp8:
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path is an fp8 spec's (kv_dtype "
+                        f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
+    config = (dequant_config(spec) if kernel == DEQUANT else variant_config(spec, kernel=kernel)) if config is None \
+        else config
+    fp8 = reads_fp8(spec, kernel)
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
@@ -152,8 +178,8 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
-    if not spec.kv_fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
-        raise SpecError(f"spec {spec.name!r} has a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
+    if not fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
     if int(config.get("ablate", 0)) & 28 and convert_sync == "pairs":
         raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
@@ -165,13 +191,13 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if sched == "seesaw" and not tma:
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the seesaw schedule loads its key tiles by TMA (tma=False "
                         f"is the lockstep schedule's)")
-    if sched == "seesaw" and spec.kv_fp8 and config.get("grid", "chunks") != "chunks":
+    if sched == "seesaw" and fp8 and config.get("grid", "chunks") != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
-    threads = THREADS + 128 if sched == "seesaw" and spec.kv_fp8 else THREADS   # fp8: the converter warpgroup
+    threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS   # fp8: the converter warpgroup
     if sched == "seesaw":
-        smem = SEESAW_SMEM_FP8 if spec.kv_fp8 else SEESAW_SMEM
+        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM
     else:
-        smem = SMEM_FP8 if spec.kv_fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
+        smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"BM": sympy.Integer(BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
@@ -186,13 +212,17 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
                                  "GROUP_FENCE", "CONV_PAIRS"),
                                 (*RESCALES[rescale], int(p_store == "stmatrix"),
-                                 int(bool(spec.kv_fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
+                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
                            if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 
 
 def tail_plan(spec, config=None) -> Plan:
     return verify_plan(spec, "tree_verify_tail_wgmma", config)
+
+
+def dequant_plan(spec, config=None) -> Plan:
+    return verify_plan(spec, DEQUANT, config)
 
 
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
@@ -203,6 +233,10 @@ KERNELS = [
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
               policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell),
+    # an fp8 spec's only: the bf16-cache seesaw (KV_FP8 off in its template) over kv_dequant's bf16 workspace
+    KernelDef(name=DEQUANT, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant",
+              plan=dequant_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
+              policy=dequant_config, spell=spell),
 ]
 
 
@@ -229,4 +263,10 @@ DECLARATIONS = [
                             "sanitize:_verify_mma_cases"),
     tensor_core_declaration(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
                             "sanitize:_verify_mma_cases"),
+    # not a `serves` of its own: tree_verify(fp8_path="dequant") runs it (with kv_dequant before it)
+    Declaration(KERNELS[2], launcher="kernels.tree_verify_wgmma:tree_verify_dequant", reference="reference:tree_verify",
+                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
+                missing={"torch_ops": "served by the torch op of tree_verify (fp8_path='dequant'), which runs it",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
 ]
