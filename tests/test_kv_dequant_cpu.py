@@ -1,0 +1,494 @@
+"""kv_dequant and tree_verify(fp8_path="dequant") without a GPU: the reference against an independent oracle (and
+the device conversion emulated), its edge cases, the launchers' checks and launch plans on the stand-in kernel set,
+the dequantize path's build (the bf16-cache seesaw of the fused fp8 build's slab order) and its torch op argument.
+
+The dequantize path must give the fused fp8 kernel's bits: its kernel is the bf16 twin's seesaw in the fp8 build's
+slab order (tests/test_gpu_tree_verify.py test_fp8_matches_bf16_twin holds that the fused build equals that one),
+with the same scale_log2 / v_scale and split count; the GPU tests (tests/test_gpu_kv_dequant.py) hold the bits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
+from ddtree_gen import fp8, reference
+from ddtree_gen.errors import ArgumentError
+from ddtree_gen.kernels import kv_dequant as kd
+from ddtree_gen.kernels import tree_verify as tv
+from ddtree_gen.kernels import tree_verify_wgmma as wg
+from ddtree_gen.plans import by_name
+from ddtree_gen.plans import kv_dequant as kd_plans
+from ddtree_gen.plans.tree_verify_wgmma import DEQUANT
+from ddtree_gen.plans.variant import variant
+from ddtree_gen.spec import find_spec
+from test_fp8_cpu import fp8x4_to_bf16x4
+
+FP8 = find_spec("kimi-k2.6-tp8-fp8")
+BF16 = find_spec("kimi-k2.6-tp8")
+FP8_SPECS = ("kimi-k2.6-tp8-fp8", "deepseek-v3-fp8")
+ALL_BYTES = np.arange(256, dtype=np.uint8)
+KV_SCALE = 0.37
+
+
+# ------------------------------------------------------------------------------- the conversion
+
+def test_to_bf16_bits_is_the_device_conversion():
+    """fp8.to_bf16_bits (the reference's table) is the kernels' conversion (common.cuh.j2, emulated in
+    test_fp8_cpu.py) for every byte in every position of a word, NaN bytes included, bit for bit."""
+    table = fp8.to_bf16_bits(ALL_BYTES)
+    for k in range(4):
+        lo, hi = fp8x4_to_bf16x4(ALL_BYTES.astype(np.uint32) << np.uint32(8 * k))
+        got = np.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=-1).astype(np.uint16)[:, k]
+        assert np.array_equal(got, table), k
+    assert int(table[0x7F]) == 0x7FF0 and int(table[0xFF]) == 0xFFF0 and int(table[0x80]) == 0x8000
+    finite = ~np.isin(ALL_BYTES, fp8.NAN_BYTES)
+    from ddtree_gen import bf16
+    assert np.array_equal(bf16.from_bits(table[finite]).astype(np.float64), fp8.to_float64(ALL_BYTES[finite]))
+
+
+# ------------------------------------------------------------------------------- the reference
+
+def oracle(kv, table, prefix, qlens):
+    """kv_dequant's contract written independently of reference.kv_dequant: which (b, j) are converted, from numpy
+    vector operations, and the values from ml_dtypes (finite) and the sign rule (NaN)."""
+    num_pages, page, row = kv.shape
+    b, max_pages = table.shape
+    keys = prefix.astype(np.int64) + qlens.astype(np.int64)
+    j = np.arange(max_pages)[None, :]
+    converted = ((qlens >= 1) & (prefix >= 0))[:, None] & (j * page < keys[:, None]) & (table >= 0) & (table < num_pages)
+    ws_table = np.where(converted, np.arange(b * max_pages).reshape(b, max_pages), -1).astype(np.int32)
+    from ddtree_gen import bf16
+    values = bf16.to_bits(fp8.to_float64(kv))
+    values[kv == 0x7F], values[kv == 0xFF] = 0x7FF0, 0xFFF0
+    ws = np.zeros((b * max_pages, page, row), np.uint16)
+    for w in np.flatnonzero(converted.reshape(-1)):
+        ws[w] = values[table.reshape(-1)[w]]
+    return ws, ws_table, converted
+
+
+def _random_case(spec, rng, b, max_pages, num_pages):
+    page, row = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
+    kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)   # every byte, NaN included
+    table = rng.integers(-2, num_pages + 2, (b, max_pages)).astype(np.int32)
+    prefix = rng.integers(-3, max_pages * page, b).astype(np.int32)
+    qlens = rng.integers(-1, 70, b).astype(np.int32)
+    return kv, table, prefix, qlens
+
+
+@pytest.mark.parametrize("name", FP8_SPECS)
+def test_reference_against_oracle(name):
+    spec = find_spec(name)
+    rng = np.random.default_rng(7)
+    for b, max_pages, num_pages in ((5, 4, 6), (1, 1, 1), (3, 7, 2), (4, 0, 3), (0, 3, 2)):
+        kv, table, prefix, qlens = _random_case(spec, rng, b, max_pages, num_pages)
+        got = reference.kv_dequant(kv, table, prefix, qlens)
+        ws, ws_table, _ = oracle(kv, table, prefix, qlens)
+        assert isinstance(got, reference.KvDequantOutput)
+        assert got.kv_cache.dtype == np.uint16 and got.block_table.dtype == np.int32
+        assert np.array_equal(got.block_table, ws_table) and np.array_equal(got.kv_cache, ws), (b, max_pages)
+        via_ml = reference.kv_dequant(kv.view(fp8.ml_dtypes().float8_e4m3fn), table, prefix, qlens)
+        assert np.array_equal(via_ml.kv_cache, ws)
+
+
+def test_reference_edge_cases():
+    """Which pages are converted: the keys' pages of a served request only, every entry outside the cache -1, the
+    64-bit key count (prefix_len + q_len past 2^31), q_len 0 / prefix_len < 0 (not served), a page exactly at the
+    end of the keys (not converted), the last partial one (whole)."""
+    spec = FP8
+    page = spec.page_size
+    kv = np.full((3, page, 576), 0x38, np.uint8)   # 1.0
+    kv[1] = 0x40                                    # 2.0
+    table = np.array([[1, 2, 0], [0, 1, 2], [2, -1, 3], [1, 2, 0], [0, 0, 0], [2, 1, 0]], np.int32)
+    prefix = np.array([page - 1, 2 * page - 1, 0, 2**31 - 2, 5, -1], np.int32)
+    qlens = np.array([1, 1, page + 1, 65, 0, 3], np.int32)
+    got = reference.kv_dequant(kv, table, prefix, qlens)
+    m = 3
+    want = [[0, -1, -1],                    # keys < page: one page
+            [m, m + 1, -1],                 # keys = 2 page: two
+            [2 * m, -1, -1],                # page 1 unmapped, page 2 (3 >= num_pages) past... and unmapped
+            [3 * m, 3 * m + 1, 3 * m + 2],  # 2^31 + 63 keys: every column
+            [-1, -1, -1], [-1, -1, -1]]     # not served
+    assert got.block_table.tolist() == want
+    assert (got.kv_cache[0] == 0x4000).all() and (got.kv_cache[m] == 0x3F80).all()   # 2.0, 1.0: whole pages
+    assert (got.kv_cache[1] == 0).all() and (got.kv_cache[4 * m:] == 0).all()        # not converted: zero (new)
+
+
+def test_reference_out_keeps_pages_not_converted():
+    rng = np.random.default_rng(3)
+    kv, table, prefix, qlens = _random_case(FP8, rng, 4, 3, 5)
+    poison = reference.KvDequantOutput(np.full((12, FP8.page_size, 576), 0xABCD, np.uint16),
+                                       np.full((4, 3), 12345, np.int32))
+    got = reference.kv_dequant(kv, table, prefix, qlens, out=poison)
+    assert got is poison
+    ws, ws_table, converted = oracle(kv, table, prefix, qlens)
+    flat = converted.reshape(-1)
+    assert np.array_equal(got.block_table, ws_table)   # every entry written
+    assert np.array_equal(got.kv_cache[flat], ws[flat]) and (got.kv_cache[~flat] == 0xABCD).all()
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(kv_cache=np.zeros((2, 64, 576), np.uint16)), "kv_cache: expected e4m3"),
+    (dict(kv_cache=np.zeros((2, 64 * 576), np.uint8)), "kv_cache: expected 3 dimensions"),
+    (dict(block_table=np.zeros((2, 2), np.float32)), "block_table: expected an integer"),
+    (dict(prefix_lens=np.zeros(3, np.int32)), "prefix_lens / q_lens"),
+    (dict(out=reference.KvDequantOutput(np.zeros((3, 64, 576), np.uint16), np.zeros((2, 2), np.int32))),
+     "out.kv_cache"),
+    (dict(out=reference.KvDequantOutput(np.zeros((4, 64, 576), np.uint16), np.zeros((2, 2), np.int64))),
+     "out.block_table"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_reference_argument_errors(change, words):
+    args = dict(kv_cache=np.zeros((2, 64, 576), np.uint8), block_table=np.zeros((2, 2), np.int32),
+                prefix_lens=np.zeros(2, np.int32), q_lens=np.ones(2, np.int32))
+    with pytest.raises(ArgumentError, match=words):
+        reference.kv_dequant(**{**args, **change})
+
+
+def test_workspace_formula():
+    """kv_workspace: B * max_pages pages of page_size * (R + P) bf16 (at least one), then the table's int32."""
+    for b, max_pages in ((8, 66), (1, 1), (3, 0), (0, 5)):
+        pages, table_off, elems = kd_plans.workspace_layout(FP8, b, max_pages)
+        assert pages == max(b * max_pages, 1) and table_off == pages * 64 * 576 * 2
+        assert elems * 2 == table_off + 4 * b * max_pages == max(b * max_pages, 1) * 64 * 576 * 2 + 4 * b * max_pages
+        assert kd_plans.workspace_elems(FP8, b, max_pages) == elems
+    assert kd_plans.workspace_elems(FP8, 8, 66) * 2 == 8 * 66 * (64 * 576 * 2 + 4)   # 38.9 MB at B = 8, L = 4096
+
+
+# ------------------------------------------------------------------------------- builds
+
+def test_builds_of_the_dequantize_path():
+    """kv_dequant and tree_verify_wgmma_dequant are built for the fp8 specs only; the latter is the bf16-cache seesaw
+    (256 threads, no converter, KV_FP8 off) in the fused fp8 build's slab order, and its source is the bf16 twin's
+    seesaw of that order but for the names: the same kernel."""
+    from ddtree_gen.render import render
+    for name in ("kv_dequant", DEQUANT):
+        assert by_name(name).kv_dtypes == ("fp8_e4m3",)
+        assert by_name(name).builds_for(FP8) and not by_name(name).builds_for(BF16)
+        assert "kv_dtype 'bf16'" in by_name(name).why_not_built(BF16)
+    v = variant(by_name(DEQUANT), FP8)
+    assert v.name == "tree_verify_wgmma_dequant.seesaw.tma.s-order-slab.rope-early"
+    consts = v.plan().template_constants()
+    assert consts["THREADS"] == 256 and consts["ROPE_EARLY"] == 1 and consts["S_LOADED_ORDER"] == 0
+    assert consts["USE_TMA"] == 1 and consts["SEESAW"] == 1 and consts["PARTS"] == 0
+    fused = variant(by_name("tree_verify_wgmma"), FP8).plan().template_constants()
+    for k in ("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "BM", "BN"):
+        assert consts[k] == fused[k], k
+    twin = variant(by_name("tree_verify_wgmma"), BF16, schedule="seesaw", rope_early=True, s_order="slab")
+    mine, theirs = render(v), render(twin)
+    assert "#define FP8 0" in mine and "typedef bf16_t kv_t;" in mine
+    normalize = [("tree_verify_wgmma_dequant", "tree_verify_wgmma"), ("kimi-k2.6-tp8-fp8", "kimi-k2.6-tp8")]
+    for a, b in normalize:
+        mine = mine.replace(a, b)
+    assert mine == theirs
+    kdq = variant(by_name("kv_dequant"), FP8).plan().template_constants()
+    assert kdq["CHUNKS"] == 64 * 576 // 16 and kdq["THREADS"] == kd_plans.THREADS
+
+
+# ------------------------------------------------------------------------------- launchers
+
+class Arrays:
+    """Fake CUDA arrays at distinct, 256-byte aligned, non-overlapping addresses on device 0."""
+
+    def __init__(self):
+        self.next = 1 << 32
+
+    def __call__(self, shape, dtype, strides=None, ptr=None):
+        if ptr is None:
+            ptr, self.next = self.next, self.next + (1 << 32)
+        return FakeCudaArray(shape, dtype, strides=strides, ptr=ptr)
+
+
+def ptr_of(a) -> int:
+    return a.__cuda_array_interface__["data"][0]
+
+
+B, PAGES, MAX_PAGES = 2, 10, 4
+
+
+def dq_args(spec, new):
+    page, row = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
+    return dict(kv_cache=new((PAGES, page, row), np.uint8), block_table=new((B, MAX_PAGES), np.int32),
+                prefix_lens=new((B,), np.int32), q_lens=new((B,), np.int32))
+
+
+def test_kv_dequant_launch_plan(fake_device):
+    new = Arrays()
+    args = dq_args(FP8, new)
+    out = reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16), new((B, MAX_PAGES), np.int32))
+    kset = FakeKernelSet(FP8, ["kv_dequant"])
+    kset.launch = lambda name, **kw: kset.__dict__.setdefault("got", []).append((name, kw))
+    res = kd.launch(kset, **args, out=out)
+    assert res.kv_cache is out.kv_cache and res.block_table is out.block_table
+    (name, kw), = kset.got
+    assert name == "kv_dequant" and tuple(kw["grid"]) == (B * MAX_PAGES,)
+    want = [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")]
+    assert list(kw["args"]) == [*want, ptr_of(out.kv_cache), ptr_of(out.block_table), PAGES, MAX_PAGES]
+    # no out: both outputs are new (allocated by the runtime before the launch: its plan here, no GPU to allocate on)
+    a = dq_args(FP8, Arrays())
+    prep = kd._prepare(FakeKernelSet(FP8, ["kv_dequant"]), (*a.values(), None, None), False)
+    assert prep.new == ((4, (B * MAX_PAGES, 64, 576), "bf16"), (5, (B, MAX_PAGES), "int32"))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda a, new: a.update(kv_cache=new((PAGES, 64, 576), np.uint16)), "kv_cache: dtype"),
+    (lambda a, new: a.update(kv_cache=new((PAGES, 32, 576), np.uint8)), "kv_cache: page_size"),
+    (lambda a, new: a.update(kv_cache=new((PAGES, 64, 512), np.uint8)), "kv_cache: row width"),
+    (lambda a, new: a.update(kv_cache=new((PAGES, 64, 576), np.uint8, ptr=(1 << 32) * 90 + 8)), "16-byte aligned"),
+    (lambda a, new: a.update(block_table=new((B, MAX_PAGES), np.int64)), "block_table: dtype"),
+    (lambda a, new: a.update(prefix_lens=new((B + 1,), np.int32)), "prefix_lens: shape"),
+    (lambda a, new: a.update(q_lens=None), "q_lens: required"),
+    (lambda a, new: a.update(block_table=new((2**16, 2**11), np.int32), prefix_lens=new((2**16,), np.int32),
+                             q_lens=new((2**16,), np.int32)), "block_table: 65536 requests"),
+    (lambda a, new: a.update(out=reference.KvDequantOutput(new((B * MAX_PAGES - 1, 64, 576), np.uint16),
+                                                           new((B, MAX_PAGES), np.int32))), "out.kv_cache: shape"),
+    (lambda a, new: a.update(out=reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16),
+                                                           new((B, MAX_PAGES), np.uint32))), "out.block_table: dtype"),
+    (lambda a, new: a.update(out=reference.KvDequantOutput(
+        new((B * MAX_PAGES, 64, 576), np.uint16, ptr=ptr_of(a["kv_cache"])), new((B, MAX_PAGES), np.int32))),
+     "out.kv_cache: overlaps kv_cache"),
+    (lambda a, new: a.update(out=reference.KvDequantOutput(
+        new((B * MAX_PAGES, 64, 576), np.uint16, ptr=(1 << 32) * 91 + 8), new((B, MAX_PAGES), np.int32))),
+     "out.kv_cache: data pointer"),
+    (lambda a, new: a.update(out=(1, 2)), "out: has no field"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_kv_dequant_argument_errors(change, words, fake_device):
+    new = Arrays()
+    args = dq_args(FP8, new)
+    change(args, new)
+    kset = FakeKernelSet(FP8, ["kv_dequant"])   # a launch would raise LaunchReached, not the ArgumentError
+    with pytest.raises(ArgumentError, match=words):
+        kd.launch(kset, **args)
+
+
+def test_kv_dequant_refuses_a_bf16_spec(fake_device):
+    args = dq_args(BF16, Arrays())
+    args["kv_cache"] = Arrays()((PAGES, 64, 576), np.uint16)
+    with pytest.raises(ArgumentError, match="kv_dequant converts an fp8"):
+        kd.launch(FakeKernelSet(BF16, ["tree_verify"]), **args)
+
+
+def test_kv_dequant_empty_batch_launches_nothing(fake_device):
+    new = Arrays()
+    args = dict(dq_args(FP8, new), block_table=new((0, MAX_PAGES), np.int32), prefix_lens=new((0,), np.int32),
+                q_lens=new((0,), np.int32))
+    out = reference.KvDequantOutput(new((0, 64, 576), np.uint16), new((0, MAX_PAGES), np.int32))
+    res = kd.launch(FakeKernelSet(FP8, ["kv_dequant"]), **args, out=out)   # LaunchReached would fail the test
+    assert res.block_table is out.block_table
+
+
+# ------------------------------------------------------------------------ tree_verify(fp8_path=...)
+
+DEQUANT_SET = ("tree_verify", "tree_verify_tail", "merge_states", "tree_verify_wgmma", "tree_verify_tail_wgmma",
+               "tree_verify_mma_combine", "kv_dequant", DEQUANT)
+
+
+def verify_args(spec, new, nq=None):
+    h, r, p, n, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size, spec.mask_words
+    nq = nq or n
+    args = dict(q_nope=new((B, nq, h, r), np.uint16), q_pe=new((B, nq, h, p), np.uint16),
+                kv_cache=new((PAGES, spec.page_size, r + p), np.uint8 if spec.kv_fp8 else np.uint16),
+                block_table=new((B, MAX_PAGES), np.int32), prefix_lens=new((B,), np.int32),
+                q_lens=new((B,), np.int32), tree_mask=new((B, nq, w), np.uint32), softmax_scale=192 ** -0.5,
+                out=new((B, nq, h, r), np.uint16), lse=new((B, nq, h), np.float32))
+    if spec.kv_fp8:
+        args["kv_scale"] = KV_SCALE
+    return args
+
+
+class Recording(FakeKernelSet):
+    """Records every launch (name, grid, args) and runs none."""
+
+    def __init__(self, spec, kernels=DEQUANT_SET):
+        super().__init__(spec, kernels)
+        self.got = []
+
+    def launch(self, name, **kw):
+        self.got.append((name, tuple(kw["grid"]), list(kw["args"])))
+
+
+def _ws(spec, new, b=B, max_pages=MAX_PAGES, **kw):
+    return new((kd_plans.workspace_elems(spec, b, max_pages),), np.uint16, **kw)
+
+
+@pytest.mark.parametrize("name", FP8_SPECS)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_dequant_path_launch_plan(name, splits, fake_device):
+    """fp8_path="dequant": kv_dequant into the kv workspace, then tree_verify_wgmma_dequant with the fused call's
+    arguments but for the cache (the workspace's pages), its block table (after them), num_pages (B * max_pages)
+    and the tensor map (bf16, swizzled, of the workspace); the same split count, scale_log2, v_scale; the combine
+    after it as in the fused call."""
+    spec = find_spec(name)
+    new = Arrays()
+    args = verify_args(spec, new)
+    from ddtree_gen.plans import split_kv
+    ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, 32),), np.float32)
+    kvw = _ws(spec, new)
+    fused, dq = Recording(spec), Recording(spec)
+    tv.tree_verify(fused, **args, workspace=ws, num_splits=splits)
+    res = tv.tree_verify(dq, **args, workspace=ws, num_splits=splits, fp8_path="dequant", kv_workspace=kvw)
+    assert res.out is args["out"] and res.lse is args["lse"]
+    assert [g[0] for g in dq.got] == ["kv_dequant", DEQUANT, *[g[0] for g in fused.got[1:]]]
+    assert fused.got[0][0] == "tree_verify_wgmma"
+    kname, kgrid, ka = dq.got[0]
+    base, table_off = ptr_of(kvw), kd_plans.workspace_layout(spec, B, MAX_PAGES)[1]
+    assert kgrid == (B * MAX_PAGES,)
+    assert ka == [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")] + [
+        base, base + table_off, PAGES, MAX_PAGES]
+    (_, fgrid, fa), (_, dgrid, da) = fused.got[0], dq.got[1]
+    assert fgrid == dgrid
+    assert da[2] == base and da[3] == base + table_off and da[11] == B * MAX_PAGES
+    assert fa[2] == ptr_of(args["kv_cache"]) and fa[11] == PAGES
+    same = [i for i in range(18) if i not in (2, 3, 11)]
+    assert [da[i] for i in same] == [fa[i] for i in same]   # q, lengths, mask, scale_log2, v_scale, splits, outputs
+    assert da[8] == np.float32(KV_SCALE) and da[7] == np.float32(192 ** -0.5 * KV_SCALE * math.log2(math.e))
+    (tag, ptr, tm), *rest = da[18:]
+    assert tag == "tensor map" and ptr == base and rest == [0] * 15
+    assert (tm.index, tm.rows, tm.cols, tm.box_rows, tm.box_cols, tm.elem_bytes, tm.swizzle) == (
+        tensor_core_kvw(), B * MAX_PAGES * spec.page_size, 576, 64, 64, 2, True)
+    assert fa[18][2].elem_bytes == 1    # the fused build's map: e4m3 bytes
+    assert dq.got[2:] == fused.got[1:]  # the combine, when split
+    # the direct launcher of the kernel is the same path
+    again = Recording(spec)
+    wg.tree_verify_dequant(again, **args, workspace=ws, num_splits=splits, kv_workspace=kvw)
+    assert again.got == dq.got
+
+
+def test_dequant_path_allocates_its_workspace(fake_device):
+    """Without kv_workspace the launcher allocates it (a scratch output: not returned), with the split workspace."""
+    from ddtree_gen.kernels.tensor_core import prepare_attention
+    a = verify_args(FP8, Arrays())
+    arrays = (*(a[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")),
+              None, None, None, None)   # out, lse, workspace, kv_workspace: new (allocated before the launches)
+    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET), DEQUANT, False, arrays, a["softmax_scale"], False, 1,
+                             KV_SCALE)
+    assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
+    assert (tensor_core_kvw(), (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new
+    assert tensor_core_kvw() in prep.scratch
+
+
+def tensor_core_kvw():
+    from ddtree_gen.kernels.tensor_core import KVW
+    return KVW
+
+
+def test_fused_path_unchanged_by_the_argument(fake_device):
+    """fp8_path None (the default) and "fused" launch the fused kernel, with the same arguments."""
+    new = Arrays()
+    args = verify_args(FP8, new)
+    a, b, c = Recording(FP8), Recording(FP8), Recording(FP8)
+    tv.tree_verify(a, **args, num_splits=1)
+    tv.tree_verify(b, **args, num_splits=1, fp8_path=None)
+    tv.tree_verify(c, **args, num_splits=1, fp8_path="fused")
+    assert a.got == b.got == c.got and a.got[0][0] == "tree_verify_wgmma"
+
+
+def test_dequant_path_zero_batch_and_no_pages(fake_device):
+    new = Arrays()
+    args = verify_args(FP8, new)
+    zero = dict(args, **{k: new((0, *args[k].__cuda_array_interface__["shape"][1:]), args[k].__cuda_array_interface__[
+        "typestr"]) for k in ("q_nope", "q_pe", "block_table", "tree_mask", "out", "lse")},
+        prefix_lens=new((0,), np.int32), q_lens=new((0,), np.int32))
+    k0 = Recording(FP8)
+    tv.tree_verify(k0, **zero, fp8_path="dequant", kv_workspace=_ws(FP8, new, b=0))
+    assert k0.got == []
+    nopages = dict(args, block_table=new((B, 0), np.int32))
+    k1 = Recording(FP8)
+    tv.tree_verify(k1, **nopages, num_splits=1, fp8_path="dequant", kv_workspace=_ws(FP8, new, max_pages=0))
+    assert [g[0] for g in k1.got] == [DEQUANT]   # no page to convert: the kernel alone (it reads no key)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(fp8_path="Dequant"), "fp8_path: 'Dequant', expected None"),
+    (dict(fp8_path=1), "fp8_path: 1, expected None"),
+    (dict(fp8_path=("dequant",)), "fp8_path: .*expected None"),
+    (dict(kv_workspace="ws"), "kv_workspace: only the dequantize path"),
+    (dict(fp8_path="fused", kv_workspace="ws"), "kv_workspace: only the dequantize path"),
+    (dict(fp8_path="dequant", impl="simple"), "fp8_path: 'dequant' runs on the wgmma kernels"),
+    (dict(fp8_path="dequant", impl="mma"), "fp8_path: 'dequant' runs on the wgmma kernels"),
+    (dict(fp8_path="dequant", impl="fast"), "impl: 'fast'"),
+    (dict(fp8_path="dequant", kv_scale=None), "kv_scale: required"),
+    (dict(fp8_path="dequant", softmax_scale=math.inf), "softmax_scale"),
+    (dict(fp8_path="dequant", num_splits=0), "num_splits"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_fp8_path_argument_errors(change, words, fake_device):
+    kset = Recording(FP8)
+    with pytest.raises(ArgumentError, match=words):
+        tv.tree_verify(kset, **{**verify_args(FP8, Arrays()), **change})
+    assert kset.got == []
+
+
+@pytest.mark.parametrize("case,words", [
+    ("dtype", "kv_workspace: dtype float32, expected bf16"),
+    ("small", "kv_workspace: .* bf16 elements, B = 2 requests x max_pages = 4 need"),
+    ("strided", "kv_workspace: not C-contiguous"),
+    ("misaligned", "kv_workspace: data pointer .* not 16-byte aligned"),
+    ("overlaps-cache", "kv_workspace: overlaps kv_cache"),
+    ("overlaps-out", "overlaps out"),
+    ("other-device", "kv_workspace: on device 1"),
+])
+def test_kv_workspace_errors(case, words, fake_device):
+    new = Arrays()
+    args = verify_args(FP8, new)
+    elems = kd_plans.workspace_elems(FP8, B, MAX_PAGES)
+    kvw = {"dtype": lambda: new((elems,), np.float32),
+           "small": lambda: new((elems - 1,), np.uint16),
+           "strided": lambda: new((elems, 2), np.uint16, strides=(2, 2 * elems)),
+           "misaligned": lambda: new((elems,), np.uint16, ptr=(1 << 32) * 77 + 2),
+           "overlaps-cache": lambda: new((elems,), np.uint16, ptr=ptr_of(args["kv_cache"])),
+           "overlaps-out": lambda: new((elems,), np.uint16, ptr=ptr_of(args["out"]) + 64),
+           "other-device": lambda: new((elems,), np.uint16, ptr=1 << 41)}[case]()
+    kset = Recording(FP8)
+    with pytest.raises(ArgumentError, match=words):
+        tv.tree_verify(kset, **args, num_splits=1, fp8_path="dequant", kv_workspace=kvw)
+    assert kset.got == []
+
+
+def test_fp8_path_refused_for_bf16(fake_device):
+    for path in ("fused", "dequant"):
+        kset = Recording(BF16, ("tree_verify", "tree_verify_tail", "merge_states", "tree_verify_wgmma",
+                                "tree_verify_mma_combine"))
+        with pytest.raises(ArgumentError, match="fp8_path: given .* kv_dtype 'bf16'"):
+            tv.tree_verify(kset, **verify_args(BF16, Arrays()), fp8_path=path)
+        assert kset.got == []
+    with pytest.raises(ArgumentError, match="not built for kv_dtype 'bf16'"):   # the direct launcher
+        wg.tree_verify_dequant(Recording(BF16, ("tree_verify_wgmma",)), **verify_args(BF16, Arrays()))
+
+
+@pytest.mark.parametrize("missing", ["kv_dequant", DEQUANT])
+def test_fp8_path_needs_its_kernels(missing, fake_device):
+    kset = Recording(FP8, tuple(k for k in DEQUANT_SET if k != missing))
+    with pytest.raises(ArgumentError, match=f"fp8_path: 'dequant' needs {missing}"):
+        tv.tree_verify(kset, **verify_args(FP8, Arrays()), fp8_path="dequant")
+    assert kset.got == []
+
+
+def test_dequant_path_key_and_cache(fake_device):
+    """A second call of the same signature is the cached one (no new checks), and a different fp8_path is another
+    signature: both reach their own kernels."""
+    new = Arrays()
+    args = verify_args(FP8, new)
+    kvw = _ws(FP8, new)
+    kset = Recording(FP8)
+    for _ in range(2):
+        tv.tree_verify(kset, **args, num_splits=1, fp8_path="dequant", kv_workspace=kvw)
+    tv.tree_verify(kset, **args, num_splits=1)
+    assert [g[0] for g in kset.got] == ["kv_dequant", DEQUANT, "kv_dequant", DEQUANT, "tree_verify_wgmma"]
+
+
+def test_torch_op_passes_fp8_path(monkeypatch):
+    """torch.ops.ddtree.tree_verify's last argument reaches the launcher as fp8_path."""
+    pytest.importorskip("torch", reason="torch is not installed (optional)")
+    from ddtree_gen import torch_ops
+    seen = {}
+
+    class K:
+        def tree_verify(self, *a, **kw):
+            seen.update(kw)
+            return "ok"
+    monkeypatch.setattr(torch_ops, "_kset", lambda spec: K())
+    assert torch_ops.tree_verify("kimi-k2.6-tp8-fp8", *range(8), "auto", 0.5, "dequant") == "ok"
+    assert seen == {"impl": "auto", "kv_scale": 0.5, "fp8_path": "dequant"}
+    torch_ops.tree_verify("kimi-k2.6-tp8-fp8", *range(8), "auto", 0.5)
+    assert seen["fp8_path"] is None
