@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
+from conftest import FakeCudaArray, FakeKernelSet
 from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import kv_dequant as kd
