@@ -492,3 +492,15 @@ def test_torch_op_passes_fp8_path(monkeypatch):
     assert seen == {"impl": "auto", "kv_scale": 0.5, "fp8_path": "dequant"}
     torch_ops.tree_verify("kimi-k2.6-tp8-fp8", *range(8), "auto", 0.5)
     assert seen["fp8_path"] is None
+
+
+def test_bench_kv_dtype_loads_the_dequantize_path():
+    """bench kv-dtype's fp8 column of the dequantize path: its two kernels are built for every fp8 spec the bench
+    makes (the shipped ones and the unshipped H variants), never for a bf16 one."""
+    from ddtree_gen.bench import kv_dtype as bench
+    from ddtree_gen.bench.specs import spec_variant
+    assert set(bench.DEQUANT_KERNELS) == {"kv_dequant", DEQUANT}
+    for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
+        for name in bench.DEQUANT_KERNELS:
+            assert by_name(name).builds_for(spec_variant(BF16, h, "fp8_e4m3")), (h, name)
+            assert not by_name(name).builds_for(spec_variant(BF16, h, "bf16")), (h, name)
