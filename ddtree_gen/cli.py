@@ -131,17 +131,25 @@ def _resource_table(rows) -> None:
     """ptxas vs the model per variant. For sm_80 the report is of an sm_80 cubin assembled from the shipped
     PTX (the driver JIT-compiles that PTX on the device: the figures are indicative there)."""
     from .resources import compare
-    print(f"\n{'spec':<18} {'kernel':<24} {'target':<6} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
+    w = _kernel_width()
+    print(f"\n{'spec':<18} {'kernel':<{w}} {'target':<6} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
           f"{'model':>7} {'stack':>5} {'spill':>5}  model vs ptxas")
     for spec, kernel, arch, plan, r in rows:
         problems = compare(plan, r)
-        print(f"{spec:<18} {kernel:<24} {arch:<6} {plan.value(plan.threads):>7} {r.registers:>5} "
+        print(f"{spec:<18} {kernel:<{w}} {arch:<6} {plan.value(plan.threads):>7} {r.registers:>5} "
               f"{plan.register_budget:>6} {r.smem:>7} {plan.value(plan.static_smem):>7} {r.stack:>5} "
               f"{r.spill_stores + r.spill_loads:>5}  {'agree' if not problems else '; '.join(problems)}")
 
 
+def _kernel_width() -> int:
+    """The kernel column's width: the longest kernel name (at least 24), so that the columns line up."""
+    from .plans import all_kernels
+    return max(24, *(len(k.name) for k in all_kernels()))
+
+
 def cmd_list(args) -> int:
     from . import artifacts, registry
+    w = _kernel_width()
     for spec in _specs(args.specs):
         print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
               f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} kv_dtype={spec.kv_dtype} "
@@ -153,12 +161,12 @@ def cmd_list(args) -> int:
                 why = (f"it reads {', '.join(kdef.kv_dtypes)} caches, the spec's kv_dtype is {spec.kv_dtype}"
                        if spec.kv_dtype not in kdef.kv_dtypes else kdef.unfit(spec) if kdef.unfit(spec) else
                        f"its targets ({', '.join(kdef.archs)}) are not the spec's")
-                print(f"  {kdef.name:<24} {'-':<14}  not built: {why}")
+                print(f"  {kdef.name:<{w}} {'-':<14}  not built: {why}")
                 continue
             for i, arch in enumerate(order):
                 cached = "cached" if _is_cached(spec, kdef, arch) else "not compiled here"
                 name = kdef.name if i == 0 else ""
-                print(f"  {name:<24} {arch:<6} {'(' + _binary(arch) + ')':<7}  generated/: "
+                print(f"  {name:<{w}} {arch:<6} {'(' + _binary(arch) + ')':<7}  generated/: "
                       f"{state[kdef.name][arch]:<11}  binary: {cached}")
     return 0
 
