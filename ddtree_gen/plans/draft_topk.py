@@ -1,6 +1,6 @@
-"""draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth, one block
-per chunk of a row, then a merge per row), and the inputs of its bundles and sanitizer cases (its output record,
-DraftTopkOutput, is beside its numpy reference)."""
+"""draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth: one block per
+row where the rows fill the GPU, else one block per chunk of a row and a merge per row; SCHEDULES below), and the
+inputs of its bundles and sanitizer cases (its output record, DraftTopkOutput, is beside its numpy reference)."""
 from __future__ import annotations
 
 import numpy as np
