@@ -83,18 +83,26 @@ def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
     layout = dequant_layout(spec, b, max_pages)
     if len(arrays) <= KVW or arrays[KVW] is None:
         return None, layout
-    ka, contiguous = ar.view(arrays[KVW], "kv_workspace")
-    if ka.dtype != "bf16":
-        raise ArgumentError(f"kv_workspace: dtype {ka.dtype}, expected bf16 (uint16 bits on CuPy, torch.bfloat16 on "
-                            f"torch)")
-    if not contiguous:
-        raise ArgumentError("kv_workspace: not C-contiguous")
-    if math.prod(ka.shape) < layout[2]:
-        raise ArgumentError(f"kv_workspace: {math.prod(ka.shape)} bf16 elements, B = {b} requests x max_pages = "
-                            f"{max_pages} need {layout[2]} (plans.kv_dequant.workspace_elems(spec, B, max_pages))")
-    ka = ar.DevArray(ka.obj, ka.ptr, (layout[2],), "bf16", ka.kind, ka._device)
-    ptrs.align(ka, "kv_workspace", 16, READER)
+    ka = _given_scratch(ptrs, arrays[KVW], "kv_workspace", "bf16", "bf16 (uint16 bits on CuPy, torch.bfloat16 on torch)",
+                        layout[2], lambda n: f"{n} bf16 elements, B = {b} requests x max_pages = {max_pages} need "
+                                             f"{layout[2]} (plans.kv_dequant.workspace_elems(spec, B, max_pages))")
     return ka, layout
+
+
+def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int, too_small) -> ar.DevArray:
+    """A caller's scratch array (workspace, kv_workspace) checked: `dtype` (`expected` names it in the error),
+    C-contiguous, at least `need` elements (`too_small(n)` says why not), 16-byte aligned; as the DevArray of the
+    `need` elements the kernels use."""
+    sa, contiguous = ar.view(array, name)
+    if sa.dtype != dtype:
+        raise ArgumentError(f"{name}: dtype {sa.dtype}, expected {expected}")
+    if not contiguous:
+        raise ArgumentError(f"{name}: not C-contiguous")
+    if math.prod(sa.shape) < need:
+        raise ArgumentError(f"{name}: {too_small(math.prod(sa.shape))}")
+    sa = ar.DevArray(sa.obj, sa.ptr, (need,), dtype, sa.kind, sa._device)   # the part the kernels use
+    ptrs.align(sa, name, 16, READER)
+    return sa
 
 
 def available(kset, name: str, device: int) -> bool:
@@ -151,16 +159,9 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     need = parts_workspace_elems(spec, b, nq, splits) if parts else workspace_elems(spec, b, nq, splits)
     wa = None
     if arrays[WS] is not None and need:
-        wa, contiguous = ar.view(arrays[WS], "workspace")
-        if wa.dtype != "float32":
-            raise ArgumentError(f"workspace: dtype {wa.dtype}, expected float32")
-        if not contiguous:
-            raise ArgumentError("workspace: not C-contiguous")
-        if math.prod(wa.shape) < need:
-            raise ArgumentError(f"workspace: {math.prod(wa.shape)} float32 elements, {splits} key chunks need "
-                                f"{need} (at most workspace_elems(spec, B, Nq, splits))")
-        wa = ar.DevArray(wa.obj, wa.ptr, (need,), "float32", wa.kind, wa._device)   # the part the kernels use
-        ptrs.align(wa, "workspace", 16, READER)
+        wa = _given_scratch(ptrs, arrays[WS], "workspace", "float32", "float32", need,
+                            lambda n: f"{n} float32 elements, {splits} key chunks need {need} "
+                                      f"(at most workspace_elems(spec, B, Nq, splits))")
     ka, layout = _kv_workspace(spec, arrays, ptrs, b, max_pages) if dequant else (None, None)
     check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa, **({"kv_workspace": ka} if dequant else {})},
                   reader=READER)
