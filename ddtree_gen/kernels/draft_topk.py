@@ -76,8 +76,8 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     named = {"logits": lg}
     # the rows build: one block per row where the rows fill the GPU ROWS_WAVES times over (no workspace then), else
     # its copy of the chunks schedule
-    rows_path = rows > 0 and bool(kset.constants(KERNEL, lg.device).get("ROWS")) and \
-        rows >= ROWS_WAVES * sm_count(lg.device) * MIN_BLOCKS
+    consts = kset.constants(KERNEL, lg.device)
+    rows_path = rows > 0 and bool(consts.get("ROWS")) and rows >= ROWS_WAVES * sm_count(lg.device) * MIN_BLOCKS
     need = 0 if rows_path else workspace_elems(b, dp, v, k, dtype)
     aligned = []
     if need and arrays[WS] is not None:
@@ -106,7 +106,7 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
         steps.append(Step(KERNEL, (rows,), (*common, np.int32(2))))
     elif rows:
         grid0 = rows * ch
-        if kset.constants(KERNEL, device).get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
+        if consts.get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
             grid0 = min(grid0, sm_count(device) * MIN_BLOCKS)
         steps.append(Step(KERNEL, (grid0,), (*common, np.int32(0))))
         if ch > 1:
