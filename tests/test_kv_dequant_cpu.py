@@ -224,7 +224,7 @@ def test_kv_dequant_launch_plan(fake_device):
     (name, kw), = kset.got
     assert name == "kv_dequant" and tuple(kw["grid"]) == (B * MAX_PAGES,)
     want = [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")]
-    assert list(kw["args"]) == [*want, ptr_of(out.kv_cache), ptr_of(out.block_table), PAGES, MAX_PAGES]
+    assert list(kw["args"]) == [*want, ptr_of(out.kv_cache), ptr_of(out.block_table), PAGES, MAX_PAGES, B]
     # no out: both outputs are new (allocated by the runtime before the launch: its plan here, no GPU to allocate on)
     a = dq_args(FP8, Arrays())
     prep = kd._prepare(FakeKernelSet(FP8, ["kv_dequant"]), (*a.values(), None, None), False)
@@ -335,7 +335,7 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     base, table_off = ptr_of(kvw), kd_plans.workspace_layout(spec, B, MAX_PAGES)[1]
     assert kgrid == (B * MAX_PAGES,)
     assert ka == [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")] + [
-        base, base + table_off, PAGES, MAX_PAGES]
+        base, base + table_off, PAGES, MAX_PAGES, B]
     (_, fgrid, fa), (_, dgrid, da) = fused.got[0], dq.got[1]
     assert fgrid == dgrid
     assert da[2] == base and da[3] == base + table_off and da[11] == B * MAX_PAGES
@@ -504,3 +504,152 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
         for name in bench.DEQUANT_KERNELS:
             assert by_name(name).builds_for(spec_variant(BF16, h, "fp8_e4m3")), (h, name)
             assert not by_name(name).builds_for(spec_variant(BF16, h, "bf16")), (h, name)
+
+
+# ------------------------------------------------------------------------ kv_dequant's build options
+
+def test_build_options_default_and_names():
+    """The default build is today's kernel (the page schedule, 256 threads, pair stores, no L2 hint, its file
+    kv_dequant.cu); every other option is a build named by its knobs, rendered with its constants."""
+    from ddtree_gen.render import render
+    kdef = by_name("kv_dequant")
+    v = variant(kdef, FP8)
+    assert v.name == "kv_dequant" and v.is_default and v.config == kd_plans.KNOBS
+    c = v.plan().template_constants()
+    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 1, 0, 0, 256)
+    assert "the default build: the first kernel's body" in render(v)
+    names = {variant(kdef, FP8, **k).name for k in kd_plans.CANDIDATES + kd_plans.EDGE_OPTIONS}
+    assert len(names) == len(kd_plans.CANDIDATES) + len(kd_plans.EDGE_OPTIONS)   # distinct builds
+    s = variant(kdef, FP8, schedule="stream", parts=2, store="warp", l2="src_evict_first", threads=128)
+    assert s.name == "kv_dequant.stream.p2.warp.l2-src-evict-first.t128" and not s.is_default
+    c = s.plan().template_constants()
+    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"], c["MIN_BLOCKS"]) == \
+        (1, 2, 1, 1, 128, 1024 // 128)
+    text = render(s)
+    assert "the default build" not in text and "#define STREAM 1" in text
+    assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in text
+    assert "L2::cache_hint" in text and "createpolicy.fractional.L2::evict_first" in text
+    assert variant(kdef, FP8, l2="streaming").plan().template_constants()["L2_HINT"] == 2
+
+
+@pytest.mark.parametrize("knobs,words", [
+    (dict(schedule="persistent"), "schedule 'persistent', one of page, stream"),
+    (dict(store="scatter"), "store 'scatter', one of pair, warp"),
+    (dict(l2="keep"), "l2 'keep', one of normal, src_evict_first, streaming"),
+    (dict(parts=0), "parts 0, an integer in"),
+    (dict(parts=2.0), "parts 2.0, an integer in"),
+    (dict(threads=100), "threads 100, a multiple of 32"),
+    (dict(threads=2048), "threads 2048, a multiple of 32"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_build_option_errors(knobs, words):
+    from ddtree_gen.errors import SpecError
+    with pytest.raises(SpecError, match=words):
+        variant(by_name("kv_dequant"), FP8, **knobs).plan()
+
+
+def test_dequant_grid():
+    """The page schedule: one block per work unit (B x max_pages x parts), refused past 2^31 - 1 naming
+    block_table; the stream schedule: at most SMs x MIN_BLOCKS blocks."""
+    kdef = by_name("kv_dequant")
+    page = variant(kdef, FP8, parts=3).plan().template_constants()
+    assert kd.dequant_grid(page, 8, 66, 132) == 8 * 66 * 3
+    assert kd.dequant_grid(variant(kdef, FP8).plan().template_constants(), 1, 66, 132) == 66
+    stream = variant(kdef, FP8, schedule="stream", parts=2).plan().template_constants()
+    assert kd.dequant_grid(stream, 32, 66, 132) == 132 * 4          # 4224 units walked by 528 blocks
+    assert kd.dequant_grid(stream, 1, 66, 132) == 132               # B = 1: one unit per SM
+    assert kd.dequant_grid(stream, 1, 10, 132) == 20
+    assert kd.dequant_grid(stream, 2**15, 2**15, 132) == 528        # no 32-bit limit on the units walked
+    with pytest.raises(ArgumentError, match="block_table: 32768 requests x 32768 pages x 3 parts"):
+        kd.dequant_grid(page, 2**15, 2**15, 132)
+
+
+def emulate_assignment(consts, b, max_pages, sms):
+    """The template's work assignment (templates/kv_dequant.cu.j2: units, parts, pieces; the page schedule's block
+    per unit or the stream schedule's grid stride) replayed in Python: per workspace page, how often each of its
+    16-byte output chunks is stored, and per (b, j) how often its table entry is written, if every page is
+    converted."""
+    vec = 8 if consts["WARP_STORE"] else 16
+    pieces = consts["PAGE_BYTES"] // vec
+    parts, threads = consts["PARTS"], consts["THREADS"]
+    part_pieces = -(-pieces // parts)
+    per_thread = -(-part_pieces // threads)
+    units = b * max_pages * parts
+    grid = kd.dequant_grid(consts, b, max_pages, sms)
+    out16 = np.zeros((b * max_pages, consts["PAGE_BYTES"] * 2 // 16), np.int64)
+    table = np.zeros(b * max_pages, np.int64)
+    t = np.arange(threads)
+    for block in range(grid):
+        for u in range(block, units, grid if consts["STREAM"] else units):
+            w, part = divmod(u, parts)
+            table[w] += 1 if part == 0 else 0
+            first = part * part_pieces
+            end = min(first + part_pieces, pieces)
+            c = (first + t[:, None] + threads * np.arange(per_thread)[None, :]).reshape(-1)
+            c = c[c < end]
+            if vec == 8:
+                np.add.at(out16[w], c, 1)
+            else:
+                np.add.at(out16[w], 2 * c, 1)
+                np.add.at(out16[w], 2 * c + 1, 1)
+    return out16, table
+
+
+@pytest.mark.parametrize("knobs", kd_plans.CANDIDATES + kd_plans.EDGE_OPTIONS,
+                         ids=lambda k: ",".join(f"{a}={b}" for a, b in sorted(k.items())) or "default")
+def test_work_assignment_covers_every_byte_once(knobs):
+    """Every build option stores each 16-byte chunk of a converted workspace page exactly once and each table entry
+    once, for a page of the shipped specs and one whose pieces the parts and threads do not divide."""
+    kdef = by_name("kv_dequant")
+    import dataclasses
+    odd = dataclasses.replace(FP8, name="odd-fp8", page_size=3, kv_lora_rank=48, qk_rope_head_dim=16)
+    for spec in (FP8, odd):
+        consts = dict(variant(kdef, spec, **knobs).plan().template_constants())
+        consts["PAGE_BYTES"] = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+        for b, max_pages, sms in ((1, 5, 3), (3, 7, 2)):
+            out16, table = emulate_assignment(consts, b, max_pages, sms)
+            assert (out16 == 1).all(), (spec.name, b, max_pages, np.argwhere(out16 != 1)[:3])
+            assert (table == 1).all(), (spec.name, b, max_pages)
+
+
+def test_stream_build_launch_plan(fake_device, monkeypatch):
+    """A kernel set whose kv_dequant is a stream build: its grid is SMs x MIN_BLOCKS (fewer blocks than units), the
+    arguments as the page schedule's; the dequantize path of tree_verify takes the same grid."""
+    new = Arrays()
+    args = dq_args(FP8, new)
+    stream = variant(by_name("kv_dequant"), FP8, schedule="stream", parts=2, store="warp").plan().template_constants()
+    kset = Recording(FP8)
+    real = kset.constants
+    monkeypatch.setattr(kset, "constants", lambda name, device=None: stream if name == "kv_dequant" else real(name))
+    monkeypatch.setattr(kd, "sm_count", lambda device: 3)
+    out = reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16), new((B, MAX_PAGES), np.int32))
+    kd.launch(kset, **args, out=out)
+    (name, grid, ka), = kset.got
+    assert name == "kv_dequant" and grid == (min(B * MAX_PAGES * 2, 3 * stream["MIN_BLOCKS"]),) == (12,)
+    assert ka[6:] == [PAGES, MAX_PAGES, B]
+
+
+def test_kv_dequant_pointer_checks_are_the_shared_helpers(fake_device):
+    """The launcher's alignment and overlap checks are PointerChecks' (kernels/checks.py), recorded for every later
+    call of the signature: a cached call with a misaligned or overlapping out is refused with the same message."""
+    new = Arrays()
+    args = dq_args(FP8, new)
+    kset = FakeKernelSet(FP8, ["kv_dequant"])
+    kset.launch = lambda name, **kw: None
+    out = reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16), new((B, MAX_PAGES), np.int32))
+    kd.launch(kset, **args, out=out)
+    bad = reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16, ptr=ptr_of(out.kv_cache) + 8),
+                                    out.block_table)
+    with pytest.raises(ArgumentError, match=r"out.kv_cache: data pointer 0x[0-9a-f]+ is not 16-byte aligned \(the "
+                                            r"kv_dequant kernel writes it in 16-byte units\)"):
+        kd.launch(kset, **args, out=bad)
+    inside = reference.KvDequantOutput(out.kv_cache, new((B, MAX_PAGES), np.int32, ptr=ptr_of(out.kv_cache) + 4096))
+    with pytest.raises(ArgumentError, match="out.block_table: overlaps out.kv_cache in memory"):
+        kd.launch(kset, **args, out=inside)
+    onto = reference.KvDequantOutput(out.kv_cache, new((B, MAX_PAGES), np.int32, ptr=ptr_of(args["q_lens"])))
+    with pytest.raises(ArgumentError, match="out.block_table: overlaps q_lens in memory"):
+        kd.launch(kset, **args, out=onto)
+    misaligned = dict(args, kv_cache=new((PAGES, 64, 576), np.uint8, ptr=ptr_of(args["kv_cache"]) + 4))
+    with pytest.raises(ArgumentError, match=r"kv_cache: data pointer 0x[0-9a-f]+ is not 16-byte aligned \(the "
+                                            r"kv_dequant kernel reads it"):
+        kd.launch(kset, **misaligned, out=out)
+

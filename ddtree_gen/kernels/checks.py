@@ -27,10 +27,10 @@ class PointerChecks:
         self.aligned: list = []
         self.disjoint: list = []
 
-    def align(self, a: ar.DevArray, name: str, alignment: int, reader: str = "kernel") -> None:
-        """`reader`: who reads it, for the message ("kernel", "tensor-core kernel")."""
+    def align(self, a: ar.DevArray, name: str, alignment: int, reader: str = "kernel", access: str = "reads") -> None:
+        """`reader`: who reads it, for the message ("kernel", "tensor-core kernel"); `access`: "reads" or "writes"."""
         message = (f"{name}: data pointer {{ptr:#x}} is not {alignment}-byte aligned "
-                   f"(the {reader} reads it in {alignment}-byte units)")
+                   f"(the {reader} {access} it in {alignment}-byte units)")
         self.aligned.append((self.index[name], alignment, message))
         if a.ptr % alignment:
             raise ArgumentError(message.format(ptr=a.ptr))

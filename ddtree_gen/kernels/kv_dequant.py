@@ -17,11 +17,13 @@ import numpy as np
 from .. import arrays as ar
 from ..errors import ArgumentError
 from ..reference import KvDequantOutput
-from ..runtime import Prepared, Step, run_call
-from .checks import INT32_MAX
+from ..runtime import Prepared, Step, run_call, sm_count
+from .checks import INT32_MAX, PointerChecks, check_outputs
 
 KERNEL = "kv_dequant"
-_NAMES = ("kv_cache", "block_table", "prefix_lens", "q_lens", "out.kv_cache", "out.block_table")
+READER = "kv_dequant kernel"     # in alignment messages
+_INDEX = {name: i for i, name in enumerate(("kv_cache", "block_table", "prefix_lens", "q_lens", "out.kv_cache",
+                                            "out.block_table"))}
 
 
 def launch(kset, kv_cache, block_table, prefix_lens, q_lens, out=None) -> KvDequantOutput:
@@ -68,11 +70,26 @@ def check_workspace_pages(spec, b: int, max_pages: int) -> None:
                             f"{b * max_pages * spec.page_size} workspace rows must be < 2**31 (32-bit row indices)")
 
 
-def dequant_step(kv, table, prefix, qlens, ws_kv, ws_table, b: int, max_pages: int, num_pages: int) -> Step:
-    """The pre-pass's launch: one block per (request, page index); the arguments are the call's array indices
-    (or (index, byte offset) pairs) of the e4m3 cache, its block table, the lengths and the two outputs."""
-    return Step(KERNEL, (b * max_pages,), (kv, table, prefix, qlens, ws_kv, ws_table, np.int32(num_pages),
-                                           np.int32(max_pages)))
+def dequant_grid(consts: dict, b: int, max_pages: int, sms: int) -> int:
+    """Blocks of the pre-pass's launch for the build's template constants (plans/kv_dequant.plan): the work units,
+    B x max_pages x PARTS, one block each (the page schedule), or at most SMs x MIN_BLOCKS of them walking the units
+    (the stream schedule, STREAM = 1)."""
+    units = b * max_pages * int(consts.get("PARTS", 1))
+    if consts.get("STREAM"):
+        return min(units, sms * int(consts["MIN_BLOCKS"]))
+    if units > INT32_MAX:
+        raise ArgumentError(f"block_table: {b} requests x {max_pages} pages x {consts.get('PARTS', 1)} parts = "
+                            f"{units} blocks are too many for one launch of kv_dequant")
+    return units
+
+
+def dequant_step(kv, table, prefix, qlens, ws_kv, ws_table, b: int, max_pages: int, num_pages: int, consts: dict,
+                 sms: int) -> Step:
+    """The pre-pass's launch (dequant_grid: consts are the loaded build's template constants, sms the device's SM
+    count); the arguments are the call's array indices (or (index, byte offset) pairs) of the e4m3 cache, its block
+    table, the lengths and the two outputs."""
+    return Step(KERNEL, (dequant_grid(consts, b, max_pages, sms),),
+                (kv, table, prefix, qlens, ws_kv, ws_table, np.int32(num_pages), np.int32(max_pages), np.int32(b)))
 
 
 def _prepare(kset, arrays, has_out) -> Prepared:
@@ -84,28 +101,18 @@ def _prepare(kset, arrays, has_out) -> Prepared:
     shapes = {"kv_cache": ((b * max_pages, page, row), "bf16"), "block_table": ((b, max_pages), "int32")}
     new = ar.record_outputs(arrays, 4, shapes, has_out, "kv_cache", kv)
     device = ar.same_device(inputs)
-    aligned = [(0, 16, "kv_cache: data pointer {ptr:#x} is not 16-byte aligned (kv_dequant reads it in 16-byte units)")]
-    if kv.ptr % 16:
-        raise ArgumentError(aligned[0][2].format(ptr=kv.ptr))
-    disjoint = []
+    ptrs = PointerChecks(_INDEX)
+    ptrs.align(kv, "kv_cache", 16, READER)
     if has_out:
-        aligned.append((4, 16, "out.kv_cache: data pointer {ptr:#x} is not 16-byte aligned (kv_dequant writes it in "
-                               "16-byte units)"))
-        outs = {4: ar.view(arrays[4], "out.kv_cache")[0], 5: ar.view(arrays[5], "out.block_table")[0]}
-        for i, o in outs.items():
-            if i == 4 and o.ptr % 16:
-                raise ArgumentError(aligned[1][2].format(ptr=o.ptr))
-            for j, a in enumerate((kv, bt, inputs["prefix_lens"], inputs["q_lens"], *(([outs[4]]) if i == 5 else ()))):
-                other = _NAMES[j] if j < 4 else _NAMES[4]
-                entry = (i, o.nbytes, j if j < 4 else 4, a.nbytes, False,
-                         f"{_NAMES[i]}: overlaps {other} in memory (outputs must not share memory with inputs or "
-                         f"each other)")
-                disjoint.append(entry)
-                if o.nbytes and a.nbytes and o.ptr < a.ptr + a.nbytes and a.ptr < o.ptr + o.nbytes:
-                    raise ArgumentError(entry[5])
-    steps = (dequant_step(0, 1, 2, 3, 4, 5, b, max_pages, num_pages),) if b * max_pages else ()
-    return Prepared(device=device, kind=kv.kind, steps=steps, new=new, aligned=tuple(aligned), disjoint=tuple(disjoint),
-                    returns=(KvDequantOutput, (4, 5)))
+        outs = {"out.kv_cache": ar.view(arrays[4], "out.kv_cache")[0],
+                "out.block_table": ar.view(arrays[5], "out.block_table")[0]}
+        ptrs.align(outs["out.kv_cache"], "out.kv_cache", 16, READER, access="writes")
+        check_outputs(ptrs, inputs, outs)
+    consts = kset.constants(KERNEL, device)
+    steps = ((dequant_step(0, 1, 2, 3, 4, 5, b, max_pages, num_pages, consts, sm_count(device)),)
+             if b * max_pages else ())
+    return Prepared(device=device, kind=kv.kind, steps=steps, new=new, aligned=tuple(ptrs.aligned),
+                    disjoint=tuple(ptrs.disjoint), returns=(KvDequantOutput, (4, 5)))
 
 
-__all__ = ["launch", "dequant_step", "check_inputs", "check_workspace_pages"]
+__all__ = ["launch", "dequant_grid", "dequant_step", "check_inputs", "check_workspace_pages"]

@@ -180,7 +180,8 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         kv, table, pages = (KVW, (KVW, layout[1]), layout[0]) if dequant else (2, 3, num_pages)
         if dequant:
             if max_pages:   # (none: the kernel reads no key, nor the table)
-                steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages))
+                steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
+                                          kset.constants(KV_DEQUANT, qn.device), sms))
             new.append((KVW, (layout[2],), "bf16"))
         tma = ((TensorMap(kv, pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64,
                           *((1, False) if spec.kv_fp8 and not dequant else ())),)

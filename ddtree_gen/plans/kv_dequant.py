@@ -6,25 +6,95 @@ workspace page b * max_pages + j, and writes the workspace's block table ([B, ma
 tree_verify would not read the page). tree_verify_wgmma_dequant (plans/tree_verify_wgmma.py: the bf16-cache seesaw
 built for the fp8 spec) then reads the workspace, with kv_scale applied in fp32 as in the fused fp8 kernel.
 
-One block of THREADS per (request, page index); 16-byte loads of the e4m3 bytes, 16-byte stores of the bf16.
+Build options (KNOBS; templates/kv_dequant.cu.j2 says how each works; every option gives the same outputs bit for
+bit): `schedule` "page" (one block per work unit: the default) or "stream" (a persistent grid of SMs x MIN_BLOCKS
+blocks walking the units with the next one's loads in flight); `parts` (work units per page); `store` "pair" (16-byte
+loads, two 16-byte stores each) or "warp" (8-byte loads, one 16-byte store each: contiguous warp stores); `l2`
+"normal", "src_evict_first" (the e4m3 loads evict-first in L2) or "streaming" (that, and st.global.cs stores);
+`threads` per block. docs/perf.md "The pre-pass at the copy rate".
 """
 from __future__ import annotations
 
 import numpy as np
 import sympy
 
+from ..errors import SpecError
 from ..fp8 import from_float
 from ..resources import P, PAGE, R, Plan
 from .declaration import Bundles, Declaration
 from .kernel_def import KernelDef
 
-THREADS = 256
+THREADS = 256                    # threads per block of the default build
 CHUNKS = PAGE * (R + P) / 16     # 16-byte e4m3 chunks per page (R, P multiples of 16: whole)
+SCHEDULES = ("page", "stream")
+STORES = ("pair", "warp")
+L2_HINTS = ("normal", "src_evict_first", "streaming")
+MAX_PARTS = 64
+# the build options at their values in the default build (today's kernel: one block of 256 threads per page)
+KNOBS = {"schedule": "page", "parts": 1, "store": "pair", "l2": "normal", "threads": THREADS}
+STREAM_THREADS_PER_SM = 1024     # the stream grid's resident threads per SM: MIN_BLOCKS = 1024 / threads
+# the builds scripts/compare_dequant.py times side by side (knobs off the default; {}: the default build), chosen by
+# reasoning (docs/perf.md "The pre-pass at the copy rate"); the GPU tests check each bit for bit, with EDGE_OPTIONS
+# (parts that do not divide a page: the bounds tests)
+CANDIDATES = ({}, {"store": "warp"}, {"parts": 2}, {"schedule": "stream", "parts": 2, "store": "warp"},
+              {"schedule": "stream", "parts": 2},
+              {"schedule": "stream", "parts": 2, "store": "warp", "l2": "src_evict_first"},
+              {"schedule": "stream", "parts": 2, "store": "warp", "l2": "streaming"},
+              {"schedule": "stream", "parts": 4, "store": "warp", "threads": 128},
+              {"schedule": "stream", "parts": 1, "store": "warp", "threads": 512})
+EDGE_OPTIONS = ({"parts": 5}, {"schedule": "stream", "parts": 7, "store": "warp"},
+                {"schedule": "stream", "parts": 5, "store": "warp", "threads": 96, "l2": "src_evict_first"})
 
 
-def plan(spec) -> Plan:
-    return Plan(kernel="kv_dequant", spec=spec, threads=sympy.Integer(THREADS), min_blocks=4,
-                static_smem=sympy.Integer(0), consts={"CHUNKS": CHUNKS})
+def policy(spec, arch: str = "sm_90a") -> dict:
+    """The default build configuration (plans/variant.default_config): the page schedule of 256 threads, pair stores,
+    no L2 hint (docs/perf.md "The pre-pass at the copy rate": the others are build options until measured)."""
+    return dict(KNOBS)
+
+
+def spell(config) -> tuple:
+    """A configuration's part of the variant name: kv_dequant (the default), e.g. kv_dequant.stream.p2.warp,
+    kv_dequant.l2-src-evict-first, kv_dequant.t128; each knob off its default adds its part."""
+    parts = []
+    if config["schedule"] != KNOBS["schedule"]:
+        parts.append(config["schedule"])
+    if config["parts"] != KNOBS["parts"]:
+        parts.append(f"p{config['parts']}")
+    if config["store"] != KNOBS["store"]:
+        parts.append(config["store"])
+    if config["l2"] != KNOBS["l2"]:
+        parts.append("l2-" + config["l2"].replace("_", "-"))
+    if config["threads"] != KNOBS["threads"]:
+        parts.append(f"t{config['threads']}")
+    return tuple(parts)
+
+
+def _checked(config: dict) -> dict:
+    """The config's knobs checked: a SpecError naming the knob and its allowed values."""
+    config = {**KNOBS, **config}
+    for knob, allowed in (("schedule", SCHEDULES), ("store", STORES), ("l2", L2_HINTS)):
+        if config[knob] not in allowed:
+            raise SpecError(f"kv_dequant: {knob} {config[knob]!r}, one of {', '.join(allowed)}")
+    parts, threads = config["parts"], config["threads"]
+    if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= MAX_PARTS:
+        raise SpecError(f"kv_dequant: parts {parts!r}, an integer in [1, {MAX_PARTS}] (work units per page)")
+    if (not isinstance(threads, int) or isinstance(threads, bool) or not 32 <= threads <= 1024 or threads % 32):
+        raise SpecError(f"kv_dequant: threads {threads!r}, a multiple of 32 in [32, 1024]")
+    return config
+
+
+def plan(spec, config=None) -> Plan:
+    config = _checked(config or policy(spec))
+    stream = config["schedule"] == "stream"
+    threads = config["threads"]
+    # the stream schedule's grid is SMs x min_blocks (kernels/kv_dequant.dequant_step), resident by its
+    # __launch_bounds__; the page schedule's min_blocks is the resource model's only
+    min_blocks = max(1, STREAM_THREADS_PER_SM // threads) if stream else 4
+    consts = {"CHUNKS": CHUNKS, "STREAM": sympy.Integer(int(stream)), "PARTS": sympy.Integer(config["parts"]),
+              "WARP_STORE": sympy.Integer(int(config["store"] == "warp")),
+              "L2_HINT": sympy.Integer(L2_HINTS.index(config["l2"]))}
+    return Plan(kernel="kv_dequant", spec=spec, threads=sympy.Integer(threads), min_blocks=min_blocks,
+                static_smem=sympy.Integer(0), consts=consts)
 
 
 def workspace_layout(spec, b: int, max_pages: int) -> tuple[int, int, int]:
@@ -42,7 +112,7 @@ def workspace_elems(spec, b: int, max_pages: int) -> int:
 
 
 KERNELS = [KernelDef(name="kv_dequant", template="kv_dequant.cu.j2", entry="ddtree_kv_dequant", plan=plan,
-                     kv_dtypes=("fp8_e4m3",))]
+                     kv_dtypes=("fp8_e4m3",), policy=policy, spell=spell)]
 
 
 def _e4m3(rng, shape) -> np.ndarray:

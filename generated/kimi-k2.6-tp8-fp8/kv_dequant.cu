@@ -52,68 +52,202 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 }
 
 // kv_dequant: the dequantize pre-pass of tree_verify's fp8 path "dequant" (spec kimi-k2.6-tp8-fp8: page = 64
-// tokens, entries of R + P = 512 + 64 e4m3 bytes). One block per (request b, page index j < max_pages):
+// tokens, entries of R + P = 512 + 64 e4m3 bytes). Work: the (request b, page index j < max_pages) pairs,
+// w = b * max_pages + j, each cut into PARTS work units (w * PARTS + part: a part of the page's bytes):
 //   * the call reads the keys t < prefix_len + q_len of a request (tree_verify's range), so the pages j <
 //     ceil((prefix_len + q_len) / PAGE) of its block table, for a request tree_verify serves (q_len >= 1,
 //     prefix_len >= 0) and an entry inside [0, num_pages);
-//   * such a page is converted whole, exactly, into workspace page w = b * max_pages + j ([B * max_pages, PAGE,
-//     R + P] bf16): bf16 holds every e4m3 value (fp8x4_to_bf16x4; NaN bytes become bf16 NaN, sign | 0x7ff0);
-//     the values stay unscaled (kv_scale is applied in fp32 by tree_verify, as in the fused fp8 kernel);
+//   * such a page is converted whole, exactly, into workspace page w ([B * max_pages, PAGE, R + P] bf16): bf16
+//     holds every e4m3 value (fp8x4_to_bf16x4; NaN bytes become bf16 NaN, sign | 0x7ff0); the values stay unscaled
+//     (kv_scale is applied in fp32 by tree_verify, as in the fused fp8 kernel);
 //   * the workspace block table gets w for such a page and -1 for every other (b, j): tree_verify then sees the
 //     same visible keys as on the e4m3 cache (a key whose page is not in [0, num_pages) is never read).
-// Every (b, j) writes its table entry; pages of the workspace not converted are not written. 16-byte loads
-// (read once: no L1 allocation), two 16-byte stores per load; bandwidth-bound (3 bytes moved per e4m3 byte).
+// Every (b, j) writes its table entry (its part 0's thread 0); pages of the workspace not converted are not written.
+// Bandwidth-bound: 3 bytes moved per e4m3 byte. The build options (plans/kv_dequant.KNOBS), same outputs bit for bit:
+//   STREAM 0 ("page"): one block per work unit, every load of a thread first, then its stores.
+//   STREAM 1 ("stream"): a persistent grid (SMs x MIN_BLOCKS blocks) walking the units with a grid stride; the next
+//     unit's lengths, table entry and loads are issued before the current one is converted and stored (two register
+//     buffers that swap roles), so one SM's loads and stores overlap.
+//   WARP_STORE 0 ("pair"): 16-byte pieces, two 16-byte stores each (a warp store: every other 16 bytes of 1 KB);
+//     1 ("warp"): 8-byte pieces, one 16-byte store each (a warp store: 512 contiguous bytes).
+//   L2_HINT 0 ("normal"); 1 ("src_evict_first"): the e4m3 loads with an L2 evict-first policy (the source is read
+//     once; the workspace the attention kernel reads next stays in L2 in preference); 2 ("streaming"): that, and the
+//     workspace stores st.global.cs (evict-first).
 
 #define PAGE 64
 #define ROW (512 + 64)          // bytes per e4m3 entry
 #define THREADS 256
 #define CHUNKS 2304              // 16-byte e4m3 chunks per page: PAGE * ROW / 16
-#define PER_THREAD ((CHUNKS + THREADS - 1) / THREADS)
+#define STREAM 0
+#define PARTS 1                // work units per page
+#define WARP_STORE 0
+#define L2_HINT 0
+#define MIN_BLOCKS 4      // the stream grid: blocks per SM (resident by __launch_bounds__)
+#define VEC (WARP_STORE ? 8 : 16)        // e4m3 bytes per piece (a thread's load)
+#define PIECES (PAGE * ROW / VEC)        // pieces per page
+#define PART_PIECES ((PIECES + PARTS - 1) / PARTS)
+#define PER_THREAD ((PART_PIECES + THREADS - 1) / THREADS)
+// every piece index a thread forms is inside its part and the page: no bounds test
+#define WHOLE (PART_PIECES * PARTS == PIECES && PART_PIECES % THREADS == 0)
 static_assert(CHUNKS * 16 == PAGE * ROW, "a page is a whole number of 16-byte chunks");
 
-__device__ __forceinline__ uint4 load_once(const uint4* p) {
-    uint4 v;
+#if WARP_STORE
+typedef uint2 piece_t;
+#else
+typedef uint4 piece_t;
+#endif
+
+__device__ __forceinline__ unsigned long long l2_policy() {
+    unsigned long long policy = 0;
+#if L2_HINT
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+    return policy;
+}
+
+__device__ __forceinline__ piece_t load_once(const piece_t* p, unsigned long long policy) {
+    piece_t v;
+#if WARP_STORE
+  #if L2_HINT
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 { %0, %1 }, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
+  #else
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 { %0, %1 }, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  #endif
+#else
+  #if L2_HINT
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 { %0, %1, %2, %3 }, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  #else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  #endif
+#endif
+    (void)policy;
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+__device__ __forceinline__ void store16(uint4* p, uint4 v) {
+#if L2_HINT == 2
+    asm volatile("st.global.cs.v4.u32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+#else
+    *p = v;
+#endif
+}
+
+// Piece c of a page (VEC e4m3 bytes) -> its 2 VEC bytes of bf16 at out (the page's first 16 bytes).
+__device__ __forceinline__ void convert_store(const piece_t& x, uint4* out, int c) {
+#if WARP_STORE
+    const uint2 a = fp8x4_to_bf16x4(x.x), bb = fp8x4_to_bf16x4(x.y);
+    store16(out + c, make_uint4(a.x, a.y, bb.x, bb.y));
+#else
+    const uint2 a = fp8x4_to_bf16x4(x.x), bb = fp8x4_to_bf16x4(x.y);
+    const uint2 cc = fp8x4_to_bf16x4(x.z), d = fp8x4_to_bf16x4(x.w);
+    store16(out + 2 * c, make_uint4(a.x, a.y, bb.x, bb.y));          // bytes 0-7 of the chunk -> 16 bytes of bf16
+    store16(out + 2 * c + 1, make_uint4(cc.x, cc.y, d.x, d.y));      // bytes 8-15
+#endif
+}
+
+// The cache page that workspace page w = b * max_pages + j converts, or -1 where tree_verify reads no key of it.
+__device__ __forceinline__ int source_page(long long w, const int* __restrict__ block_table,
+                                           const int* __restrict__ prefix_lens, const int* __restrict__ q_lens,
+                                           int num_pages, int max_pages) {
+    const int b = (int)(w / max_pages);
+    const int j = (int)(w % max_pages);
+    const int q_len = q_lens[b];
+    const int prefix = prefix_lens[b];
+    const long long keys = (long long)prefix + q_len;
+    const bool served = q_len >= 1 && prefix >= 0 && (long long)j * PAGE < keys;
+    const int src = served ? block_table[w] : -1;
+    return served && src >= 0 && src < num_pages ? src : -1;
+}
+
+__device__ __forceinline__ bool in_part(int c, int end) { return WHOLE || c < end; }
+
+// The loads of work unit u (its page's source src >= 0): the thread's pieces of part u % PARTS.
+__device__ __forceinline__ void load_unit(piece_t (&x)[PER_THREAD], const fp8_t* __restrict__ kv_cache, int src,
+                                          long long u, unsigned long long policy) {
+    const int first = (int)(u % PARTS) * PART_PIECES;
+    const int end = min(first + PART_PIECES, PIECES);
+    const piece_t* in = reinterpret_cast<const piece_t*>(kv_cache + (size_t)src * (PAGE * ROW));
+    #pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+        const int c = first + (int)threadIdx.x + k * THREADS;
+        if (in_part(c, end)) x[k] = load_once(in + c, policy);
+    }
+}
+
+// The stores of work unit u, from its loads x; and (part 0, thread 0) its table entry: w, or -1 (src < 0).
+__device__ __forceinline__ void store_unit(const piece_t (&x)[PER_THREAD], bf16_t* __restrict__ kv_out,
+                                           int* __restrict__ table_out, int src, long long u) {
+    const long long w = u / PARTS;
+    const int part = (int)(u % PARTS);
+    if (part == 0 && threadIdx.x == 0) table_out[w] = src >= 0 ? (int)w : -1;
+    if (src < 0) return;
+    const int first = part * PART_PIECES;
+    const int end = min(first + PART_PIECES, PIECES);
+    uint4* out = reinterpret_cast<uint4*>(kv_out + (size_t)w * (PAGE * ROW));
+    #pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+        const int c = first + (int)threadIdx.x + k * THREADS;
+        if (in_part(c, end)) convert_store(x[k], out, c);
+    }
+}
+
+#if STREAM
+// One step of the stream: the next unit's source and loads into `next` (u_next < units), then unit u's stores from
+// `cur`. Returns whether there is a next unit.
+__device__ __forceinline__ bool stream_step(piece_t (&cur)[PER_THREAD], piece_t (&next)[PER_THREAD], long long& u,
+                                            int& src, long long units, const fp8_t* __restrict__ kv_cache,
+                                            const int* __restrict__ block_table, const int* __restrict__ prefix_lens,
+                                            const int* __restrict__ q_lens, bf16_t* __restrict__ kv_out,
+                                            int* __restrict__ table_out, int num_pages, int max_pages,
+                                            unsigned long long policy) {
+    const long long u_next = u + gridDim.x;
+    const bool more = u_next < units;
+    const int src_next = more ? source_page(u_next / PARTS, block_table, prefix_lens, q_lens, num_pages, max_pages)
+                              : -1;
+    if (src_next >= 0) load_unit(next, kv_cache, src_next, u_next, policy);
+    store_unit(cur, kv_out, table_out, src, u);
+    u = u_next;
+    src = src_next;
+    return more;
+}
+#endif
+
+extern "C" __global__ void
+#if STREAM
+__launch_bounds__(THREADS, MIN_BLOCKS)
+#else
+__launch_bounds__(THREADS)
+#endif
 ddtree_kv_dequant(const fp8_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] e4m3 bytes
             const int* __restrict__ block_table,     // [B, max_pages]
             const int* __restrict__ prefix_lens,     // [B]
             const int* __restrict__ q_lens,          // [B]
             bf16_t* __restrict__ kv_out,             // [B * max_pages, PAGE, R + P] bf16
             int* __restrict__ table_out,             // [B, max_pages]: b * max_pages + j, or -1
-            int num_pages, int max_pages)
+            int num_pages, int max_pages, int batch)
 {
+    // the default build: the first kernel's body, as it was built and measured (docs/perf.md "FP8 by a dequantize
+    // pre-pass"); one block per page, its table entry first
     const long long w = blockIdx.x;                                  // b * max_pages + j
-    const int b = (int)(w / max_pages);
-    const int j = (int)(w % max_pages);
-    const int q_len = q_lens[b];
-    const int prefix = prefix_lens[b];
-    const long long keys = (long long)prefix + q_len;
-    const bool served = q_len >= 1 && prefix >= 0 && (long long)j * PAGE < keys;   // block-uniform
-    const int src = served ? block_table[w] : -1;
-    const bool convert = served && src >= 0 && src < num_pages;
-    if (threadIdx.x == 0) table_out[w] = convert ? (int)w : -1;
-    if (!convert) return;
+    const int src = source_page(w, block_table, prefix_lens, q_lens, num_pages, max_pages);   // block-uniform
+    if (threadIdx.x == 0) table_out[w] = src >= 0 ? (int)w : -1;
+    if (src < 0) return;
     const uint4* in = reinterpret_cast<const uint4*>(kv_cache + (size_t)src * (PAGE * ROW));
     uint4* out = reinterpret_cast<uint4*>(kv_out + (size_t)w * (PAGE * ROW));
     uint4 x[PER_THREAD];
     #pragma unroll
     for (int k = 0; k < PER_THREAD; ++k) {                           // every load first: PER_THREAD in flight
         const int c = threadIdx.x + k * THREADS;
-        if (CHUNKS % THREADS == 0 || c < CHUNKS) x[k] = load_once(in + c);
+        if (CHUNKS % THREADS == 0 || c < CHUNKS) x[k] = load_once(in + c, 0);
     }
     #pragma unroll
     for (int k = 0; k < PER_THREAD; ++k) {
         const int c = threadIdx.x + k * THREADS;
-        if (CHUNKS % THREADS == 0 || c < CHUNKS) {
-            const uint2 a = fp8x4_to_bf16x4(x[k].x), bb = fp8x4_to_bf16x4(x[k].y);
-            const uint2 cc = fp8x4_to_bf16x4(x[k].z), d = fp8x4_to_bf16x4(x[k].w);
-            out[2 * c] = make_uint4(a.x, a.y, bb.x, bb.y);           // bytes 0-7 of the chunk -> 16 bytes of bf16
-            out[2 * c + 1] = make_uint4(cc.x, cc.y, d.x, d.y);       // bytes 8-15
-        }
+        if (CHUNKS % THREADS == 0 || c < CHUNKS) convert_store(x[k], out, c);
     }
+    (void)batch;
 }
