@@ -4,7 +4,8 @@ where the wgmma kernels cannot run: no GPU, not Hopper, DDTREE_GEN_ARCH=sm_80).
 * kv_dequant: bit-exact against reference.kv_dequant on caches of every byte value (NaN bytes included), with
   block-table entries outside the cache, requests tree_verify does not serve, pages past the keys: every byte of the
   workspace compared (the converted pages and the table written, every other page byte-identical to the poison
-  written before the launch).
+  written before the launch); for the default build and every build option of plans/kv_dequant (CANDIDATES, the
+  builds scripts/compare_dequant.py times, and EDGE_OPTIONS, parts that do not divide a page).
 * the dequantize path: the bits of the fused fp8 kernel (tree_verify_wgmma: its converter warpgroup) on the same
   inputs, out and lse, for split-KV off, forced on and the launcher's choice, with a kv_scale that is not a power of
   two; rows >= q_len untouched (poisoned before the launch); the float64 bar against the reference too; NaN bytes in
@@ -19,7 +20,7 @@ import pytest
 
 from conftest import skip_unless_runs
 from ddtree_gen import reference
-from ddtree_gen.plans.kv_dequant import workspace_elems
+from ddtree_gen.plans.kv_dequant import CANDIDATES, EDGE_OPTIONS, workspace_elems
 from test_gpu_tree_verify import (POISON_LSE, POISON_OUT, SCALES, WGMMA, check_against, check_rows_written,
                                   heads_to_check, poisoned)
 from verify_cases import fresh_seed, make_inputs, to_device, to_host
@@ -31,11 +32,28 @@ POISON_KV = 0xABCD          # a bf16 NaN pattern kv_dequant never writes (its Na
 POISON_TABLE = 0x5EEDBEEF     # an int32 no table entry can be (B * max_pages is far smaller)
 
 
-def _load(spec, kernels=KERNELS):
+OPTIONS = CANDIDATES + EDGE_OPTIONS   # kv_dequant's build options ({}: the default build)
+
+
+def _option_id(knobs) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) or "default"
+
+
+def _load(spec, kernels=KERNELS, knobs=None):
+    """The kernel set of `kernels`; with `knobs`, kv_dequant's build of those options (plans/variant.variant) beside
+    the default builds of the others."""
     if not spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r} has a bf16 cache (kv_dequant is an fp8 spec's)")
     import ddtree_gen
-    ks = ddtree_gen.load(spec, kernels=list(kernels))
+    if knobs:
+        from ddtree_gen.kernel_set import variant_set
+        from ddtree_gen.plans import by_name
+        from ddtree_gen.plans.variant import variant
+        ks = variant_set([variant(by_name("kv_dequant"), spec, **knobs)],
+                         also=[k for k in kernels if k != "kv_dequant"])
+        assert not ks.variants["kv_dequant"].is_default
+    else:
+        ks = ddtree_gen.load(spec, kernels=list(kernels))
     skip_unless_runs(ks, *kernels)
     return ks
 
@@ -57,8 +75,9 @@ def _dequant_case(spec, rng):
     return kv, table, prefix, qlens
 
 
-def test_kv_dequant_matches_reference(spec):
-    ks = _load(spec, ("kv_dequant",))
+@pytest.mark.parametrize("knobs", OPTIONS, ids=_option_id)
+def test_kv_dequant_matches_reference(spec, knobs):
+    ks = _load(spec, ("kv_dequant",), knobs)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     kv, table, prefix, qlens = _dequant_case(spec, rng)
@@ -82,6 +101,33 @@ def test_kv_dequant_matches_reference(spec):
     done = want.block_table.reshape(-1) >= 0
     assert np.array_equal(to_host(fresh.block_table), want.block_table)
     assert np.array_equal(to_host(fresh.kv_cache)[done], want.kv_cache[done]), f"seed={seed}"
+
+
+@pytest.mark.parametrize("knobs", [o for o in OPTIONS if o.get("schedule") == "stream"], ids=_option_id)
+def test_kv_dequant_stream_many_units_per_block(spec, knobs):
+    """The stream schedule with more work units than its grid (each block walks several, with converted and skipped
+    units in every position of its walk): the reference's bits, every byte of the workspace."""
+    ks = _load(spec, ("kv_dequant",), knobs)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    page, row = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
+    b, max_pages, num_pages = 16, 60, 300
+    kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)
+    table = rng.integers(-3, num_pages + 3, (b, max_pages)).astype(np.int32)
+    prefix = rng.integers(-2, max_pages * page, b).astype(np.int32)
+    qlens = rng.integers(0, 66, b).astype(np.int32)
+    consts = ks.constants("kv_dequant")
+    import cupy
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    assert b * max_pages * consts["PARTS"] > 2 * sms * consts["MIN_BLOCKS"], "a case of several units per block"
+    poison = reference.KvDequantOutput(np.full((b * max_pages, page, row), POISON_KV, np.uint16),
+                                       np.full((b, max_pages), POISON_TABLE, np.int32))
+    want = reference.kv_dequant(kv, table, prefix, qlens,
+                                out=reference.KvDequantOutput(poison.kv_cache.copy(), poison.block_table.copy()))
+    out = reference.KvDequantOutput(to_device(poison.kv_cache), to_device(poison.block_table))
+    ks.kv_dequant(to_device(kv), to_device(table), to_device(prefix), to_device(qlens), out=out)
+    assert np.array_equal(to_host(out.block_table), want.block_table), f"block table differs, seed={seed}"
+    assert np.array_equal(to_host(out.kv_cache), want.kv_cache), f"workspace differs, seed={seed}"
 
 
 def test_kv_dequant_torch(spec):
@@ -125,10 +171,12 @@ def _batch(spec, rng, seed):
     return inp
 
 
-def test_dequant_path_matches_fused(spec):
+@pytest.mark.parametrize("knobs", OPTIONS, ids=_option_id)
+def test_dequant_path_matches_fused(spec, knobs):
     """The dequantize path gives the fused fp8 kernel's bits (kv_scale any float32 in [0.01, 2], not only powers of
-    two: both apply it in fp32 the same way), at every split setting; and it meets the float64 bar."""
-    ks = _load(spec)
+    two: both apply it in fp32 the same way), at every split setting, with every build of kv_dequant; and it meets
+    the float64 bar."""
+    ks = _load(spec, knobs=knobs)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     inp = _batch(spec, rng, seed)
