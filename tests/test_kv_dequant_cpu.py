@@ -653,3 +653,55 @@ def test_kv_dequant_pointer_checks_are_the_shared_helpers(fake_device):
                                             r"kv_dequant kernel reads it"):
         kd.launch(kset, **misaligned, out=out)
 
+
+# ------------------------------------------------------------------------ scripts/compare_dequant.py
+
+def _compare_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_dequant.py"
+    spec = importlib.util.spec_from_file_location("compare_dequant", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path
+
+
+def test_compare_script_parsing():
+    """Its shapes are bench kv-dtype's; --shapes and --options are parsed and checked before anything needs a GPU;
+    the default build is compared first, once."""
+    import argparse
+    from ddtree_gen.bench.kv_dtype import KV_DTYPE_CONFIGS
+    mod, _ = _compare_script()
+    assert mod.SHAPES == KV_DTYPE_CONFIGS
+    args = mod.build_parser().parse_args(["--shapes", "8,8,4096", "1,128,64", "--options",
+                                          "schedule=stream,parts=2,store=warp", "default", "threads=256,l2=normal"])
+    assert args.shapes == [(8, 8, 4096), (1, 128, 64)]
+    assert args.options == [{"schedule": "stream", "parts": 2, "store": "warp"}, {}, {}]   # default knobs: dropped
+    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 2, "store": "warp"}]
+    assert mod._options(None) == [dict(k) for k in kd_plans.CANDIDATES] and kd_plans.CANDIDATES[0] == {}
+    assert mod.option_label({"store": "warp", "parts": 2}) == "parts=2,store=warp" and mod.option_label({}) == "default"
+    for bad, words in (("8,8", "expected B,H,L"), ("0,8,4096", "expected B,H,L"), ("a,b,c", "expected B,H,L")):
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            mod.parse_shape(bad)
+    for bad, words in (("bogus=1", "no knob 'bogus'"), ("parts", "expected KNOB=VALUE"),
+                       ("parts=0", "parts 0, an integer in"), ("store=scatter", "store 'scatter', one of pair, warp")):
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            mod.parse_knobs(bad)
+
+
+def test_compare_script_without_gpu_says_so_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from ddtree_gen import needs
+    why = needs.gpu_problem()
+    if why is None:
+        pytest.skip("a CUDA GPU is usable here: this test is of a machine without one")
+    _, path = _compare_script()
+    env = dict(os.environ, PYTHONPATH=str(path.parents[1]), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(path), "--shapes", "1,8,4096"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: scripts/compare_dequant.py needs a CUDA GPU") \
+        and why in lines[0], r.stderr
