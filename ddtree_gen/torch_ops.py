@@ -7,6 +7,10 @@
                                             prefix_lens, q_lens, tree[6], softmax_scale, "auto")
     acc = torch.ops.ddtree.tree_accept("kimi-k2.6-tp8", tree[0], tree[1], tree[7], tree[8], target_tokens,
                                        prefix_lens, kv_cache, block_table)   # moves kv_cache in place
+    acc = torch.ops.ddtree.tree_walk("kimi-k2.6-tp8", tree[0], tree[1], tree[7], tree[8], target_tokens, prefix_lens)
+    torch.ops.ddtree.kv_commit("kimi-k2.6-tp8", acc[0], acc[1], prefix_lens, kv_caches, block_table)  # a list
+    torch.ops.ddtree.kv_commit_stacked("kimi-k2.6-tp8", acc[0], acc[1], prefix_lens, kv_stacked, block_table)
+    #   kv_stacked: every layer in one [layers, num_pages, page_size, R+P] tensor (the cheaper call)
     # an fp8 spec (kv_dtype "fp8_e4m3"): kv_cache is torch.float8_e4m3fn (or uint8), tree_verify takes kv_scale
     out, lse = torch.ops.ddtree.tree_verify("kimi-k2.6-tp8-fp8", q_nope, q_pe, kv_fp8, block_table, prefix_lens,
                                             q_lens, tree[6], softmax_scale, "auto", kv_scale)
@@ -16,7 +20,8 @@ an op without an `impl` of its own calls the kernel's launcher with its argument
 argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
 plain launcher's record as a tuple, in the record's order (its declaration's output: DraftTopkOutput,
 TreeBuildOutput, AttentionOutput, TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
-running it; tree_accept's schema declares the KV cache it moves (Tensor(a!)). The ops call the
+running it; tree_accept's and kv_commit_stacked's schemas declare the KV cache they move (Tensor(a!)), kv_commit's
+the list of layers' caches (Tensor(a!)[]). The ops call the
 plain launchers: same checks, same kernels, on the current stream of the inputs' device.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import functools
 import torch
 
 from . import registry
+from .errors import ArgumentError
 from .kernel_set import load
 from .kernels import kv_commit as _commit
 from .kernels import tree_accept as _accept
@@ -100,6 +106,12 @@ def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_t
     _commit.direct(_kset(spec), accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table)
 
 
+def kv_commit_stacked(spec, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table):
+    """kv_commit of one stacked [layers, num_pages, page_size, R+P] cache (a tensor, not a list: the dispatcher
+    converts one argument instead of one per layer)."""
+    _commit.stacked(_kset(spec), accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table)
+
+
 # --------------------------------------------------------------------- fakes (spec: a Spec)
 
 def tree_build_fake(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
@@ -134,6 +146,14 @@ def tree_walk_fake(spec, num_nodes, tokens, first_child, next_sibling, target_to
 
 
 def kv_commit_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+    return None
+
+
+def kv_commit_stacked_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table):
+    """No outputs; a kv_cache of another rank is refused when traced, as the launcher refuses it."""
+    if kv_cache.dim() != 4:
+        raise ArgumentError(f"kv_cache: {kv_cache.dim()} dimensions {tuple(kv_cache.shape)}, expected 4: [layers, "
+                            f"num_pages, page_size, R+P]")
     return None
 
 

@@ -18,6 +18,10 @@ def test_ops_are_registered_with_the_kv_cache_mutation():
     for name in names:
         assert hasattr(ops, name), name
     assert "Tensor(a!)[] kv_caches" in str(ops.kv_commit.default._schema)
+    # the stacked form: one tensor written, the same arguments otherwise
+    assert str(ops.kv_commit_stacked.default._schema) == (
+        "ddtree::kv_commit_stacked(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+        "Tensor(a!) kv_cache, Tensor block_table) -> ()")
     schema = str(ops.tree_accept.default._schema)
     assert "Tensor(a!) kv_cache" in schema and schema.count("!") == 1, schema   # the one tensor it writes
     assert "!" not in str(ops.tree_verify.default._schema)
@@ -58,6 +62,8 @@ def test_fake_shapes_follow_the_spec(spec):
         walk = torch.ops.ddtree.tree_walk(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec)
         assert [tuple(a.shape) for a in walk] == [(b,), (b, d1), (b, d1), (b,)]
         assert torch.ops.ddtree.kv_commit(spec.name, walk[0], walk[1], vec, [kv, kv], table) is None
+        assert torch.ops.ddtree.kv_commit_stacked(spec.name, walk[0], walk[1], vec, torch.stack([kv, kv]),
+                                                  table) is None
         logits = torch.empty(b, spec.max_depth, 1000, dtype=torch.bfloat16)
         top = torch.ops.ddtree.draft_topk(spec.name, logits, n - 1, 0.7)
         assert [tuple(t.shape) for t in top] == [(b, spec.max_depth, n - 1)] * 2
@@ -69,25 +75,28 @@ class _NotRun(Exception):
 
 
 def test_a_step_compiles_to_one_graph_on_fake_tensors():
-    """torch.compile(fullgraph=True) traces tree_build -> tree_verify -> tree_walk -> kv_commit through the
+    """torch.compile(fullgraph=True) traces tree_build -> tree_verify -> tree_walk -> kv_commit (the list, then
+    the stacked form) through the
     fake implementations (dynamo runs them on fake tensors): one graph, no break, the ops in order."""
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     n, h, r, p, b = spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 2
     name = spec.name
 
-    def step(ids, lps, roots, lens, q, qp, kv, table, target):
+    def step(ids, lps, roots, lens, q, qp, kv, table, target, layers):
         tree = torch.ops.ddtree.tree_build(name, ids, lps, roots, lens, n - 1)
         out, lse = torch.ops.ddtree.tree_verify(name, q, qp, kv, table, lens, lens, tree[6], 0.1, "auto")
         acc = torch.ops.ddtree.tree_walk(name, tree[0], tree[1], tree[7], tree[8], target, lens)
         torch.ops.ddtree.kv_commit(name, acc[0], acc[1], lens, [kv], table)
+        torch.ops.ddtree.kv_commit_stacked(name, acc[0], acc[1], lens, layers, table)
         return out * 2, lse, acc[2]
 
     i32 = dict(dtype=torch.int32)
     args = (torch.zeros(b, spec.max_depth, n - 1, **i32), torch.zeros(b, spec.max_depth, n - 1),
             torch.zeros(b, **i32), torch.ones(b, **i32), torch.zeros(b, n, h, r, dtype=torch.bfloat16),
             torch.zeros(b, n, h, p, dtype=torch.bfloat16), torch.zeros(4, spec.page_size, r + p, dtype=torch.bfloat16),
-            torch.zeros(b, 2, **i32), torch.zeros(b, n, **i32))
+            torch.zeros(b, 2, **i32), torch.zeros(b, n, **i32),
+            torch.zeros(3, 4, spec.page_size, r + p, dtype=torch.bfloat16))
     graphs = []
 
     def backend(gm, example_inputs):
@@ -103,4 +112,52 @@ def test_a_step_compiles_to_one_graph_on_fake_tensors():
     assert len(graphs) == 1
     called = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     ops = [str(t).split("ddtree.")[-1].split(".")[0] for t in called if "ddtree" in str(t)]
-    assert ops == ["tree_build", "tree_verify", "tree_walk", "kv_commit"], called
+    assert ops == ["tree_build", "tree_verify", "tree_walk", "kv_commit", "kv_commit_stacked"], called
+
+
+def _commit_args(spec, b=2):
+    i32 = dict(dtype=torch.int32)
+    return (torch.zeros(b, **i32), torch.zeros(b, spec.max_depth + 1, **i32), torch.zeros(b, **i32))
+
+
+def _kv(spec, *shape):
+    return torch.zeros(*shape, spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim,
+                       dtype=torch.float8_e4m3fn if spec.kv_fp8 else torch.bfloat16)
+
+
+def test_stacked_commit_refuses_a_list_and_another_rank(spec, monkeypatch):
+    """kv_commit_stacked takes one tensor: the schema refuses a list (torch's message names kv_cache), and a
+    kv_cache that is not 4-D is an ArgumentError naming kv_cache when traced (the fake) and in the op's
+    implementation (the launcher's checks, before any launch)."""
+    import sys
+    from pathlib import Path
+
+    from conftest import FakeKernelSet, LaunchReached
+    from ddtree_gen import arrays, runtime, torch_ops
+    from ddtree_gen.errors import ArgumentError
+    lens, nodes, prefix = _commit_args(spec)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="for argument 'kv_cache' but instead found type 'list'"):
+        torch.ops.ddtree.kv_commit_stacked(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
+    with FakeTensorMode():
+        args = [torch.empty(a.shape, dtype=a.dtype) for a in (lens, nodes, prefix, table)]
+        with pytest.raises(ArgumentError, match=r"^kv_cache: 3 dimensions \(4, "):
+            torch.ops.ddtree.kv_commit_stacked(spec.name, *args[:3], _kv(spec, 4), args[3])
+    # the implementation (what the dispatcher runs on a GPU), CPU tensors standing for device 0's, on a stand-in
+    # kernel set that refuses to launch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import profile_launch
+    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+    kset = FakeKernelSet(spec)
+    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
+    with pytest.raises(ArgumentError, match=r"^kv_cache: a list of 2 caches, expected one \[layers, "):
+        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
+    with pytest.raises(ArgumentError, match=r"^kv_cache: 3 dimensions \(4, .*one layer's cache: add a leading"):
+        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 4), table)
+    with pytest.raises(ArgumentError, match=r"^kv_cache: 5 dimensions .*expected 4: \[layers, num_pages"):
+        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 1, 2, 4), table)
+    with pytest.raises(ArgumentError, match=r"^kv_cache: page_size"):
+        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 2, 4).transpose(1, 2).contiguous(),
+                                    table)
+    with pytest.raises(LaunchReached):   # a [layers, num_pages, page_size, R+P] cache passes every check
+        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)

@@ -45,7 +45,22 @@ def direct(kset, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_tabl
                     group=None if stacked else len(_INPUTS))
 
 
-def _prepare(kset, arrays, stacked) -> Prepared:
+def stacked(kset, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table) -> None:
+    """direct() of the stacked form alone (the torch op kv_commit_stacked): kv_cache is one
+    [layers, num_pages, page_size, R+P] array; a sequence of caches is refused, naming kv_cache."""
+    if isinstance(kv_cache, (list, tuple)):
+        raise ArgumentError(f"kv_cache: a {type(kv_cache).__name__} of {len(kv_cache)} caches, expected one "
+                            f"[layers, num_pages, page_size, R+P] array (stack the layers, or pass the list to "
+                            f"kv_commit)")
+    arrays = (accept_lens, accepted_nodes, prefix_lens, block_table, kv_cache)
+
+    def prepare():
+        return _prepare(kset, arrays, True, "kv_cache")
+    return run_call(kset, prepare, arrays, (True, 1))
+
+
+def _prepare(kset, arrays, stacked, name="kv_caches") -> Prepared:
+    """`name`: the stacked array's name in the messages (kv_caches of kv_commit, kv_cache of its stacked op)."""
     spec = kset.spec
     d1, width = spec.max_depth + 1, spec.kv_lora_rank + spec.qk_rope_head_dim
     lens = ar.device_array(arrays[0], "accepted.accept_lens", dtype="int32", ndim=1)
@@ -59,12 +74,16 @@ def _prepare(kset, arrays, stacked) -> Prepared:
              "block_table": table}
     first = len(_INPUTS)
     if stacked:
-        kv = ar.kv_array(arrays[first], "kv_caches", spec, ndim=4)
+        kv = ar.kv_array(arrays[first], name, spec, ndim=None)
+        if len(kv.shape) != 4:
+            raise ArgumentError(f"{name}: {len(kv.shape)} dimensions {kv.shape}, expected 4: [layers, num_pages, "
+                                f"page_size, R+P]" + (" (one layer's cache: add a leading dimension of 1)"
+                                                      if len(kv.shape) == 3 else ""))
         num_layers, layer_shape = kv.shape[0], kv.shape[1:]
         layer_bytes = int(np.prod(layer_shape)) * spec.kv_itemsize
         slots = [(first, layer * layer_bytes) for layer in range(num_layers)]
-        named["kv_caches"] = kv
-        where = "kv_caches"
+        named[name] = kv
+        where = name
     else:
         if not arrays[first:]:
             raise ArgumentError("kv_caches: an empty sequence; pass every layer's cache")
@@ -87,13 +106,14 @@ def _prepare(kset, arrays, stacked) -> Prepared:
     if row != width:
         raise ArgumentError(f"{where}: entry width {row} must equal kv_lora_rank + qk_rope_head_dim = {width}")
     if not 1 <= num_layers <= MAX_LAYERS:
-        raise ArgumentError(f"kv_caches: {num_layers} layers, must be in [1, {MAX_LAYERS}]")
+        raise ArgumentError(f"{name if stacked else 'kv_caches'}: {num_layers} layers, must be in "
+                            f"[1, {MAX_LAYERS}]")
     if num_pages > INT32_MAX or table.shape[1] > INT32_MAX:
         raise ArgumentError(f"{where}: {num_pages} pages and block_table {table.shape[1]} columns must be < 2**31")
     device = ar.same_device(named)
     # every layer's cache is moved in 16-byte chunks: its pointer must be 16-byte aligned
     aligned = tuple((s if isinstance(s, int) else s[0], 16,
-                     f"kv_caches{'' if stacked else f'[{k}]'}: data pointer {{ptr:#x}} is not 16-byte aligned "
+                     f"{name if stacked else f'kv_caches[{k}]'}: data pointer {{ptr:#x}} is not 16-byte aligned "
                      f"(the commit moves 16-byte chunks)") for k, s in enumerate(slots[:1] if stacked else slots))
     layers = ParamStruct((*slots, *(np.uint64(0),) * (MAX_LAYERS - num_layers)))   # struct LayerCaches, by value
     steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, layers, np.int32(num_pages),

@@ -27,7 +27,11 @@ DECLARATIONS = [Declaration(
     KERNELS[0], launcher="kernels.kv_commit:launch", reference="reference:kv_commit",
     torch_ops=(TorchOp("kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
                        "Tensor(a!)[] kv_caches, Tensor block_table) -> ()", fake="torch_ops:kv_commit_fake",
-                       impl="torch_ops:kv_commit"),),
+                       impl="torch_ops:kv_commit"),
+               # the layers as one [layers, num_pages, page_size, R+P] tensor: no list for the dispatcher to convert
+               TorchOp("kv_commit_stacked(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+                       "Tensor(a!) kv_cache, Tensor block_table) -> ()", fake="torch_ops:kv_commit_stacked_fake",
+                       impl="torch_ops:kv_commit_stacked")),
     sanitize="sanitize:_commit_cases",
     bundles=Bundles("bundles:_commit_inputs", ("layers",), run="bundles:_run_kv_commit"),
     missing={"output": "none: it moves the caches in place and returns None"})]
