@@ -139,3 +139,53 @@ def test_commit_torch_tensors(spec, kset):
     for k in range(LAYERS):
         assert np.array_equal(host(layers[k]), want[k]), f"layer {k} (list)"
         assert np.array_equal(host(stacked[k]), want[k]), f"layer {k} (stacked)"
+
+
+def test_commit_torch_ops_list_and_stacked(spec):
+    """torch.ops.ddtree.kv_commit (a list of layers) and kv_commit_stacked (one [layers, num_pages, page_size,
+    R+P] tensor) on random caches: every layer's whole cache (the moved entries and the untouched ones) bit-exact
+    against the numpy reference, eagerly and replayed from a CUDA graph (the stacked op)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    import ddtree_gen.torch_ops  # noqa: F401
+    ops = torch.ops.ddtree
+    rng = np.random.default_rng(fresh_seed())
+    b, d, n = 6, spec.max_depth, spec.max_tree_size
+    prefix, table, caches = _cache_case(spec, rng, b)
+    lens = rng.integers(0, d + 1, b).astype(np.int32)
+    lens[0] = d   # one request at full depth: moves across the tree
+    nodes = np.full((b, d + 1), -1, np.int32)
+    nodes[:, 0] = 0
+    for i in range(b):
+        nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
+    want = [c.copy() for c in caches]
+    reference.kv_commit(SimpleNamespace(accept_lens=lens, accepted_nodes=nodes), prefix, want, table)
+    assert any(not np.array_equal(w, c) for w, c in zip(want, caches))   # the reference moved entries
+    tt = lambda a: torch.from_numpy(a).cuda()   # noqa: E731
+    args = (tt(lens), tt(nodes), tt(prefix))
+    host = lambda t: t.view(torch.uint8).cpu().numpy().view(kv_np_dtype(spec))   # noqa: E731
+    layers = [kv_torch(spec, c) for c in caches]
+    stacked = kv_torch(spec, np.stack(caches))
+    ops.kv_commit(spec.name, *args, layers, tt(table))
+    assert ops.kv_commit_stacked(spec.name, *args, stacked, tt(table)) is None
+    torch.cuda.synchronize()
+    for k in range(LAYERS):
+        assert np.array_equal(host(layers[k]), want[k]), f"layer {k} (kv_commit, list)"
+        assert np.array_equal(host(stacked[k]), want[k]), f"layer {k} (kv_commit_stacked)"
+    # in a CUDA graph: captured on a fresh copy of the caches, replayed once
+    graphed = kv_torch(spec, np.stack(caches))
+    t = tt(table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.kv_commit_stacked(spec.name, *args, kv_torch(spec, np.stack(caches)), t)   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.kv_commit_stacked(spec.name, *args, graphed, t)
+    graphed.copy_(kv_torch(spec, np.stack(caches)))   # the capture ran nothing: restore anyway, then replay
+    g.replay()
+    torch.cuda.synchronize()
+    for k in range(LAYERS):
+        assert np.array_equal(host(graphed[k]), want[k]), f"layer {k} (kv_commit_stacked, CUDA graph)"
