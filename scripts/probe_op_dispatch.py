@@ -28,7 +28,8 @@ import profile_launch  # noqa: E402
 
 OPS = {"tree_build": "tree_build", "tree_verify (auto)": "tree_verify", "tree_verify_tail": "tree_verify_tail",
        "merge_states": "merge_states", "tree_accept": "tree_accept", "tree_walk": "tree_walk",
-       f"kv_commit, {profile_launch.LAYERS} layers": "kv_commit", "draft_topk": "draft_topk"}
+       f"kv_commit, {profile_launch.LAYERS} layers": "kv_commit",
+       f"kv_commit, {profile_launch.LAYERS} stacked": "kv_commit_stacked", "draft_topk": "draft_topk"}
 
 
 def main(argv=None) -> int:

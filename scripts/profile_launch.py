@@ -141,7 +141,8 @@ def inputs(spec):
 
 
 def calls(ks, spec):
-    """name -> (plain call, torch-op call or None): the calls of `bench launch`, and kv_commit of 61 layers."""
+    """name -> (plain call, torch-op call or None): the calls of `bench launch`, and kv_commit of 61 layers (a list:
+    the op kv_commit; stacked: kv_commit_stacked)."""
     import torch
 
     from ddtree_gen import registry, torch_ops
@@ -176,7 +177,9 @@ def calls(ks, spec):
         "tree_walk": (lambda: ks.tree_accept(tree, target, v["prefix_lens"]),
                       lambda: ops.tree_walk(s, tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling,
                                             target, v["prefix_lens"])),
-        f"kv_commit, {LAYERS} stacked": (lambda: ks.kv_commit(acc, v["prefix_lens"], stacked, v["block_table"]), None),
+        f"kv_commit, {LAYERS} stacked": (lambda: ks.kv_commit(acc, v["prefix_lens"], stacked, v["block_table"]),
+                                         (lambda: ops.kv_commit_stacked(s, acc.accept_lens, acc.accepted_nodes,
+                                                                        v["prefix_lens"], stacked, v["block_table"]))),
         f"kv_commit, {LAYERS} layers": (lambda: ks.kv_commit(acc, v["prefix_lens"], caches, v["block_table"]),
                                         lambda: ops.kv_commit(s, acc.accept_lens, acc.accepted_nodes,
                                                               v["prefix_lens"], caches, v["block_table"])),

@@ -263,6 +263,33 @@ def test_profile_launch_script_without_a_gpu():
     assert run.returncode == 0, run.stderr
     for row in ("tree_build", "tree_verify (auto)", "merge_states", "tree_accept", "kv_commit, 61 layers"):
         assert row in run.stdout
+    stacked = next(line for line in run.stdout.splitlines() if line.startswith("kv_commit, 61 stacked"))
+    assert "nan" not in stacked, stacked   # the stacked form's torch op is timed too
+
+
+def test_bench_launch_times_both_kv_commit_ops(monkeypatch):
+    """`bench launch`'s op column of the kv_commit rows: the list op for the 61 layers, kv_commit_stacked for the
+    stacked array; each one launch of grid (B, 61) (the ops' CUDA implementations registered for the CPU key)."""
+    import warnings
+
+    from ddtree_gen import torch_ops
+    from ddtree_gen.bench import launch
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
+    lib = torch.library.Library("ddtree", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "Overriding a previously registered kernel" where another test did
+        for name in ("kv_commit", "kv_commit_stacked"):
+            lib.impl(name, torch_ops.implementation(name), "CPU")
+    tree = kset.tree_build(*build, spec.max_tree_size - 1)
+    walk = kset.tree_accept(tree, target, v["prefix_lens"])
+    ops = launch._op_calls(spec.name, dict(verify=v, build=build), tree, None, None, walk, caches,
+                           torch.stack(caches))
+    for row in (launch.KV_COMMIT, launch.KV_STACKED):
+        launches.clear()
+        assert ops[row]() is None
+        assert [grid for _, grid, *_ in launches] == [(1, 61, 1)], row
+    del lib
 
 
 def test_probe_op_dispatch_script_without_a_gpu():

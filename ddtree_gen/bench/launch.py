@@ -1,7 +1,7 @@
 """`ddtree-gen bench launch`: the host cost of one call, as an engine that runs eagerly pays it.
 
 For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec; kv_commit of 61
-layers, as a list of caches and as one stacked array; draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
+layers, as a list of caches and as one stacked array (torch ops kv_commit and kv_commit_stacked); draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
 torch and with CuPy inputs, and through the torch custom op:
   * eager: wall time per call of many back-to-back calls (the host is the bottleneck there);
   * host: wall time per call of HOST_CALLS calls issued without waiting for the GPU (the host's own time, also
@@ -159,7 +159,7 @@ def _calls(ks, spec, kind: str):
         ws = _empty_like_kind(logits, max(need, 1), kind)
         eager["draft_topk"] = lambda: ks.draft_topk(logits, k)
         given["draft_topk"] = lambda: ks.draft_topk(logits, k, out=topk, workspace=ws if need else None)
-    return eager, given, (x, tree, res, tail, walk, caches)
+    return eager, given, (x, tree, res, tail, walk, caches, stacked[2])
 
 
 def _like(a):
@@ -185,7 +185,7 @@ def _empty_like_kind(like, n: int, kind: str):
     return cupy.empty(n, dtype=cupy.int32)
 
 
-def _op_calls(spec_name: str, x, tree, res, tail, walk, caches) -> dict:
+def _op_calls(spec_name: str, x, tree, res, tail, walk, caches, stacked) -> dict:
     import torch
 
     from .. import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
@@ -205,6 +205,8 @@ def _op_calls(spec_name: str, x, tree, res, tail, walk, caches) -> dict:
                                                v["block_table"]),
         KV_COMMIT: lambda: ops.kv_commit(spec_name, walk.accept_lens, walk.accepted_nodes, v["prefix_lens"], caches,
                                          v["block_table"]),
+        KV_STACKED: lambda: ops.kv_commit_stacked(spec_name, walk.accept_lens, walk.accepted_nodes, v["prefix_lens"],
+                                                  stacked, v["block_table"]),
     }
     if hasattr(ops, "draft_topk") and "logits" in x:
         k = min(64, len(tree.tokens[0]) - 1)
