@@ -196,14 +196,17 @@ def calls(ks, spec):
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 CLOCK = [time.thread_time]   # --clock: this thread's CPU time (default: a shared machine's load does not count), or wall
+SYNC = [None]   # called before each timed run where set (scripts/probe_launch_gpu.py: the GPU's queue drained first)
 
 
 def per_call_us(fn, n: int) -> float:
-    clock = CLOCK[0]
+    clock, sync = CLOCK[0], SYNC[0]
     for _ in range(50):
         fn()
     best = float("inf")
     for _ in range(5):
+        if sync is not None:
+            sync()
         t0 = clock()
         for _ in range(n):
             fn()
@@ -212,11 +215,17 @@ def per_call_us(fn, n: int) -> float:
 
 
 def stages(ks, fn, n: int) -> None:
-    """The time of each stage of one cached call: the launcher, its signature and the cache lookup (the call
-    minus its compiled function), then the compiled function's stages (callplan.compile_runner marks them in
-    its source: checks, outputs, launch, result), each timed as the source cut after it."""
+    """Print stage_times(ks, fn, n)."""
+    for label, us in stage_times(ks, fn, n):
+        print(f"  {label:<45} {us:6.1f} us")
+
+
+def stage_times(ks, fn, n: int) -> list:
+    """The time of each stage of one cached call, [(label, us)]: the whole call, the compiled function's stages
+    (callplan.compile_runner marks them in its source: checks, outputs, launch, result), each timed as the source
+    cut after it, then the launcher, its signature and the cache lookup (the call minus its compiled function).
+    Works on any kernel set (this script's stand-in, or a real one: scripts/probe_launch_gpu.py)."""
     from ddtree_gen.runtime import Prepared
-    clock = CLOCK[0]
     fn()
     seen = []
     preps = [p for p in ks.prepared_calls.values() if isinstance(p, Prepared) and p.run is not None]
@@ -230,7 +239,7 @@ def stages(ks, fn, n: int) -> None:
         for p in preps:
             p.run = reals[id(p)]
     total = per_call_us(fn, n)
-    print(f"  {'the call':<45} {total:6.1f} us")
+    rows = [("the call", total)]
     inner = 0.0
     for real, arrays, ptrs in seen:
         lines = real.source.rstrip("\n").split("\n")
@@ -242,11 +251,11 @@ def stages(ks, fn, n: int) -> None:
             exec(src, ns)
             part = ns["run"]
             t = per_call_us(lambda: part(arrays, list(ptrs)), n) - per_call_us(lambda: list(ptrs), n)
-            print(f"  {lines[k].strip()[2:]:<8} ({real.__code__.co_filename.strip('<>')[11:]:<34}) "
-                  f"{t - last:6.1f} us")
+            rows.append((f"{lines[k].strip()[2:]:<8} ({real.__code__.co_filename.strip('<>')[11:]:<34})", t - last))
             last = t
         inner += last
-    print(f"  {'launcher, signature, cache lookup':<45} {total - inner:6.1f} us")
+    rows.append(("launcher, signature, cache lookup", total - inner))
+    return rows
 
 
 def source(ks, fn) -> None:

@@ -267,6 +267,23 @@ def test_profile_launch_script_without_a_gpu():
     assert "nan" not in stacked, stacked   # the stacked form's torch op is timed too
 
 
+def test_probe_launch_gpu_without_a_gpu():
+    """scripts/probe_launch_gpu.py (the H200 probe): --help, its arguments checked, one line and exit 2 without a
+    CUDA device; its stage split sums a call's compiled functions per stage."""
+    script = ROOT / "scripts" / "probe_launch_gpu.py"
+    help_ = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and "--stage-calls" in help_.stdout and "--calls" in help_.stdout, help_.stderr
+    bad = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--calls: 0, must be >= 1" in bad.stderr, bad.stderr
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stdout.startswith("probe_launch_gpu.py needs a CUDA device") and len(run.stdout.splitlines()) == 1
+    import probe_launch_gpu
+    got = probe_launch_gpu.split([("checks   (call a)", 0.5), ("outputs  (call a)", 2.0), ("launch   (call a)", 1.0),
+                                  ("checks   (call b)", 0.25), ("launcher, signature, cache lookup", 4.0)])
+    assert got == {"launcher, signature, lookup": 4.0, "checks": 0.75, "outputs": 2.0, "launch": 1.0, "result": 0.0}
+
+
 def test_bench_launch_times_both_kv_commit_ops(monkeypatch):
     """`bench launch`'s op column of the kv_commit rows: the list op for the 61 layers, kv_commit_stacked for the
     stacked array; each one launch of grid (B, 61) (the ops' CUDA implementations registered for the CPU key)."""

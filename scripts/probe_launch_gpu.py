@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Host time per eager call on a real GPU, taken apart: the probe behind issue 23 part 2's H200 rows.
+
+When: after a launch-path change, or when `ddtree-gen bench launch` on the GPU and scripts/profile_launch.py
+(the CPU harness: stand-in binaries, no driver) disagree (tree_build plain: 17.6 us in the harness, 24.6-32.4 us
+on the H200), to see which stage costs more on the real GPU.
+What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call table, ddtree_gen/bench/launch.py):
+  * per row: the eager wall time per call of the plain launcher and of the torch op (best of --runs runs of
+    --calls back-to-back calls, synchronised at the end of each run, as `bench launch`'s eager column);
+  * per row: the stages of one cached plain call (scripts/profile_launch.py's stage_times on the real kernel set:
+    launcher + signature + lookup, the compiled function's checks, outputs, launch(es), result), wall time per
+    call of --stage-calls calls issued after the GPU's queue is drained (so the launch stage is the host's,
+    not a wait for a full queue);
+  * reference points on the same path: torch.empty((16,), device="cuda"), torch.cuda.current_stream(), the raw
+    stream lookup the runtime uses (torch._C._cuda_getCurrentRawStream), and one bare cuLaunchKernel of an empty
+    kernel (cupy.cuda.driver.launchKernel, the runtime's entry point), alone and with the runtime's per-call
+    device and stream lookups around it (runtime._launch_bound's path).
+Run: python scripts/probe_launch_gpu.py [--spec kimi-k2.6-tp8] [--calls 2000] [--runs 5] [--stage-calls 200]
+Needs a CUDA device (torch with CUDA, CuPy); refuses in one line without one.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+STAGES = ("launcher, signature, lookup", "checks", "outputs", "launch", "result")
+EMPTY = 'extern "C" __global__ void ddtree_probe_empty() {}'
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", default="kimi-k2.6-tp8", help="spec name (default kimi-k2.6-tp8)")
+    ap.add_argument("--calls", type=int, default=2000, help="back-to-back calls per eager run (default 2000)")
+    ap.add_argument("--runs", type=int, default=5, help="eager runs per figure, the best kept (default 5)")
+    ap.add_argument("--stage-calls", type=int, default=200,
+                    help="calls per run of each stage's timing, the queue drained before each run (default 200)")
+    args = ap.parse_args(argv)
+    for name in ("calls", "runs", "stage_calls"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: {getattr(args, name)}, must be >= 1")
+    return args
+
+
+def no_device() -> str | None:
+    """Why this machine cannot run the probe (None: it can)."""
+    try:
+        import torch
+    except ImportError:
+        return "probe_launch_gpu.py needs torch with CUDA (pip install torch) and a CUDA device"
+    if not torch.cuda.is_available():
+        return (f"probe_launch_gpu.py needs a CUDA device: torch {torch.__version__} sees none "
+                f"(torch.cuda.is_available() is False); run it on the GPU machine")
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:   # noqa: BLE001 - the message is the point
+        return f"probe_launch_gpu.py needs CuPy on a CUDA device: {type(e).__name__}: {e}"
+    return None
+
+
+def eager_us(fn, sync, calls: int, runs: int) -> float:
+    """Wall time per call: best of `runs` runs of `calls` back-to-back calls, each run ended by a sync."""
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def split(rows) -> dict:
+    """profile_launch.stage_times' rows -> {stage: us} summed over a call's compiled functions."""
+    out = dict.fromkeys(STAGES, 0.0)
+    for label, us in rows:
+        word = label.split()[0]
+        if label.startswith("launcher"):
+            out[STAGES[0]] += us
+        elif word in out:
+            out[word] += us
+    return out
+
+
+def references(calls: int, runs: int) -> list:
+    """(what, us per call) of the reference points (module docstring)."""
+    import cupy
+    import torch
+
+    from ddtree_gen import runtime
+    sync = torch.cuda.synchronize
+    cuda = runtime._cuda()
+    dev = torch.cuda.current_device()
+    fn = cupy.RawModule(code=EMPTY).get_function("ddtree_probe_empty")
+    params = (ctypes.c_void_p * 1)()
+    addr = ctypes.addressof(params)
+    launch, raw_stream, get_device = cuda["launch"], cuda["torch_stream"], cuda["get_device"]
+    stream = raw_stream(dev)
+
+    def bare():
+        launch(fn.ptr, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
+
+    def runtime_path():   # what runtime._launch_bound does around its launch: the stream and device lookups
+        s = raw_stream(dev)
+        if get_device() != dev:
+            cuda["set_device"](dev)
+        launch(fn.ptr, 1, 1, 1, 32, 1, 1, 0, s, addr, 0)
+
+    return [("torch.empty((16,), device='cuda')", eager_us(lambda: torch.empty((16,), device="cuda"), sync, calls, runs)),
+            ("torch.cuda.current_stream()", eager_us(torch.cuda.current_stream, sync, calls, runs)),
+            ("torch._C._cuda_getCurrentRawStream(dev)", eager_us(lambda: raw_stream(dev), sync, calls, runs)),
+            ("cuLaunchKernel, empty kernel (bare)", eager_us(bare, sync, calls, runs)),
+            ("  + stream and device lookups", eager_us(runtime_path, sync, calls, runs))]
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    why = no_device()
+    if why:
+        print(why)
+        return 2
+    import torch
+
+    import profile_launch
+    from ddtree_gen.bench import launch
+    from ddtree_gen.kernel_set import load
+    from ddtree_gen.spec import find_spec
+    spec = find_spec(args.spec)
+    ks = load(spec)
+    sync = torch.cuda.synchronize
+    plain, _, state = launch._calls(ks, spec, "torch")
+    ops = launch._op_calls(spec.name, *state)
+    profile_launch.CLOCK[0], profile_launch.SYNC[0] = time.perf_counter, sync   # wall time, the queue drained
+    print(f"host time per eager call on {torch.cuda.get_device_name()}, spec {spec.name}, B = 1, prefix 64, Nq = N, "
+          f"torch CUDA inputs (eager: best of {args.runs} x {args.calls} calls; stages: the plain call, "
+          f"best of 5 x {args.stage_calls} calls after a sync)")
+    head = f"{'call':<24} {'plain us':>8} {'op us':>7} {'op-plain':>8} |" + "".join(
+        f" {s[:11]:>11}" for s in STAGES) + f" {'stage sum':>9}"
+    print(head)
+    for name, fn in plain.items():
+        p = eager_us(fn, sync, args.calls, args.runs)
+        o = eager_us(ops[name], sync, args.calls, args.runs) if name in ops else float("nan")
+        st = split(profile_launch.stage_times(ks, fn, args.stage_calls)[1:])
+        sync()
+        print(f"{name:<24} {p:8.1f} {o:7.1f} {o - p:8.1f} |" + "".join(f" {st[s]:11.1f}" for s in STAGES)
+              + f" {sum(st.values()):9.1f}")
+    print("reference points (us per call, best of the same runs):")
+    for what, us in references(args.calls, args.runs):
+        print(f"  {what:<42} {us:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
