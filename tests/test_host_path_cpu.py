@@ -284,6 +284,20 @@ def test_probe_launch_gpu_without_a_gpu():
     assert got == {"launcher, signature, lookup": 4.0, "checks": 0.75, "outputs": 2.0, "launch": 1.0, "result": 0.0}
 
 
+def test_ab_launch_script_help_and_refusals():
+    """scripts/ab_launch.sh (bench launch of an old commit and of this tree, alternately): --help says what it runs;
+    a bad option, round count or commit is refused (exit 2) before anything is exported or run."""
+    script = ROOT / "scripts" / "ab_launch.sh"
+    help_ = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0, help_.stderr
+    assert "git archive COMMIT ddtree_gen generated specs templates" in help_.stdout and "--rounds" in help_.stdout
+    assert "default cd3eca8" in help_.stdout and "DDTREE_GEN_CACHE" in help_.stdout
+    for args, word in ((["--bogus"], "unknown option --bogus"), (["--rounds", "0"], "--rounds 0"),
+                       (["no-such-commit-here"], "no commit no-such-commit-here")):
+        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
+
+
 def test_bench_launch_times_both_kv_commit_ops(monkeypatch):
     """`bench launch`'s op column of the kv_commit rows: the list op for the 61 layers, kv_commit_stacked for the
     stacked array; each one launch of grid (B, 61) (the ops' CUDA implementations registered for the CPU key)."""
