@@ -144,7 +144,7 @@ def main(argv=None) -> int:
           f"torch CUDA inputs (eager: best of {args.runs} x {args.calls} calls; stages: the plain call, "
           f"best of 5 x {args.stage_calls} calls after a sync)")
     head = f"{'call':<24} {'plain us':>8} {'op us':>7} {'op-plain':>8} |" + "".join(
-        f" {s[:11]:>11}" for s in STAGES) + f" {'stage sum':>9}"
+        f" {s:>11}" for s in ("launcher+", "checks", "outputs", "launch(es)", "result")) + f" {'stage sum':>9}"
     print(head)
     for name, fn in plain.items():
         p = eager_us(fn, sync, args.calls, args.runs)
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         sync()
         print(f"{name:<24} {p:8.1f} {o:7.1f} {o - p:8.1f} |" + "".join(f" {st[s]:11.1f}" for s in STAGES)
               + f" {sum(st.values()):9.1f}")
+    print("(stages, us: launcher+ = the launcher, its signature and the cache lookup; then the compiled call's parts)")
     print("reference points (us per call, best of the same runs):")
     for what, us in references(args.calls, args.runs):
         print(f"  {what:<42} {us:7.2f}")
