@@ -509,24 +509,28 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
 # ------------------------------------------------------------------------ kv_dequant's build options
 
 def test_build_options_default_and_names():
-    """The default build is today's kernel (the page schedule, 256 threads, pair stores, no L2 hint, its file
-    kv_dequant.cu); every other option is a build named by its knobs, rendered with its constants."""
+    """The default build is the page schedule of 256 threads with warp stores and no L2 hint (file kv_dequant.cu); the
+    first kernel stays the build store="pair" (its body as it was); every other option is a build named by its knobs,
+    rendered with its constants."""
     from ddtree_gen.render import render
     kdef = by_name("kv_dequant")
     v = variant(kdef, FP8)
     assert v.name == "kv_dequant" and v.is_default and v.config == kd_plans.KNOBS
     c = v.plan().template_constants()
-    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 1, 0, 0, 256)
-    assert "the default build: the first kernel's body" in render(v)
+    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 1, 1, 0, 256)
+    first = variant(kdef, FP8, store="pair")
+    assert first.name == "kv_dequant.pair" and first.plan().template_constants()["WARP_STORE"] == 0
+    assert "the first kernel's body" in render(first) and "the first kernel's body" not in render(v)
     names = {variant(kdef, FP8, **k).name for k in kd_plans.CANDIDATES + kd_plans.EDGE_OPTIONS}
     assert len(names) == len(kd_plans.CANDIDATES) + len(kd_plans.EDGE_OPTIONS)   # distinct builds
-    s = variant(kdef, FP8, schedule="stream", parts=2, store="warp", l2="src_evict_first", threads=128)
-    assert s.name == "kv_dequant.stream.p2.warp.l2-src-evict-first.t128" and not s.is_default
+    assert kd_plans.CANDIDATES[0] == {} and {"store": "pair"} in kd_plans.CANDIDATES
+    s = variant(kdef, FP8, schedule="stream", parts=2, store="pair", l2="src_evict_first", threads=128)
+    assert s.name == "kv_dequant.stream.p2.pair.l2-src-evict-first.t128" and not s.is_default
     c = s.plan().template_constants()
     assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"], c["MIN_BLOCKS"]) == \
-        (1, 2, 1, 1, 128, 1024 // 128)
+        (1, 2, 0, 1, 128, 1024 // 128)
     text = render(s)
-    assert "the default build" not in text and "#define STREAM 1" in text
+    assert "the first kernel's body" not in text and "#define STREAM 1" in text
     assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in text
     assert "L2::cache_hint" in text and "createpolicy.fractional.L2::evict_first" in text
     assert variant(kdef, FP8, l2="streaming").plan().template_constants()["L2_HINT"] == 2
@@ -616,7 +620,7 @@ def test_stream_build_launch_plan(fake_device, monkeypatch):
     arguments as the page schedule's; the dequantize path of tree_verify takes the same grid."""
     new = Arrays()
     args = dq_args(FP8, new)
-    stream = variant(by_name("kv_dequant"), FP8, schedule="stream", parts=2, store="warp").plan().template_constants()
+    stream = variant(by_name("kv_dequant"), FP8, schedule="stream", parts=2).plan().template_constants()
     kset = Recording(FP8)
     real = kset.constants
     monkeypatch.setattr(kset, "constants", lambda name, device=None: stream if name == "kv_dequant" else real(name))
@@ -674,12 +678,12 @@ def test_compare_script_parsing():
     mod, _ = _compare_script()
     assert mod.SHAPES == KV_DTYPE_CONFIGS
     args = mod.build_parser().parse_args(["--shapes", "8,8,4096", "1,128,64", "--options",
-                                          "schedule=stream,parts=2,store=warp", "default", "threads=256,l2=normal"])
+                                          "schedule=stream,parts=2,store=pair", "default", "threads=256,store=warp"])
     assert args.shapes == [(8, 8, 4096), (1, 128, 64)]
-    assert args.options == [{"schedule": "stream", "parts": 2, "store": "warp"}, {}, {}]   # default knobs: dropped
-    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 2, "store": "warp"}]
+    assert args.options == [{"schedule": "stream", "parts": 2, "store": "pair"}, {}, {}]   # default knobs: dropped
+    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 2, "store": "pair"}]
     assert mod._options(None) == [dict(k) for k in kd_plans.CANDIDATES] and kd_plans.CANDIDATES[0] == {}
-    assert mod.option_label({"store": "warp", "parts": 2}) == "parts=2,store=warp" and mod.option_label({}) == "default"
+    assert mod.option_label({"store": "pair", "parts": 2}) == "parts=2,store=pair" and mod.option_label({}) == "default"
     for bad, words in (("8,8", "expected B,H,L"), ("0,8,4096", "expected B,H,L"), ("a,b,c", "expected B,H,L")):
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             mod.parse_shape(bad)
