@@ -9,8 +9,9 @@ reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA
 When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
 --waves N ...: the rows build again with kernels/draft_topk.ROWS_WAVES = N (it streams a row per block where the rows
 are at least N x SMs x MIN_BLOCKS, else runs the chunks schedule; 0: streaming on every shape), one column each.
+--knobs NAME:KNOB=VALUE,... ...: the rows build with other build options, one column each (e.g. warps:row_end=warps).
 Run: PYTHONPATH=. python3 scripts/compare_topk.py [--spec kimi-k2.6-tp8] [--shapes B,D',V,dtype ...] [--rows 4]
-     [--waves 1 4]
+     [--waves 1 4] [--knobs warps:row_end=warps mb4:min_blocks=4]
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def main() -> None:
                     + " ".join(f"{b},{d},{v},{t}" for b, d, v, t in SHAPES) + ")")
     ap.add_argument("--rows", type=int, default=4, help="rows per shape checked against the numpy reference")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--knobs", nargs="*", default=[], metavar="NAME:KNOB=VALUE,...",
+                    help="extra columns: the rows build with these build options, e.g. warps:row_end=warps "
+                         "mb4:min_blocks=4 (integers as integers)")
     ap.add_argument("--waves", type=int, nargs="*", default=[],
                     help="extra columns: the rows build with kernels/draft_topk.ROWS_WAVES set to each (0: always streaming)")
     args = ap.parse_args()
@@ -89,7 +93,13 @@ def main() -> None:
         assert ks.constants("draft_topk")["STREAM"] == int(s == "stream"), s
         assert ks.constants("draft_topk")["ROWS"] == int(s == "rows"), s
     default_waves = launcher.ROWS_WAVES
-    runs = [(s, s, None) for s in SCHEDULES] + [(f"rows w{w}", "rows", w) for w in args.waves]
+    for spec_text in args.knobs:   # name:knob=value,...: a rows variant of its own
+        name, _, kv = spec_text.partition(":")
+        knobs = {key: int(val) if val.lstrip("-").isdigit() else val
+                 for key, val in (item.split("=", 1) for item in kv.split(",") if item)}
+        sets[name] = variant_set([variant(kdef, spec, **{"schedule": "rows", **knobs})])
+    runs = [(s, s, None) for s in SCHEDULES] + [(f"rows w{w}", "rows", w) for w in args.waves] + \
+        [(n, n, None) for n in (t.partition(":")[0] for t in args.knobs)]
     names = [n for n, _, _ in runs]
     k = min(64, spec.max_tree_size - 1)
     t = args.temperature

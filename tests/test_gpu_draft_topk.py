@@ -3,7 +3,8 @@
 
 Every test runs on every build of the schedule option (plans/draft_topk.SCHEDULES): "chunks", "stream" and
 "rows" (the default build and variant builds), and on the rows build made to stream a row per block on every call
-("rows streaming"; by default it does so only where the rows fill the GPU). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
+("rows streaming"; by default it does so only where the rows fill the GPU), and so on the rows build whose warps
+end a row each ("rows-warps streaming": the build option row_end="warps"). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
 replays it. Every output is poisoned before the launch (ids 0x7BADBEEF, log-probs NaN) and every
 element is checked, so an element the kernel forgets to write shows up.
 """
@@ -26,12 +27,15 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def load_schedule(spec, schedule):
-    """The kernel set with draft_topk built with `schedule`: the default build for its default, else a variant."""
+    """The kernel set with draft_topk built with `schedule` ("rows-warps": rows with row_end="warps"): the default
+    build for its default, else a variant."""
     import ddtree_gen
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.variant import default_config, variant
     kdef = by_name("draft_topk")
+    if schedule == "rows-warps":
+        return variant_set([variant(kdef, spec, schedule="rows", row_end="warps")])
     if default_config(kdef, spec)["schedule"] == schedule:
         return ddtree_gen.load(spec, kernels=["draft_topk"])
     return variant_set([variant(kdef, spec, schedule=schedule)])
@@ -39,7 +43,8 @@ def load_schedule(spec, schedule):
 
 # the rows build streams a row per block only where the rows fill the GPU (kernels/draft_topk.ROWS_WAVES); "rows
 # streaming" is that build with ROWS_WAVES = 0: its stage 2 on every call, whatever the batch
-RUNS = (*SCHEDULES, "rows streaming")
+RUNS = (*SCHEDULES, "rows streaming", "rows-warps streaming")
+STREAMING = ("rows streaming", "rows-warps streaming")
 
 
 def streaming_everywhere(monkeypatch, kset):
@@ -53,7 +58,8 @@ def ks(spec, request, monkeypatch):
     schedule = request.param.split()[0]
     got = load_schedule(spec, schedule)
     assert got.constants("draft_topk")["STREAM"] == int(schedule == "stream")
-    assert got.constants("draft_topk")["ROWS"] == int(schedule == "rows")
+    assert got.constants("draft_topk")["ROWS"] == int(schedule.startswith("rows"))
+    assert got.constants("draft_topk")["ROW_END_BLOCK"] == int(schedule == "rows")
     if request.param != schedule:
         streaming_everywhere(monkeypatch, got)
     yield got
@@ -314,8 +320,8 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
         got = {}
         for s, kset in sets.items():
             # the switch is the launcher's (module-wide), and "rows" and "rows streaming" may be one kernel set:
-            # on for "rows streaming" alone, the last of RUNS, and off again for the next case
-            monkeypatch.setattr(mod, "ROWS_WAVES", 0 if s == "rows streaming" else default_waves)
+            # on for the streaming runs alone, and off again for the next
+            monkeypatch.setattr(mod, "ROWS_WAVES", 0 if s in STREAMING else default_waves)
             kset.prepared_calls.clear()
             ids = cupy.full(x.shape[:2] + (k,), POISON, dtype=np.uint32).view(np.int32)
             lps = cupy.full(x.shape[:2] + (k,), np.nan, dtype=np.float32)
@@ -324,7 +330,7 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
         a = got["chunks"]
         for s, b in got.items():
             assert np.array_equal(a[0], b[0]), f"{name}: the ids of chunks and {s} differ, {where(seed)}"
-            if s == "rows streaming":   # its sums add in another order: the log-probs agree within twice the bar
+            if s in STREAMING:   # their sums add in another order: the log-probs agree within twice the bar
                 fin = np.isfinite(a[1])
                 assert np.array_equal(fin, np.isfinite(b[1])), f"{name}: rows' non-finite log-probs, {where(seed)}"
                 err = np.abs(b[1][fin].astype(np.float64) - a[1][fin])
@@ -332,6 +338,9 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
             else:             # the same sums: the same bits
                 assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), \
                     f"{name}: the log-probs of chunks and {s} differ, {where(seed)}"
+        # the two ends of the streaming rows take the same sums: the same bits
+        assert np.array_equal(got["rows streaming"][1].view(np.uint32), got["rows-warps streaming"][1].view(np.uint32)), \
+            f"{name}: the log-probs of the rows build's two ends differ, {where(seed)}"
         rows = rng.choice(x.shape[0] * x.shape[1], 3, replace=False)
         flat_x = x.reshape(-1, x.shape[2])[rows][None]
         for s, (ids, lps) in got.items():

@@ -30,20 +30,32 @@ KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounde
 # (kernels/draft_topk.ROWS_WAVES); below that the chunks schedule, in the same build. Its log-probs differ from the
 # other two by the rounding of another order of the sums (the same ids).
 SCHEDULES = ("chunks", "stream", "rows")
-MIN_BLOCKS = 3               # blocks per SM (__launch_bounds__); the stream grid is SMs x MIN_BLOCKS at most
+# the rows schedule's end of a row (build option `row_end`): "block" (the default): the row's k-th vector maximum
+# selected over every warp's entries at once (a radix select), the candidates ranked by the block; "warps": each warp
+# its own k best from its own entries, the 8 lists merged (docs/perf.md, "The rows schedule").
+ROW_ENDS = ("block", "warps")
+MIN_BLOCKS = 3               # blocks per SM (__launch_bounds__; the build option `min_blocks`); the stream grid is SMs x
+                             # MIN_BLOCKS at most, and the launcher's switch to the rows' one block a row counts 3 an SM
 NV = 4                       # rows: 16-byte vectors per lane and round (the next round's are in flight meanwhile)
 CAPV = 512                   # rows: a warp's passing-vector entries (compacted when a step could overflow them)
+HPASS = 4                    # rows, the block's end: radix passes of 8-bit digits over a 32-bit key, at most
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
     """The default build configuration (plans/variant.default_config): the rows schedule (docs/perf.md, "The rows
     schedule": 12-22 % faster than chunks at B = 64, the chunks schedule's own stages below that)."""
-    return {"schedule": "rows"}
+    return {"schedule": "rows", "row_end": "block", "min_blocks": MIN_BLOCKS}
 
 
 def spell(config) -> tuple:
-    """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks, .stream."""
-    return () if config["schedule"] == "rows" else (config["schedule"],)
+    """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks, .stream,
+    draft_topk.warps (rows with the warps' end), draft_topk.mb4 (4 blocks an SM)."""
+    name = () if config["schedule"] == "rows" else (config["schedule"],)
+    if config["row_end"] != "block":
+        name += (config["row_end"],)
+    if config["min_blocks"] != MIN_BLOCKS:
+        name += (f"mb{config['min_blocks']}",)
+    return name
 
 
 def chunks(v: int, dtype: str) -> int:
@@ -55,6 +67,14 @@ def plan(spec, config=None) -> Plan:
     schedule = (config or policy(spec))["schedule"]
     if schedule not in SCHEDULES:
         raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
+    row_end = (config or policy(spec)).get("row_end", "block")
+    min_blocks = (config or policy(spec)).get("min_blocks", MIN_BLOCKS)
+    if min_blocks not in (1, 2, 3, 4):
+        raise SpecError(f"draft_topk: min_blocks {min_blocks!r}, one of 1, 2, 3, 4 (256 threads a block)")
+    if row_end not in ROW_ENDS:
+        raise SpecError(f"draft_topk: row_end {row_end!r}, one of {', '.join(ROW_ENDS)}")
+    if schedule != "rows" and row_end != "block":
+        raise SpecError(f"draft_topk: row_end {row_end!r} is an option of the rows schedule, not of {schedule!r}")
     stream, rows = schedule == "stream", schedule == "rows"
     if spec.max_tree_size - 1 > THREADS:   # tau: the k-th largest of THREADS thread maxima (stream: of WARPS x q)
         raise SpecError(f"spec {spec.name!r}, kernel draft_topk: N - 1 = {spec.max_tree_size - 1} above {THREADS}")
@@ -66,14 +86,20 @@ def plan(spec, config=None) -> Plan:
     ecap = 8 * KP            # rows: a warp's logit candidates at the end: < 8 per entry above the k-th, or k
     # rows: RowsShared (entries, candidates, the warps' lists, the block's list, (M, S), the threshold), in dynamic
     # shared memory that stage 1 reuses as DraftTopkShared
-    rows_smem = 8 * warps * CAPV + 8 * warps * ecap + 8 * warps * KP + 8 * KP + 8 * warps + 16
+    bcap = 16 * KP           # rows, the block's end: < 8 per entry above the k-th, and each warp's k ties
+    block_end = row_end == "block"
+    if block_end:            # entries, candidates, the radix passes' counts, the warps' ranges, the lists, (M, S)
+        rows_smem = 8 * warps * CAPV + 8 * bcap + 4 * HPASS * 256 + 12 * warps + 8 + 8 * KP + 8 * warps + 16
+    else:
+        rows_smem = 8 * warps * CAPV + 8 * warps * ecap + 8 * warps * KP + 8 * KP + 8 * warps + 16
     consts = {"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
               "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream)), "ROWS": sympy.Integer(int(rows)),
-              "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "ECAP": ecap}
+              "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "ECAP": ecap,
+              "ROW_END_BLOCK": sympy.Integer(int(rows and block_end)), "BCAP": bcap, "HPASS": sympy.Integer(HPASS)}
     if rows:
-        return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
+        return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=min_blocks,
                     static_smem=sympy.Integer(0), dynamic_smem=sympy.Max(rows_smem, stage0, stage1), consts=consts)
-    return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=MIN_BLOCKS,
+    return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=min_blocks,
                 static_smem=sympy.Max(stage0, stage1), consts=consts)
 
 
