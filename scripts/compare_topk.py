@@ -7,11 +7,11 @@ bit for bit (rows: the same within 2e-5 + 2^-21 |x|, its sums add in another ord
 reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
 % of the floor: the logits read once at the device-to-device copy rate measured in the same run.
 When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
---waves N ...: the rows build again with kernels/draft_topk.ROWS_WAVES = N (it streams a row per block where the rows
-are at least N x SMs x MIN_BLOCKS, else runs the chunks schedule; 0: streaming on every shape), one column each.
+--rows-per-sm N ...: the rows build again with kernels/draft_topk.ROWS_PER_SM = N (it streams a row per block where
+the rows are at least N x SMs, else runs the chunks schedule; 0: streaming on every shape), one column each.
 --knobs NAME:KNOB=VALUE,... ...: the rows build with other build options, one column each (e.g. warps:row_end=warps).
 Run: PYTHONPATH=. python3 scripts/compare_topk.py [--spec kimi-k2.6-tp8] [--shapes B,D',V,dtype ...] [--rows 4]
-     [--waves 1 4] [--knobs warps:row_end=warps mb4:min_blocks=4]
+     [--rows-per-sm 0 3] [--knobs warps:row_end=warps mb4:min_blocks=4]
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def main() -> None:
     ap.add_argument("--knobs", nargs="*", default=[], metavar="NAME:KNOB=VALUE,...",
                     help="extra columns: the rows build with these build options, e.g. warps:row_end=warps "
                          "mb4:min_blocks=4 (integers as integers)")
-    ap.add_argument("--waves", type=int, nargs="*", default=[],
-                    help="extra columns: the rows build with kernels/draft_topk.ROWS_WAVES set to each (0: always streaming)")
+    ap.add_argument("--rows-per-sm", type=float, nargs="*", default=[],
+                    help="extra columns: the rows build with kernels/draft_topk.ROWS_PER_SM set to each (0: always streaming)")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)
@@ -92,13 +92,13 @@ def main() -> None:
     for s, ks in sets.items():
         assert ks.constants("draft_topk")["STREAM"] == int(s == "stream"), s
         assert ks.constants("draft_topk")["ROWS"] == int(s == "rows"), s
-    default_waves = launcher.ROWS_WAVES
+    default_switch = launcher.ROWS_PER_SM
     for spec_text in args.knobs:   # name:knob=value,...: a rows variant of its own
         name, _, kv = spec_text.partition(":")
         knobs = {key: int(val) if val.lstrip("-").isdigit() else val
                  for key, val in (item.split("=", 1) for item in kv.split(",") if item)}
         sets[name] = variant_set([variant(kdef, spec, **{"schedule": "rows", **knobs})])
-    runs = [(s, s, None) for s in SCHEDULES] + [(f"rows w{w}", "rows", w) for w in args.waves] + \
+    runs = [(s, s, None) for s in SCHEDULES] + [(f"rows r{w:g}", "rows", w) for w in args.rows_per_sm] + \
         [(n, n, None) for n in (t.partition(":")[0] for t in args.knobs)]
     names = [n for n, _, _ in runs]
     k = min(64, spec.max_tree_size - 1)
@@ -120,7 +120,7 @@ def main() -> None:
         outs, times = {}, {}
         for name, s, waves in runs:
             ks = sets[s]
-            launcher.ROWS_WAVES = default_waves if waves is None else waves
+            launcher.ROWS_PER_SM = default_switch if waves is None else waves
             ks.prepared_calls.clear()   # the parts are chosen when a call's signature is first prepared
             out = DraftTopkOutput(cupy.full((b, dp, k), 0x7BADBEEF, np.int32), cupy.full((b, dp, k), np.nan, np.float32))
             ks.draft_topk(x, k, t, out=out, workspace=ws)
@@ -128,7 +128,7 @@ def main() -> None:
             outs[name] = (cupy.asnumpy(out.topk_ids), cupy.asnumpy(out.topk_logprobs))
             times[name] = graph_time_ms(lambda ks=ks, out=out: ks.draft_topk(x, k, t, out=out, workspace=ws),
                                         per_graph=10) * 1e3
-        launcher.ROWS_WAVES = default_waves
+        launcher.ROWS_PER_SM = default_switch
         (ia, la) = outs["chunks"]
         same = all(np.array_equal(ia, i) for i, _ in outs.values())
         same &= np.array_equal(la.view(np.uint32), outs["stream"][1].view(np.uint32))

@@ -324,7 +324,7 @@ def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
 @pytest.mark.parametrize("rows_b,v", [(64, 129280), (53, 163840), (52, 129280), (8, 129280), (1, 1000)])
 def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     """The "rows" build (template constants ROWS = 1, no static shared memory): stage 2 alone, one block per row and
-    no workspace, where the rows are at least ROWS_WAVES x SMs x MIN_BLOCKS; below that the chunks schedule's two
+    no workspace, where the rows are at least ROWS_PER_SM x SMs; below that the chunks schedule's two
     stages and workspace."""
     from ddtree_gen.kernels import draft_topk as mod
     from ddtree_gen.plans import by_name
@@ -340,7 +340,7 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
     draft_topk(ks, _logits(rows_b, dp, v), k)
     rows, c = rows_b * dp, chunks(v, "bf16")
-    if rows >= mod.ROWS_WAVES * 132 * MIN_BLOCKS:
+    if rows >= mod.ROWS_PER_SM * 132:
         assert len(ks.seen) == 1 and ks.seen[0][1]["grid"] == (rows,)
         assert int(ks.seen[0][1]["args"][-1]) == 2
         assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace
@@ -349,3 +349,29 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
         assert len(ks.seen) == 1 + (c > 1)
         if c > 1:
             assert ks.seen[1][1]["grid"] == (rows,) and int(ks.seen[1][1]["args"][-1]) == 1
+
+
+def test_row_end_and_min_blocks_options(spec):
+    """The rows build's options: row_end "block" (the default) or "warps", min_blocks 1-4; their variant names, their
+    template constants and shared memory (both ends fit the default's blocks an SM), and clear errors."""
+    from ddtree_gen.errors import SpecError
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
+    from ddtree_gen.plans.variant import variant
+    kdef = by_name("draft_topk")
+    block, warps = variant(kdef, spec), variant(kdef, spec, row_end="warps")
+    assert block.stem == "draft_topk" and warps.stem == "draft_topk.warps"
+    assert variant(kdef, spec, min_blocks=2).stem == "draft_topk.mb2"
+    assert variant(kdef, spec, schedule="chunks", min_blocks=2).stem == "draft_topk.chunks.mb2"
+    cb, cw = block.plan().template_constants(), warps.plan().template_constants()
+    assert cb["ROW_END_BLOCK"] == 1 and cw["ROW_END_BLOCK"] == 0 and cb["MIN_BLOCKS"] == MIN_BLOCKS
+    assert cb["BCAP"] == 16 * cb["KP"]   # the block's candidates: < 8 per entry above the k-th, k ties a warp
+    assert cb["DYNAMIC_SMEM"] < cw["DYNAMIC_SMEM"]
+    assert cb["DYNAMIC_SMEM"] * MIN_BLOCKS <= 227 * 1024
+    assert variant(kdef, spec, schedule="chunks").plan().template_constants()["ROW_END_BLOCK"] == 0
+    with pytest.raises(SpecError, match="row_end 'nope'"):
+        variant(kdef, spec, row_end="nope").plan()
+    with pytest.raises(SpecError, match="row_end 'warps' is an option of the rows schedule"):
+        variant(kdef, spec, schedule="stream", row_end="warps").plan()
+    with pytest.raises(SpecError, match="min_blocks 5"):
+        variant(kdef, spec, min_blocks=5).plan()

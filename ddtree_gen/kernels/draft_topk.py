@@ -6,8 +6,8 @@
 One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float32 logits) or twice:
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
 one block per row, merges them. The "rows" build (schedule="rows") launches stage 2 once instead, one block per
-row, where the rows fill the GPU ROWS_WAVES times over (then no workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
-(plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks
+row, where there are at least ROWS_PER_SM rows an SM (then no workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
+(plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks (the build's)
 (the template constant STREAM of the loaded build says which); the workspace is the same.
 """
 from __future__ import annotations
@@ -16,16 +16,16 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, MIN_BLOCKS, chunks
+from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, chunks
 from ..reference import DraftTopkOutput, temperature_arg
 from ..runtime import IsAligned, Prepared, Step, run_call, sm_count
 from .checks import INT32_MAX
 
 KERNEL = "draft_topk"
-# the rows build streams a row per block (stage 2) where the rows are at least ROWS_WAVES x (SMs x MIN_BLOCKS) (B = 64,
-# D' = 15: 960 rows, 396 blocks resident on an H200), and runs the chunks schedule's stages 0 and 1 below that (fewer
-# rows: its blocks' serial tail, the end of a row's selection, is not covered by other rows' loads)
-ROWS_WAVES = 2
+# the rows build streams a row per block (stage 2) where the rows are at least ROWS_PER_SM x SMs (792 on an H200; B = 64,
+# D' = 15: 960 rows), and runs the chunks schedule's stages 0 and 1 below that (fewer rows: its blocks' serial tail,
+# the end of a row's selection, is not covered by other rows' loads; docs/perf.md has the measured crossover)
+ROWS_PER_SM = 6
 WS = 3                              # the workspace's index in the call's array list
 _VEC = {"bf16": 8, "float32": 4}    # logits per 16-byte load
 
@@ -74,10 +74,10 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     shapes = {"topk_ids": ((b, dp, k), "int32"), "topk_logprobs": ((b, dp, k), "float32")}
     new = list(ar.record_outputs(arrays, 1, shapes, has_out, "logits", lg))
     named = {"logits": lg}
-    # the rows build: one block per row where the rows fill the GPU ROWS_WAVES times over (no workspace then), else
+    # the rows build: one block per row where there are ROWS_PER_SM rows an SM (no workspace then), else
     # its copy of the chunks schedule
     consts = kset.constants(KERNEL, lg.device)
-    rows_path = rows > 0 and bool(consts.get("ROWS")) and rows >= ROWS_WAVES * sm_count(lg.device) * MIN_BLOCKS
+    rows_path = rows > 0 and bool(consts.get("ROWS")) and rows >= ROWS_PER_SM * sm_count(lg.device)
     need = 0 if rows_path else workspace_elems(b, dp, v, k, dtype)
     aligned = []
     if need and arrays[WS] is not None:
@@ -107,7 +107,7 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     elif rows:
         grid0 = rows * ch
         if consts.get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
-            grid0 = min(grid0, sm_count(device) * MIN_BLOCKS)
+            grid0 = min(grid0, sm_count(device) * int(consts["MIN_BLOCKS"]))
         steps.append(Step(KERNEL, (grid0,), (*common, np.int32(0))))
         if ch > 1:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))

@@ -27,15 +27,15 @@ KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounde
 # (one barrier), stage 1 by ranks (binary searches) instead of bitonic merges. Same outputs, bit for bit.
 # "rows" (the default): one block per row, its warps streaming the row with their next loads in flight, a threshold shared by the
 # block, the row's top-k merged in the block, one launch and no workspace, where the rows fill the GPU
-# (kernels/draft_topk.ROWS_WAVES); below that the chunks schedule, in the same build. Its log-probs differ from the
+# (kernels/draft_topk.ROWS_PER_SM); below that the chunks schedule, in the same build. Its log-probs differ from the
 # other two by the rounding of another order of the sums (the same ids).
 SCHEDULES = ("chunks", "stream", "rows")
 # the rows schedule's end of a row (build option `row_end`): "block" (the default): the row's k-th vector maximum
 # selected over every warp's entries at once (a radix select), the candidates ranked by the block; "warps": each warp
 # its own k best from its own entries, the 8 lists merged (docs/perf.md, "The rows schedule").
 ROW_ENDS = ("block", "warps")
-MIN_BLOCKS = 3               # blocks per SM (__launch_bounds__; the build option `min_blocks`); the stream grid is SMs x
-                             # MIN_BLOCKS at most, and the launcher's switch to the rows' one block a row counts 3 an SM
+MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__; the build option `min_blocks`; 4: 64 registers, docs/perf.md
+                             # "The end of a row selected by the block"); the stream grid is SMs x min_blocks at most
 NV = 4                       # rows: 16-byte vectors per lane and round (the next round's are in flight meanwhile)
 CAPV = 512                   # rows: a warp's passing-vector entries (compacted when a step could overflow them)
 HPASS = 4                    # rows, the block's end: radix passes of 8-bit digits over a 32-bit key, at most

@@ -111,6 +111,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define NV 4                    // rows: 16-byte vectors per lane and round
 #define CAPV 512                // rows: a warp's passing-vector entries
 #define ECAP 512                // rows: a warp's element candidates at the end (8 KP: every case fits)
+#define ROW_END_BLOCK 1   // rows: 1: the end of a row selected by the block; 0: by each warp
+#define BCAP 1024                // rows, the block's end: its candidates (16 KP: every case fits)
+#define HPASS 4              // rows, the block's end: radix passes at most (8-bit digits of 32-bit keys)
 
 typedef unsigned long long u64;
 
@@ -717,8 +720,17 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
 // ---------------------------------------------------------------------------------------------- the rows schedule
 struct RowsShared {
     u64 vent[WARPS][CAPV];     // a warp's passing vectors: (vector maximum's key << 32) | vector index, in row order
+#if ROW_END_BLOCK
+    u64 bl[BCAP];              // the block's logit candidates at the end (composite keys, in no order)
+    unsigned hist[HPASS][256]; // the radix passes' digit counts (zeroed at the row's start)
+    unsigned wlo[WARPS], whi[WARPS];   // a warp's least and largest entry key at or above tkey
+    int wn[WARPS];             // a warp's entries at or above tkey
+    unsigned nc;               // the candidates in bl
+    unsigned pad0;
+#else
     u64 el[WARPS][ECAP];       // a warp's logit candidates at the end (composite keys)
     u64 wl[WARPS][KP];         // a warp's top-k in order (0: none); first its ties at the threshold
+#endif
     u64 list[KP];              // the block's top-k in order (0: none)
     float2 wms[WARPS];         // a warp's (M, S)
     unsigned tkey;             // the block's threshold key: at least k logits of the row are >= it (0: none yet)
@@ -936,6 +948,10 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     const int vb = 0, ve = (V + VEC - 1) / VEC;
     if (tid == 0) s.tkey = 0u;
     for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
+#if ROW_END_BLOCK
+    if (tid == 0) s.nc = 0u;
+    for (int i = tid; i < HPASS * 256; i += THREADS) (&s.hist[0][0])[i] = 0u;
+#endif
     __syncthreads();
     u64* vent = s.vent[warp];
     int cnt = 0;                   // the warp's entries (uniform)
@@ -998,6 +1014,171 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         if (lane == 0) s.wms[warp] = make_float2(M, part_s);
     }
 
+#if ROW_END_BLOCK
+    // ---- the row's k best logits, selected by the block: P, the k-th largest vector maximum among every warp's
+    // entries at or above the block's threshold (>= k of them: a warp that raised it kept k), by a radix select
+    // from the highest bit where they differ; each warp re-reads its entries at or above P and adds to the block's
+    // candidates the logits above P and its first k equal to P in row order (the ties: lowest ids); their exact
+    // ranks place the row's k best. (P = 0 where the entries are fewer than k: every logit of theirs is a candidate.)
+    __syncthreads();   // the block's threshold final, every warp's entries written
+    const unsigned T = s.tkey;   // 0: no compaction; every entry counts
+    const unsigned* hw = reinterpret_cast<const unsigned*>(vent);
+    {
+        unsigned lo = FULL, hi = 0u;
+        int n = 0;
+        for (int i = lane; i < cnt; i += 32) {
+            const unsigned h = hw[2 * i + 1];
+            if (h >= T) { lo = min(lo, h); hi = max(hi, h); ++n; }
+        }
+        lo = __reduce_min_sync(FULL, lo);
+        hi = __reduce_max_sync(FULL, hi);
+        n = __reduce_add_sync(FULL, n);
+        if (lane == 0) { s.wlo[warp] = lo; s.whi[warp] = hi; s.wn[warp] = n; }
+    }
+    __syncthreads();
+    unsigned P = 0u;
+    {
+        unsigned lo = FULL, hi = 0u;
+        int total = 0;
+        #pragma unroll
+        for (int i = 0; i < WARPS; ++i) { lo = min(lo, s.wlo[i]); hi = max(hi, s.whi[i]); total += s.wn[i]; }
+        if (total >= k) {   // block-uniform from here
+            const unsigned diff = lo ^ hi;
+            if (diff == 0u) {
+                P = hi;
+            } else {
+                int bit = 31 - __clz(diff);
+                P = bit == 31 ? 0u : hi & ~((2u << bit) - 1u);   // the bits above, which every key in [lo, hi] shares
+                int kk = k;                                       // P's rank among the keys with P's decided bits
+                const int lowbit = BF16 ? 16 : 0;                 // a bf16 key's low half follows its sign
+                for (int pass = 0; bit >= lowbit; ++pass) {
+                    const int width = min(8, bit - lowbit + 1), shift = bit - width + 1;
+                    const unsigned above = bit == 31 ? 0u : ~((2u << bit) - 1u);
+                    unsigned* hist = s.hist[pass];
+                    for (int i = lane; i < cnt; i += 32) {
+                        const unsigned h = hw[2 * i + 1];
+                        if (h >= T && (h & above) == P) atomicAdd(&hist[(h >> shift) & ((1u << width) - 1u)], 1u);
+                    }
+                    __syncthreads();
+                    // every warp alike: the digit d with (keys of digits above d) < kk <= (keys of digits >= d);
+                    // lane l holds the digits 255 - 8 l - j, j < 8 (descending in lane order)
+                    unsigned c8[8], sl = 0u;
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int d = 255 - 8 * lane - j;
+                        c8[j] = d < (1 << width) ? hist[d] : 0u;
+                        sl += c8[j];
+                    }
+                    unsigned incl = sl;
+                    #pragma unroll
+                    for (int o = 1; o < 32; o <<= 1) {
+                        const unsigned y = __shfl_up_sync(FULL, incl, o);
+                        if (lane >= o) incl += y;
+                    }
+                    const unsigned excl = incl - sl;
+                    const int src = __ffs(__ballot_sync(FULL, excl < (unsigned)kk && (unsigned)kk <= incl)) - 1;
+                    int dsel = 0;
+                    unsigned before = 0u;
+                    if (lane == src) {
+                        unsigned acc = excl;   // the first of its digits whose cumulative count reaches kk
+                        bool found = false;
+                        #pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            if (!found && acc + c8[j] >= (unsigned)kk) { dsel = 255 - 8 * lane - j; before = acc; found = true; }
+                            acc += c8[j];
+                        }
+                    }
+                    dsel = __shfl_sync(FULL, dsel, src);
+                    before = __shfl_sync(FULL, before, src);
+                    kk -= (int)before;
+                    P |= (unsigned)dsel << shift;
+                    bit = shift - 1;
+                }
+                if (BF16 && !(P & 0x80000000u)) P |= 0xffffu;
+            }
+        }
+    }
+    cnt = keep_entries(vent, cnt, DDT_NEG_INF, P);   // the entries at or above P
+    int ntie = 0;                                     // the warp's logits equal to P so far, in row order
+    for (int b0 = 0; b0 < cnt; b0 += 32 * NV) {
+        // NV entries per lane (b0 + lane + 32 q): their vectors loaded at once, then taken in row order
+        uint32_t wv[NV * 4];
+        int vv[NV];
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const int i = b0 + lane + 32 * q;
+            vv[q] = i < cnt ? (int)(unsigned)vent[i] : -1;
+        }
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
+            uint4 x4 = make_uint4(NEG, NEG, NEG, NEG);
+            if (vv[q] >= 0) {
+                uint32_t one[NV * 4];
+                load_round<BF16>(one, rowp, vv[q], vv[q] + 1, V, vec_ok);   // vector vv[q] alone (j = 0)
+                x4 = make_uint4(one[0], one[1], one[2], one[3]);
+            }
+            wv[4 * q] = x4.x; wv[4 * q + 1] = x4.y; wv[4 * q + 2] = x4.z; wv[4 * q + 3] = x4.w;
+        }
+        #pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            if (b0 + 32 * q >= cnt) break;   // warp-uniform
+            const bool use = vv[q] >= 0;
+            const int v = vv[q];
+            uint32_t w[4];
+            #pragma unroll
+            for (int h = 0; h < 4; ++h) w[h] = BF16 ? bmax2(wv[4 * q + h], 0xff80ff80u) : __float_as_uint(fmaxf(__uint_as_float(wv[4 * q + h]), DDT_NEG_INF));
+            unsigned mgt = 0u, meq = 0u;
+            #pragma unroll
+            for (int t = 0; t < VEC; ++t) {
+                const uint32_t x = w[BF16 ? t >> 1 : t];
+                const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+                const bool ok = use && v * VEC + t < V;
+                const unsigned key = okey(f);
+                mgt |= (ok && key > P) ? 1u << t : 0u;
+                meq |= (ok && key == P) ? 1u << t : 0u;
+            }
+            // slots: the lanes' counts scanned in lane order (= row order), both at once (each < 2^16)
+            const int cg = __popc(mgt), ce = __popc(meq);
+            int incl = cg | (ce << 16);
+            #pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(FULL, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const int tot = __shfl_sync(FULL, incl, 31);
+            const int eg = (incl & 0xffff) - cg, ee = (incl >> 16) - ce;   // exclusive
+            const int rem = max(0, k - ntie);                               // ties the warp may still add
+            const int take = min(ce, max(0, rem - ee));                     // this lane's ties among them
+            unsigned base = 0u;
+            if (lane == 0) base = atomicAdd(&s.nc, (unsigned)((tot & 0xffff) + min(tot >> 16, rem)));
+            base = __shfl_sync(FULL, base, 0);
+            int pos = (int)base + eg + min(ee, rem);
+            int took = 0;
+            #pragma unroll
+            for (int t = 0; t < VEC; ++t) {
+                const uint32_t x = w[BF16 ? t >> 1 : t];
+                const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+                const bool g = (mgt >> t) & 1u, e = ((meq >> t) & 1u) && took < take;
+                if (e) ++took;
+                if ((g || e) && pos < BCAP) s.bl[pos] = ckey(f, v * VEC + t);
+                pos += (g || e) ? 1 : 0;
+            }
+            ntie += tot >> 16;
+        }
+    }
+    __syncthreads();
+    {   // exact ranks (the keys are distinct); the k best to the block's list
+        const int n = min((int)s.nc, BCAP);
+        for (int i = tid; i < n; i += THREADS) {
+            const u64 key = s.bl[i];
+            int rk = 0;
+            #pragma unroll 4
+            for (int j = 0; j < n; ++j) rk += s.bl[j] > key ? 1 : 0;
+            if (rk < k) s.list[rk] = key;
+        }
+    }
+#else
     // ---- the warp's k best logits: from its entries' vectors, re-read (they were read once already: L2 or DRAM).
     // First the entries below the block's final threshold go (every warp has raised it by now).
     // (Not the warp's own tf: strict after ties, it is for the logits after it, not for the entries it kept.)
@@ -1083,7 +1264,17 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     }
     __syncthreads();
 
-    // ---- the block: (M, S) and the merge of the warps' lists by ranks
+    // ---- the block: the merge of the warps' lists by ranks
+    for (int idx = tid; idx < WARPS * KP; idx += THREADS) {   // the other lists' searches side by side
+        const int wv = idx / KP, i = idx - wv * KP;
+        const u64 key = s.wl[wv][i];
+        int rk = i;
+        #pragma unroll
+        for (int o = 0; o < WARPS; ++o) rk += o == wv ? 0 : count_above(s.wl[o], key);
+        if (key != 0ull && rk < k) s.list[rk] = key;
+    }
+#endif
+    // ---- the block's (M, S) from the warps'; the row written
     float M = DDT_NEG_INF, S = 0.0f;
     #pragma unroll
     for (int i = 0; i < WARPS; ++i) M = fmaxf(M, s.wms[i].x);
@@ -1096,20 +1287,12 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         else p = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
         S += p;
     }
-    for (int idx = tid; idx < WARPS * KP; idx += THREADS) {   // the other lists' searches side by side
-        const int wv = idx / KP, i = idx - wv * KP;
-        const u64 key = s.wl[wv][i];
-        int rk = i;
-        #pragma unroll
-        for (int o = 0; o < WARPS; ++o) rk += o == wv ? 0 : count_above(s.wl[o], key);
-        if (key != 0ull && rk < k) s.list[rk] = key;
-    }
     __syncthreads();
     write_row(s.list, k, M, S, inv_t, row, out_lp, out_id);
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256, 3)
+extern "C" __global__ void __launch_bounds__(256, 4)
 ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 bits or float32
             int V, int k, int chunks,                    // chunks per row: ceil(V / CHUNK)
             int is_bf16, int vec_ok,                     // vec_ok: rows 16-byte aligned (16-byte loads)
