@@ -89,8 +89,10 @@ def plan(spec, config=None) -> Plan:
     bcap = 16 * KP           # rows, the block's end: < 8 per entry above the k-th, and each warp's k ties
     block_end = row_end == "block"
     if block_end:            # entries, candidates, the radix passes' counts, the warps' ranges, the lists, (M, S)
-        rows_smem = 8 * warps * CAPV + 8 * bcap + 4 * HPASS * 256 + 12 * warps + 8 + 8 * KP + 8 * warps + 16
-    else:
+        # (the block's candidates share their bytes with the warps' radix counts, 1 KB a warp, used before them)
+        rows_smem = (8 * warps * CAPV + sympy.Max(8 * bcap, 4 * 256 * warps) + 4 * HPASS * 256 + 12 * warps + 8
+                     + 8 * KP + 8 * warps + 16)
+    else:    # (a warp's radix counts, 1 KB, are the first bytes of its candidates, used before them: 8 ecap >= 1024)
         rows_smem = 8 * warps * CAPV + 8 * warps * ecap + 8 * warps * KP + 8 * KP + 8 * warps + 16
     consts = {"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
               "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream)), "ROWS": sympy.Integer(int(rows)),
