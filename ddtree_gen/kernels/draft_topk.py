@@ -22,10 +22,10 @@ from ..runtime import IsAligned, Prepared, Step, run_call, sm_count
 from .checks import INT32_MAX
 
 KERNEL = "draft_topk"
-# the rows build streams a row per block (stage 2) where the rows are at least ROWS_PER_SM x SMs (792 on an H200; B = 64,
-# D' = 15: 960 rows), and runs the chunks schedule's stages 0 and 1 below that (fewer rows: its blocks' serial tail,
-# the end of a row's selection, is not covered by other rows' loads; docs/perf.md has the measured crossover)
-ROWS_PER_SM = 6
+# the rows build streams a row per block (stage 2) where the rows are at least ROWS_PER_SM x SMs (198 on an H200: B >= 14
+# at D' = 15), and runs the chunks schedule's stages 0 and 1 below that (fewer rows than SMs leave SMs idle; measured
+# crossover, docs/perf.md "The end of a row selected by the block": B = 16 streams faster, B = 8 does not)
+ROWS_PER_SM = 1.5
 WS = 3                              # the workspace's index in the call's array list
 _VEC = {"bf16": 8, "float32": 4}    # logits per 16-byte load
 

@@ -85,7 +85,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //           holds no finite maximum. Stage 1 ranks each list
 //           entry among the other lists by binary searches (the keys are distinct) and writes the ranks
 //           below k: two block barriers instead of the bitonic merges' chain.
-//  "rows" (ROWS 1): stage 2, one block per row (the launcher's choice where the rows fill the GPU; below that the
+//  "rows" (ROWS 1): stage 2, one block per row (the launcher's choice where there are ROWS_PER_SM rows an SM; below that the
 //           build runs the chunks schedule's stages 0 and 1, in the same dynamic shared memory), its 8 warps
 //           streaming the row's 16-byte vectors NV at a time per lane, the next round's loads in flight while the
 //           current one is computed (registers, no barrier).
@@ -93,9 +93,12 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //           the vectors whose maximum reaches the warp's threshold tf are entries (vector maximum's key, vector
 //           index) of its list; a full list is compacted to the vectors at or above the k-th largest vector
 //           maximum, which becomes tf (>= k logits are >= it) and raises the block's shared threshold, which every
-//           warp takes as its own. At the end each warp re-reads its entries' vectors, takes its k best logits
-//           (ties: lowest ids, through the entries' order, which is the row's), ranks them; the block merges the
-//           8 lists by binary searches and writes the row.
+//           warp takes as its own (a warp's k-th by a radix select: 8-bit digits counted in shared memory).
+//           At the end (ROW_END_BLOCK) the block selects P, the k-th largest vector maximum over every warp's
+//           entries (the same radix select, the counts shared), each warp re-reads its entries at or above P and adds
+//           the logits above P and its first k equal to P in row order (ties: lowest ids, through the entries'
+//           order, which is the row's) to one list, whose exact ranks place the row's k best. (row_end="warps":
+//           each warp its own k best, ranked, and the block merges the 8 lists by binary searches.)
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -721,14 +724,18 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
 struct RowsShared {
     u64 vent[WARPS][CAPV];     // a warp's passing vectors: (vector maximum's key << 32) | vector index, in row order
 #if ROW_END_BLOCK
-    u64 bl[BCAP];              // the block's logit candidates at the end (composite keys, in no order)
-    unsigned hist[HPASS][256]; // the radix passes' digit counts (zeroed at the row's start)
+    union {
+        unsigned whist[WARPS][256];   // while streaming: a warp's radix counts (its compactions)
+        u64 bl[BCAP];                 // at the end: the block's logit candidates (composite keys, in no order)
+    } end;
+    unsigned hist[HPASS][256]; // the block's radix passes' digit counts (zeroed at the row's start)
     unsigned wlo[WARPS], whi[WARPS];   // a warp's least and largest entry key at or above tkey
     int wn[WARPS];             // a warp's entries at or above tkey
     unsigned nc;               // the candidates in bl
     unsigned pad0;
 #else
-    u64 el[WARPS][ECAP];       // a warp's logit candidates at the end (composite keys)
+    u64 el[WARPS][ECAP];       // a warp's logit candidates at the end (composite keys); before, its first 1 KB the
+                               // warp's radix counts (its compactions, its k-th at the end)
     u64 wl[WARPS][KP];         // a warp's top-k in order (0: none); first its ties at the threshold
 #endif
     u64 list[KP];              // the block's top-k in order (0: none)
@@ -864,13 +871,44 @@ __device__ __forceinline__ int warp_count_ge(const u64* vent, int cnt, unsigned 
     for (int i = threadIdx.x & 31; i < cnt; i += 32) n += hw[2 * i + 1] >= cand ? 1 : 0;
     return __reduce_add_sync(FULL, n);
 }
-// The k-th largest vector-maximum key of the warp's cnt >= k entries (a bisection from the highest bit where
-// the entries' keys differ).
+// A radix select's digit: of the 256 counts h (the digits a pass has), the digit d with (the counts of the digits
+// above d) < kk <= (the counts of the digits >= d), and the counts above it. Every lane of a warp alike: lane l reads
+// the digits 255 - 8 l - j, j < 8 (descending in lane order), one scan; the counts must hold kk or more in all.
+__device__ __forceinline__ void digit_of_rank(const unsigned* h, unsigned kk, unsigned& d, unsigned& above) {
+    const int lane = threadIdx.x & 31;
+    const unsigned* hl = h + 255 - 8 * lane;   // this lane's digits: hl[-j], j < 8
+    unsigned sl = 0u;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) sl += hl[-j];
+    unsigned incl = sl;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    const unsigned excl = incl - sl;
+    const int src = __ffs(__ballot_sync(FULL, excl < kk && kk <= incl)) - 1;
+    unsigned dl = 0u, al = 0u;
+    if (lane == src) {   // the first of its digits whose cumulative count reaches kk (read again: fewer registers)
+        unsigned acc = excl;
+        int j = 0;
+        while (acc + hl[-j] < kk) acc += hl[-j++];
+        dl = 255u - 8u * lane - j;
+        al = acc;
+    }
+    d = __shfl_sync(FULL, dl, src);
+    above = __shfl_sync(FULL, al, src);
+}
+
+// The k-th largest vector-maximum key of the warp's cnt >= k entries: a radix select over 8-bit digits from the
+// highest bit where the entries' keys differ (bf16 keys down to bit 16: their low half follows the sign), the
+// digits' counts in the warp's 256 words `hist`.
 template <bool BF16>
-__device__ __forceinline__ unsigned warp_kth(const u64* vent, int cnt, int k) {
+__device__ __forceinline__ unsigned warp_kth(const u64* vent, int cnt, int k, unsigned* hist) {
+    const int lane = threadIdx.x & 31;
     const unsigned* hw = reinterpret_cast<const unsigned*>(vent);
     unsigned lo = FULL, hi = 0u;
-    for (int i = threadIdx.x & 31; i < cnt; i += 32) {
+    for (int i = lane; i < cnt; i += 32) {
         lo = min(lo, hw[2 * i + 1]);
         hi = max(hi, hw[2 * i + 1]);
     }
@@ -878,11 +916,26 @@ __device__ __forceinline__ unsigned warp_kth(const u64* vent, int cnt, int k) {
     hi = __reduce_max_sync(FULL, hi);
     const unsigned diff = lo ^ hi;
     if (diff == 0u) return hi;
-    const int top = 31 - __clz(diff);
-    unsigned p = top == 31 ? 0u : hi & ~((2u << top) - 1u);   // the bits above top, which every key shares
-    for (int b = top; b >= (BF16 ? 16 : 0); --b) {             // a bf16 key's low half is 0 (>= 0) or ones (< 0)
-        const unsigned cand = p | (1u << b);
-        if (warp_count_ge(vent, cnt, cand) >= k) p = cand;
+    int bit = 31 - __clz(diff);
+    unsigned p = bit == 31 ? 0u : hi & ~((2u << bit) - 1u);   // the bits above, which every key shares
+    unsigned kk = (unsigned)k;                                  // p's rank among the keys with p's decided bits
+    while (bit >= (BF16 ? 16 : 0)) {
+        const int width = min(8, bit - (BF16 ? 16 : 0) + 1), shift = bit - width + 1;
+        const unsigned above = bit == 31 ? 0u : ~((2u << bit) - 1u);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) hist[lane + 32 * j] = 0u;
+        __syncwarp();
+        for (int i = lane; i < cnt; i += 32) {
+            const unsigned h = hw[2 * i + 1];
+            if ((h & above) == p) atomicAdd(&hist[(h >> shift) & ((1u << width) - 1u)], 1u);
+        }
+        __syncwarp();
+        unsigned d, before;
+        digit_of_rank(hist, kk, d, before);
+        kk -= before;
+        p |= d << shift;
+        bit = shift - 1;
+        __syncwarp();   // every lane has read the counts before the next pass clears them
     }
     if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;
     return p;
@@ -909,10 +962,10 @@ __device__ __forceinline__ int keep_entries(u64* vent, int cnt, float tf, unsign
 // p, the k-th largest vector maximum; if those are too many (ties at p), the vectors above p and the first of those
 // at p (row order: lowest ids) to k in all, and the warp's filter becomes strict. Returns the new count.
 template <bool BF16>
-__device__ __forceinline__ int compact(u64* vent, int cnt, int k, float& tf, unsigned* tkey) {
+__device__ __forceinline__ int compact(u64* vent, int cnt, int k, float& tf, unsigned* tkey, unsigned* hist) {
     const int lane = threadIdx.x & 31;
     __syncwarp();
-    const unsigned p = warp_kth<BF16>(vent, cnt, k);
+    const unsigned p = warp_kth<BF16>(vent, cnt, k, hist);
     const int ge = warp_count_ge(vent, cnt, p);
     const bool ties = ge > CAPV / 2;
     const int need = ties ? k - (p == FULL ? 0 : warp_count_ge(vent, cnt, p + 1u)) : 0;
@@ -954,6 +1007,14 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
 #endif
     __syncthreads();
     u64* vent = s.vent[warp];
+#if !ROW_END_BLOCK
+    static_assert(ECAP * 8 >= 256 * 4, "a warp's radix counts fit in the first bytes of its candidates");
+#endif
+#if ROW_END_BLOCK
+    unsigned* whist = s.end.whist[warp];   // the warp's radix counts (its compactions), where the end's list goes
+#else
+    unsigned* whist = reinterpret_cast<unsigned*>(s.el[warp]);   // where its own candidates go at the end
+#endif
     int cnt = 0;                   // the warp's entries (uniform)
     float tf = DDT_NEG_INF;        // the warp's filter: vectors whose maximum is >= tf
     Run r = {DDT_NEG_INF, 0.0f, DDT_NEG_INF};
@@ -992,7 +1053,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
             if (bal) {
                 if (pass) vent[cnt + __popc(bal & lanemask_lt())] = ((u64)okey(vmax[j]) << 32) | (unsigned)v;
                 cnt += __popc(bal);
-                if (cnt > CAPV - 32) cnt = compact<BF16>(vent, cnt, k, tf, &s.tkey);
+                if (cnt > CAPV - 32) cnt = compact<BF16>(vent, cnt, k, tf, &s.tkey, whist);
             }
         }
         #pragma unroll
@@ -1060,36 +1121,8 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
                         if (h >= T && (h & above) == P) atomicAdd(&hist[(h >> shift) & ((1u << width) - 1u)], 1u);
                     }
                     __syncthreads();
-                    // every warp alike: the digit d with (keys of digits above d) < kk <= (keys of digits >= d);
-                    // lane l holds the digits 255 - 8 l - j, j < 8 (descending in lane order)
-                    unsigned c8[8], sl = 0u;
-                    #pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int d = 255 - 8 * lane - j;
-                        c8[j] = d < (1 << width) ? hist[d] : 0u;
-                        sl += c8[j];
-                    }
-                    unsigned incl = sl;
-                    #pragma unroll
-                    for (int o = 1; o < 32; o <<= 1) {
-                        const unsigned y = __shfl_up_sync(FULL, incl, o);
-                        if (lane >= o) incl += y;
-                    }
-                    const unsigned excl = incl - sl;
-                    const int src = __ffs(__ballot_sync(FULL, excl < (unsigned)kk && (unsigned)kk <= incl)) - 1;
-                    int dsel = 0;
-                    unsigned before = 0u;
-                    if (lane == src) {
-                        unsigned acc = excl;   // the first of its digits whose cumulative count reaches kk
-                        bool found = false;
-                        #pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            if (!found && acc + c8[j] >= (unsigned)kk) { dsel = 255 - 8 * lane - j; before = acc; found = true; }
-                            acc += c8[j];
-                        }
-                    }
-                    dsel = __shfl_sync(FULL, dsel, src);
-                    before = __shfl_sync(FULL, before, src);
+                    unsigned dsel, before;   // every warp alike
+                    digit_of_rank(hist, (unsigned)kk, dsel, before);
                     kk -= (int)before;
                     P |= (unsigned)dsel << shift;
                     bit = shift - 1;
@@ -1161,7 +1194,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
                 const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
                 const bool g = (mgt >> t) & 1u, e = ((meq >> t) & 1u) && took < take;
                 if (e) ++took;
-                if ((g || e) && pos < BCAP) s.bl[pos] = ckey(f, v * VEC + t);
+                if ((g || e) && pos < BCAP) s.end.bl[pos] = ckey(f, v * VEC + t);
                 pos += (g || e) ? 1 : 0;
             }
             ntie += tot >> 16;
@@ -1171,10 +1204,10 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     {   // exact ranks (the keys are distinct); the k best to the block's list
         const int n = min((int)s.nc, BCAP);
         for (int i = tid; i < n; i += THREADS) {
-            const u64 key = s.bl[i];
+            const u64 key = s.end.bl[i];
             int rk = 0;
             #pragma unroll 4
-            for (int j = 0; j < n; ++j) rk += s.bl[j] > key ? 1 : 0;
+            for (int j = 0; j < n; ++j) rk += s.end.bl[j] > key ? 1 : 0;
             if (rk < k) s.list[rk] = key;
         }
     }
@@ -1186,7 +1219,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     cnt = keep_entries(vent, cnt, fmaxf(DDT_NEG_INF, key_float(s.tkey)), 0u);   // tkey 0 (none) gives NaN: -inf
     u64* el = s.el[warp];
     u64* wl = s.wl[warp];
-    const unsigned pv = cnt >= k ? warp_kth<BF16>(vent, cnt, k) : 0u;   // >= k logits are >= it; 0: take all
+    const unsigned pv = cnt >= k ? warp_kth<BF16>(vent, cnt, k, whist) : 0u;   // >= k logits are >= it; 0: take all
     cnt = keep_entries(vent, cnt, DDT_NEG_INF, pv);
     int ngt = 0, ntie = 0;
     for (int b0 = 0; b0 < cnt; b0 += 32 * NV) {
