@@ -352,7 +352,8 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
 
 
 def test_row_end_and_min_blocks_options(spec):
-    """The rows build's options: row_end "block" (the default) or "warps", min_blocks 1-4; their variant names, their
+    """The rows build's options: row_end "block" (the default) or "warps", min_blocks "auto" (4 where they fit) or 1-4;
+    their variant names, their
     template constants and shared memory (both ends fit the default's blocks an SM), and clear errors."""
     from ddtree_gen.errors import SpecError
     from ddtree_gen.plans import by_name
@@ -365,6 +366,8 @@ def test_row_end_and_min_blocks_options(spec):
     assert variant(kdef, spec, schedule="chunks", min_blocks=2).stem == "draft_topk.chunks.mb2"
     cb, cw = block.plan().template_constants(), warps.plan().template_constants()
     assert cb["ROW_END_BLOCK"] == 1 and cw["ROW_END_BLOCK"] == 0 and cb["MIN_BLOCKS"] == MIN_BLOCKS
+    assert cw["MIN_BLOCKS"] == MIN_BLOCKS - 1   # "auto": the warps' end's 70 KB fit 3 blocks an SM, not 4
+    assert cw["DYNAMIC_SMEM"] * MIN_BLOCKS > 227 * 1024 >= cw["DYNAMIC_SMEM"] * (MIN_BLOCKS - 1)
     assert cb["BCAP"] == 16 * cb["KP"]   # the block's candidates: < 8 per entry above the k-th, k ties a warp
     assert cb["DYNAMIC_SMEM"] < cw["DYNAMIC_SMEM"]
     assert cb["DYNAMIC_SMEM"] * MIN_BLOCKS <= 227 * 1024

@@ -34,8 +34,10 @@ SCHEDULES = ("chunks", "stream", "rows")
 # selected over every warp's entries at once (a radix select), the candidates ranked by the block; "warps": each warp
 # its own k best from its own entries, the 8 lists merged (docs/perf.md, "The rows schedule").
 ROW_ENDS = ("block", "warps")
-MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__; the build option `min_blocks`; 4: 64 registers, docs/perf.md
-                             # "The end of a row selected by the block"); the stream grid is SMs x min_blocks at most
+MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__: 64 registers; docs/perf.md "The end of a row selected by the
+                             # block"), where their shared memory fits an SM, else 3 (row_end="warps": 70 KB a block); the
+                             # build option `min_blocks` ("auto", or 1-4); the stream grid is SMs x min_blocks at most
+SM_SMEM = 227 * 1024         # the shared memory an H100 / H200 SM gives its blocks
 NV = 4                       # rows: 16-byte vectors per lane and round (the next round's are in flight meanwhile)
 CAPV = 512                   # rows: a warp's passing-vector entries (compacted when a step could overflow them)
 HPASS = 4                    # rows, the block's end: radix passes of 8-bit digits over a 32-bit key, at most
@@ -44,7 +46,8 @@ HPASS = 4                    # rows, the block's end: radix passes of 8-bit digi
 def policy(spec, arch: str = "sm_90a") -> dict:
     """The default build configuration (plans/variant.default_config): the rows schedule (docs/perf.md, "The rows
     schedule": 12-22 % faster than chunks at B = 64, the chunks schedule's own stages below that)."""
-    return {"schedule": "rows", "row_end": "block", "min_blocks": MIN_BLOCKS}
+    # min_blocks "auto": 4 where they fit an H100 / H200 SM (plan); an A100's 164 KB hold 3 of the default's 46 KB
+    return {"schedule": "rows", "row_end": "block", "min_blocks": "auto" if arch == "sm_90a" else 3}
 
 
 def spell(config) -> tuple:
@@ -53,7 +56,7 @@ def spell(config) -> tuple:
     name = () if config["schedule"] == "rows" else (config["schedule"],)
     if config["row_end"] != "block":
         name += (config["row_end"],)
-    if config["min_blocks"] != MIN_BLOCKS:
+    if config["min_blocks"] != "auto":
         name += (f"mb{config['min_blocks']}",)
     return name
 
@@ -68,9 +71,9 @@ def plan(spec, config=None) -> Plan:
     if schedule not in SCHEDULES:
         raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
     row_end = (config or policy(spec)).get("row_end", "block")
-    min_blocks = (config or policy(spec)).get("min_blocks", MIN_BLOCKS)
-    if min_blocks not in (1, 2, 3, 4):
-        raise SpecError(f"draft_topk: min_blocks {min_blocks!r}, one of 1, 2, 3, 4 (256 threads a block)")
+    min_blocks = (config or policy(spec)).get("min_blocks", "auto")
+    if min_blocks not in ("auto", 1, 2, 3, 4):
+        raise SpecError(f"draft_topk: min_blocks {min_blocks!r}, 'auto' or one of 1, 2, 3, 4 (256 threads a block)")
     if row_end not in ROW_ENDS:
         raise SpecError(f"draft_topk: row_end {row_end!r}, one of {', '.join(ROW_ENDS)}")
     if schedule != "rows" and row_end != "block":
@@ -98,6 +101,10 @@ def plan(spec, config=None) -> Plan:
               "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream)), "ROWS": sympy.Integer(int(rows)),
               "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "ECAP": ecap,
               "ROW_END_BLOCK": sympy.Integer(int(rows and block_end)), "BCAP": bcap, "HPASS": sympy.Integer(HPASS)}
+    smem = sympy.Max(rows_smem, stage0, stage1) if rows else sympy.Max(stage0, stage1)
+    if min_blocks == "auto":   # the most that fit by shared memory, at most MIN_BLOCKS (at the spec's largest k)
+        need = int(smem.subs(N, spec.max_tree_size))
+        min_blocks = MIN_BLOCKS if MIN_BLOCKS * need <= SM_SMEM else MIN_BLOCKS - 1
     if rows:
         return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=min_blocks,
                     static_smem=sympy.Integer(0), dynamic_smem=sympy.Max(rows_smem, stage0, stage1), consts=consts)

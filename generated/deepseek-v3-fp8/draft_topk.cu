@@ -516,7 +516,8 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
     if (tau == DDT_NEG_INF || n > CAP) {
         // ties at tau overflowed the list (or tau is -inf, where the logits past V tie too). The rare
         // route reads the chunk again (its registers are not kept live for it): count the logits > tau
-#define FOR_MINE(J, V_, E_, X) for (int J = 0; J < NVEC; ++J) for (int V_ = 0; V_ < VEC; ++V_) { \
+        // (rolled loops: the rare route's reloads would otherwise be unrolled 32-64 at once, past 64 registers)
+#define FOR_MINE(J, V_, E_, X) _Pragma("unroll 1") for (int J = 0; J < NVEC; ++J) _Pragma("unroll 1") for (int V_ = 0; V_ < VEC; ++V_) { \
             const int E_ = base + J * THREADS * VEC + tid * VEC + V_; const float X = reload<BF16>(rowp, E_, V);
 #define END_MINE }
         int mine = 0;
