@@ -43,7 +43,7 @@ def parse_shape(text: str) -> tuple:
 
 
 def parse_knobs(text: str) -> dict:
-    """"schedule=stream,parts=2,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked
+    """"schedule=stream,parts=1,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked
     against plans/kv_dequant.KNOBS and the build's plan (argparse type)."""
     from ddtree_gen.errors import BuildError, SpecError
     from ddtree_gen.plans import by_name
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="B,H,L",
                     help="default: " + " ".join(f"{b},{h},{l}" for b, h, l in SHAPES))
     ap.add_argument("--options", nargs="+", type=parse_knobs, metavar="KNOB=VALUE,...",
-                    help="kv_dequant builds to compare ('default' or knobs off it, e.g. schedule=stream,parts=2,"
-                         "store=pair); default: plans/kv_dequant.CANDIDATES. The default build is always compared "
+                    help="kv_dequant builds to compare ('default' or knobs off it, e.g. parts=1,store=pair: the "
+                         "first kernel); default: plans/kv_dequant.CANDIDATES. The default build is always compared "
                          "first")
     ap.add_argument("--no-e2e", action="store_true", help="kv_dequant and the torch references only (no tree_verify)")
     ap.add_argument("--out", help="also write the table to DIR/compare_dequant.txt")

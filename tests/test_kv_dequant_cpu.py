@@ -222,7 +222,7 @@ def test_kv_dequant_launch_plan(fake_device):
     res = kd.launch(kset, **args, out=out)
     assert res.kv_cache is out.kv_cache and res.block_table is out.block_table
     (name, kw), = kset.got
-    assert name == "kv_dequant" and tuple(kw["grid"]) == (B * MAX_PAGES,)
+    assert name == "kv_dequant" and tuple(kw["grid"]) == (B * MAX_PAGES * kd_plans.KNOBS["parts"],)
     want = [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")]
     assert list(kw["args"]) == [*want, ptr_of(out.kv_cache), ptr_of(out.block_table), PAGES, MAX_PAGES, B]
     # no out: both outputs are new (allocated by the runtime before the launch: its plan here, no GPU to allocate on)
@@ -333,7 +333,7 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     assert fused.got[0][0] == "tree_verify_wgmma"
     kname, kgrid, ka = dq.got[0]
     base, table_off = ptr_of(kvw), kd_plans.workspace_layout(spec, B, MAX_PAGES)[1]
-    assert kgrid == (B * MAX_PAGES,)
+    assert kgrid == (B * MAX_PAGES * kd_plans.KNOBS["parts"],)
     assert ka == [ptr_of(args[k]) for k in ("kv_cache", "block_table", "prefix_lens", "q_lens")] + [
         base, base + table_off, PAGES, MAX_PAGES, B]
     (_, fgrid, fa), (_, dgrid, da) = fused.got[0], dq.got[1]
@@ -509,26 +509,27 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
 # ------------------------------------------------------------------------ kv_dequant's build options
 
 def test_build_options_default_and_names():
-    """The default build is the page schedule of 256 threads with warp stores and no L2 hint (file kv_dequant.cu); the
-    first kernel stays the build store="pair" (its body as it was); every other option is a build named by its knobs,
-    rendered with its constants."""
+    """The default build is the page schedule of 256 threads, two parts per page, warp stores and no L2 hint (file
+    kv_dequant.cu); the first kernel stays the build parts=1, store="pair" (its body as it was); every other option is
+    a build named by its knobs, rendered with its constants."""
     from ddtree_gen.render import render
     kdef = by_name("kv_dequant")
     v = variant(kdef, FP8)
     assert v.name == "kv_dequant" and v.is_default and v.config == kd_plans.KNOBS
     c = v.plan().template_constants()
-    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 1, 1, 0, 256)
-    first = variant(kdef, FP8, store="pair")
-    assert first.name == "kv_dequant.pair" and first.plan().template_constants()["WARP_STORE"] == 0
+    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 2, 1, 0, 256)
+    first = variant(kdef, FP8, parts=1, store="pair")
+    assert first.name == "kv_dequant.p1.pair" and first.plan().template_constants()["WARP_STORE"] == 0
+    assert "the first kernel's body" not in render(variant(kdef, FP8, store="pair"))   # parts 2: the general body
     assert "the first kernel's body" in render(first) and "the first kernel's body" not in render(v)
     names = {variant(kdef, FP8, **k).name for k in kd_plans.CANDIDATES + kd_plans.EDGE_OPTIONS}
     assert len(names) == len(kd_plans.CANDIDATES) + len(kd_plans.EDGE_OPTIONS)   # distinct builds
-    assert kd_plans.CANDIDATES[0] == {} and {"store": "pair"} in kd_plans.CANDIDATES
-    s = variant(kdef, FP8, schedule="stream", parts=2, store="pair", l2="src_evict_first", threads=128)
-    assert s.name == "kv_dequant.stream.p2.pair.l2-src-evict-first.t128" and not s.is_default
+    assert kd_plans.CANDIDATES[0] == {} and {"parts": 1, "store": "pair"} in kd_plans.CANDIDATES
+    s = variant(kdef, FP8, schedule="stream", parts=3, store="pair", l2="src_evict_first", threads=128)
+    assert s.name == "kv_dequant.stream.p3.pair.l2-src-evict-first.t128" and not s.is_default
     c = s.plan().template_constants()
     assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"], c["MIN_BLOCKS"]) == \
-        (1, 2, 0, 1, 128, 1024 // 128)
+        (1, 3, 0, 1, 128, 1024 // 128)
     text = render(s)
     assert "the first kernel's body" not in text and "#define STREAM 1" in text
     assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in text
@@ -557,7 +558,8 @@ def test_dequant_grid():
     kdef = by_name("kv_dequant")
     page = variant(kdef, FP8, parts=3).plan().template_constants()
     assert kd.dequant_grid(page, 8, 66, 132) == 8 * 66 * 3
-    assert kd.dequant_grid(variant(kdef, FP8).plan().template_constants(), 1, 66, 132) == 66
+    assert kd.dequant_grid(variant(kdef, FP8, parts=1).plan().template_constants(), 1, 66, 132) == 66
+    assert kd.dequant_grid(variant(kdef, FP8).plan().template_constants(), 1, 66, 132) == 132   # the default
     stream = variant(kdef, FP8, schedule="stream", parts=2).plan().template_constants()
     assert kd.dequant_grid(stream, 32, 66, 132) == 132 * 4          # 4224 units walked by 528 blocks
     assert kd.dequant_grid(stream, 1, 66, 132) == 132               # B = 1: one unit per SM
@@ -678,10 +680,10 @@ def test_compare_script_parsing():
     mod, _ = _compare_script()
     assert mod.SHAPES == KV_DTYPE_CONFIGS
     args = mod.build_parser().parse_args(["--shapes", "8,8,4096", "1,128,64", "--options",
-                                          "schedule=stream,parts=2,store=pair", "default", "threads=256,store=warp"])
+                                          "schedule=stream,parts=3,store=pair", "default", "threads=256,store=warp"])
     assert args.shapes == [(8, 8, 4096), (1, 128, 64)]
-    assert args.options == [{"schedule": "stream", "parts": 2, "store": "pair"}, {}, {}]   # default knobs: dropped
-    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 2, "store": "pair"}]
+    assert args.options == [{"schedule": "stream", "parts": 3, "store": "pair"}, {}, {}]   # default knobs: dropped
+    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 3, "store": "pair"}]
     assert mod._options(None) == [dict(k) for k in kd_plans.CANDIDATES] and kd_plans.CANDIDATES[0] == {}
     assert mod.option_label({"store": "pair", "parts": 2}) == "parts=2,store=pair" and mod.option_label({}) == "default"
     for bad, words in (("8,8", "expected B,H,L"), ("0,8,4096", "expected B,H,L"), ("a,b,c", "expected B,H,L")):

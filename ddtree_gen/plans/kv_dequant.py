@@ -7,7 +7,7 @@ tree_verify would not read the page). tree_verify_wgmma_dequant (plans/tree_veri
 built for the fp8 spec) then reads the workspace, with kv_scale applied in fp32 as in the fused fp8 kernel.
 
 Build options (KNOBS; templates/kv_dequant.cu.j2 says how each works; every option gives the same outputs bit for
-bit): `schedule` "page" (one block per work unit: the default) or "stream" (a persistent grid of SMs x MIN_BLOCKS
+bit): `schedule` "page" (one block per work unit: the default, with parts 2) or "stream" (a persistent grid of SMs x MIN_BLOCKS
 blocks walking the units with the next one's loads in flight); `parts` (work units per page); `store` "warp" (8-byte
 loads, one 16-byte store each: contiguous warp stores; the default) or "pair" (16-byte loads, two 16-byte stores each:
 the first kernel, half-sector stores); `l2`
@@ -31,18 +31,19 @@ SCHEDULES = ("page", "stream")
 STORES = ("pair", "warp")
 L2_HINTS = ("normal", "src_evict_first", "streaming")
 MAX_PARTS = 64
-# the build options at their values in the default build: one block of 256 threads per page, 8-byte loads and
-# contiguous warp stores ("warp", measured 1.6x the first kernel's "pair" stores at B >= 8 on the H200: docs/perf.md
-# "The pre-pass at the copy rate")
-KNOBS = {"schedule": "page", "parts": 1, "store": "warp", "l2": "normal", "threads": THREADS}
+# the build options at their values in the default build: one block of 256 threads per half page (parts 2: B = 1's
+# 66 pages fill 132 SMs), 8-byte loads and contiguous warp stores ("warp", measured 1.6x the first kernel's "pair"
+# stores at B >= 8 on the H200; parts 2: 0.8x the time of one block per page at B = 1, the same elsewhere:
+# docs/perf.md "The pre-pass at the copy rate")
+KNOBS = {"schedule": "page", "parts": 2, "store": "warp", "l2": "normal", "threads": THREADS}
 STREAM_THREADS_PER_SM = 1024     # the stream grid's resident threads per SM: MIN_BLOCKS = 1024 / threads
 # the builds scripts/compare_dequant.py times side by side (knobs off the default; {}: the default build): the first
-# kernel (store="pair") and the other options measured on the H200 (docs/perf.md "The pre-pass at the copy rate");
+# kernel (parts 1, store "pair") and the other options measured on the H200 (docs/perf.md "The pre-pass at the copy rate");
 # the GPU tests check each bit for bit, with EDGE_OPTIONS (parts that do not divide a page: the bounds tests)
-CANDIDATES = ({}, {"store": "pair"}, {"parts": 2}, {"schedule": "stream", "parts": 2},
-              {"schedule": "stream", "parts": 2, "store": "pair"},
-              {"schedule": "stream", "parts": 2, "l2": "src_evict_first"},
-              {"schedule": "stream", "parts": 2, "l2": "streaming"},
+CANDIDATES = ({}, {"parts": 1, "store": "pair"}, {"parts": 1}, {"store": "pair"}, {"schedule": "stream"},
+              {"schedule": "stream", "store": "pair"},
+              {"schedule": "stream", "l2": "src_evict_first"},
+              {"schedule": "stream", "l2": "streaming"},
               {"schedule": "stream", "parts": 4, "threads": 128},
               {"schedule": "stream", "parts": 1, "threads": 512})
 EDGE_OPTIONS = ({"parts": 5}, {"parts": 5, "store": "pair"}, {"schedule": "stream", "parts": 7},
@@ -50,15 +51,16 @@ EDGE_OPTIONS = ({"parts": 5}, {"parts": 5, "store": "pair"}, {"schedule": "strea
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): the page schedule of 256 threads, warp stores,
-    no L2 hint (docs/perf.md "The pre-pass at the copy rate": 91-96 % of the same-run bf16 copy rate at B >= 8; the
-    stream schedule and the L2 hints measured no better)."""
+    """The default build configuration (plans/variant.default_config): the page schedule of 256 threads, two parts
+    per page, warp stores, no L2 hint (docs/perf.md "The pre-pass at the copy rate": 92-93 % of the same-run bf16 copy
+    rate at B >= 8, 78 % at B = 1; the stream schedule and the L2 hints measured no better)."""
     return dict(KNOBS)
 
 
 def spell(config) -> tuple:
-    """A configuration's part of the variant name: kv_dequant (the default), e.g. kv_dequant.pair (the first kernel),
-    kv_dequant.stream.p2, kv_dequant.l2-src-evict-first, kv_dequant.t128; each knob off its default adds its part."""
+    """A configuration's part of the variant name: kv_dequant (the default), e.g. kv_dequant.p1.pair (the first
+    kernel), kv_dequant.stream, kv_dequant.l2-src-evict-first, kv_dequant.t128; each knob off its default adds its
+    part."""
     parts = []
     if config["schedule"] != KNOBS["schedule"]:
         parts.append(config["schedule"])

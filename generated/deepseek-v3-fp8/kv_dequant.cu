@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define THREADS 256
 #define CHUNKS 2304              // 16-byte e4m3 chunks per page: PAGE * ROW / 16
 #define STREAM 0
-#define PARTS 1                // work units per page
+#define PARTS 2                // work units per page
 #define WARP_STORE 1
 #define L2_HINT 0
 #define MIN_BLOCKS 4      // the stream grid: blocks per SM (resident by __launch_bounds__)
