@@ -44,15 +44,16 @@ HPASS = 4                    # rows, the block's end: radix passes of 8-bit digi
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): the rows schedule (docs/perf.md, "The rows
-    schedule": 12-22 % faster than chunks at B = 64, the chunks schedule's own stages below that)."""
+    """The default build configuration (plans/variant.default_config): the rows schedule with the block's end
+    (docs/perf.md, "The end of a row selected by the block": 111 us against the chunks schedule's 158 at B = 64,
+    V = 129280; the chunks schedule's own stages below 1.5 rows an SM)."""
     # min_blocks "auto": 4 where they fit an H100 / H200 SM (plan); an A100's 164 KB hold 3 of the default's 46 KB
     return {"schedule": "rows", "row_end": "block", "min_blocks": "auto" if arch == "sm_90a" else 3}
 
 
 def spell(config) -> tuple:
     """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks, .stream,
-    draft_topk.warps (rows with the warps' end), draft_topk.mb4 (4 blocks an SM)."""
+    draft_topk.warps (rows with the warps' end), draft_topk.mbN (min_blocks N given: sm_80's default is mb3)."""
     name = () if config["schedule"] == "rows" else (config["schedule"],)
     if config["row_end"] != "block":
         name += (config["row_end"],)
@@ -107,9 +108,9 @@ def plan(spec, config=None) -> Plan:
         min_blocks = MIN_BLOCKS if MIN_BLOCKS * need <= SM_SMEM else MIN_BLOCKS - 1
     if rows:
         return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=min_blocks,
-                    static_smem=sympy.Integer(0), dynamic_smem=sympy.Max(rows_smem, stage0, stage1), consts=consts)
+                    static_smem=sympy.Integer(0), dynamic_smem=smem, consts=consts)
     return Plan(kernel="draft_topk", spec=spec, threads=sympy.Integer(THREADS), min_blocks=min_blocks,
-                static_smem=sympy.Max(stage0, stage1), consts=consts)
+                static_smem=smem, consts=consts)
 
 
 KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtree_draft_topk", plan=plan,
