@@ -71,6 +71,23 @@ class FakeCudaArray:
                                          "data": (ptr, False), "version": 3}
 
 
+class FakeArrays:
+    """A maker of fake CUDA arrays at distinct, 256-byte aligned, non-overlapping addresses on device 0."""
+
+    def __init__(self):
+        self.next = 1 << 32
+
+    def __call__(self, shape, dtype, strides=None, ptr=None):
+        if ptr is None:
+            ptr, self.next = self.next, self.next + (1 << 32)
+        return FakeCudaArray(shape, dtype, strides=strides, ptr=ptr)
+
+
+def ptr_of(a) -> int:
+    """The data pointer of a (fake) CUDA array."""
+    return a.__cuda_array_interface__["data"][0]
+
+
 class LaunchReached(AssertionError):
     """Raised by FakeKernelSet.launch: the launcher passed every check and tried to launch."""
 

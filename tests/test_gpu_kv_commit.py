@@ -48,6 +48,22 @@ def _cache_case(spec, rng, b):
     return prefix, table, caches
 
 
+def _random_paths(spec, rng, b, prefix, table, caches, full_first=False):
+    """Random accepted paths (accept_lens, accepted_nodes: the root, then sorted distinct nodes; full_first: request 0
+    at full depth) and every layer's cache after the reference's commit of them."""
+    d, n = spec.max_depth, spec.max_tree_size
+    lens = rng.integers(0, d + 1, b).astype(np.int32)
+    if full_first:
+        lens[0] = d
+    nodes = np.full((b, d + 1), -1, np.int32)
+    nodes[:, 0] = 0
+    for i in range(b):
+        nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
+    want = [c.copy() for c in caches]
+    reference.kv_commit(SimpleNamespace(accept_lens=lens, accepted_nodes=nodes), prefix, want, table)
+    return lens, nodes, want
+
+
 @pytest.mark.parametrize("b", [1, 7])
 def test_walk_then_commit_every_layer(spec, kset, b):
     import cupy
@@ -119,15 +135,9 @@ def test_commit_torch_tensors(spec, kset):
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     rng = np.random.default_rng(fresh_seed())
-    b, d, n = 5, spec.max_depth, spec.max_tree_size
+    b = 5
     prefix, table, caches = _cache_case(spec, rng, b)
-    lens = rng.integers(0, d + 1, b).astype(np.int32)
-    nodes = np.full((b, d + 1), -1, np.int32)
-    nodes[:, 0] = 0
-    for i in range(b):
-        nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
-    want = [c.copy() for c in caches]
-    reference.kv_commit(SimpleNamespace(accept_lens=lens, accepted_nodes=nodes), prefix, want, table)
+    lens, nodes, want = _random_paths(spec, rng, b, prefix, table, caches)
     tt = lambda a: torch.from_numpy(a).cuda()   # noqa: E731
     acc = SimpleNamespace(accept_lens=tt(lens), accepted_nodes=tt(nodes))
     layers = [kv_torch(spec, c) for c in caches]
@@ -151,16 +161,10 @@ def test_commit_torch_ops_list_and_stacked(spec):
     import ddtree_gen.torch_ops  # noqa: F401
     ops = torch.ops.ddtree
     rng = np.random.default_rng(fresh_seed())
-    b, d, n = 6, spec.max_depth, spec.max_tree_size
+    b = 6
     prefix, table, caches = _cache_case(spec, rng, b)
-    lens = rng.integers(0, d + 1, b).astype(np.int32)
-    lens[0] = d   # one request at full depth: moves across the tree
-    nodes = np.full((b, d + 1), -1, np.int32)
-    nodes[:, 0] = 0
-    for i in range(b):
-        nodes[i, 1:lens[i] + 1] = np.sort(rng.choice(np.arange(1, n), lens[i], replace=False))
-    want = [c.copy() for c in caches]
-    reference.kv_commit(SimpleNamespace(accept_lens=lens, accepted_nodes=nodes), prefix, want, table)
+    # one request at full depth: moves across the tree
+    lens, nodes, want = _random_paths(spec, rng, b, prefix, table, caches, full_first=True)
     assert any(not np.array_equal(w, c) for w, c in zip(want, caches))   # the reference moved entries
     tt = lambda a: torch.from_numpy(a).cuda()   # noqa: E731
     args = (tt(lens), tt(nodes), tt(prefix))

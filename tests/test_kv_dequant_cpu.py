@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet
+from conftest import FakeArrays as Arrays, FakeKernelSet, ptr_of
 from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import kv_dequant as kd
@@ -187,22 +187,6 @@ def test_builds_of_the_dequantize_path():
 
 
 # ------------------------------------------------------------------------------- launchers
-
-class Arrays:
-    """Fake CUDA arrays at distinct, 256-byte aligned, non-overlapping addresses on device 0."""
-
-    def __init__(self):
-        self.next = 1 << 32
-
-    def __call__(self, shape, dtype, strides=None, ptr=None):
-        if ptr is None:
-            ptr, self.next = self.next, self.next + (1 << 32)
-        return FakeCudaArray(shape, dtype, strides=strides, ptr=ptr)
-
-
-def ptr_of(a) -> int:
-    return a.__cuda_array_interface__["data"][0]
-
 
 B, PAGES, MAX_PAGES = 2, 10, 4
 

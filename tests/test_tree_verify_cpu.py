@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
+from conftest import FakeArrays as Arrays, FakeKernelSet, LaunchReached, ptr_of
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tensor_core
@@ -77,22 +77,6 @@ def kset_for(impl, spec):
 def impl_of(impl, spec):
     """The impl= value of a test's impl parameter for `spec` ("mma": tc(spec))."""
     return tc(spec) if impl == "mma" else impl
-
-
-class Arrays:
-    """Fake CUDA arrays at distinct, 256-byte aligned, non-overlapping addresses on device 0."""
-
-    def __init__(self):
-        self.next = 1 << 32
-
-    def __call__(self, shape, dtype, strides=None, ptr=None):
-        if ptr is None:
-            ptr, self.next = self.next, self.next + (1 << 32)
-        return FakeCudaArray(shape, dtype, strides=strides, ptr=ptr)
-
-
-def ptr_of(a) -> int:
-    return a.__cuda_array_interface__["data"][0]
 
 
 def reversed_strides(shape, itemsize):

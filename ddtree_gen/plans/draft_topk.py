@@ -68,11 +68,10 @@ def chunks(v: int, dtype: str) -> int:
 
 
 def plan(spec, config=None) -> Plan:
-    schedule = (config or policy(spec))["schedule"]
+    cfg = config or policy(spec)
+    schedule, row_end, min_blocks = cfg["schedule"], cfg.get("row_end", "block"), cfg.get("min_blocks", "auto")
     if schedule not in SCHEDULES:
         raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
-    row_end = (config or policy(spec)).get("row_end", "block")
-    min_blocks = (config or policy(spec)).get("min_blocks", "auto")
     if min_blocks not in ("auto", 1, 2, 3, 4):
         raise SpecError(f"draft_topk: min_blocks {min_blocks!r}, 'auto' or one of 1, 2, 3, 4 (256 threads a block)")
     if row_end not in ROW_ENDS:
