@@ -173,15 +173,47 @@ template <bool BF16> struct Layout;
 template <> struct Layout<true> { enum { VEC = 8, E = NVEC * 8, ES = 2, LOWBIT = 16 }; };    // bf16: 8 a vector
 template <> struct Layout<false> { enum { VEC = 4, E = NVEC * 4, ES = 4, LOWBIT = 0 }; };   // float32: 4
 
-// Logit i (compile-time after unrolling) of a thread's 32 words.
-template <bool BF16>
-__device__ __forceinline__ float elem(const uint32_t (&w)[WORDS], int i) {
+// Logit i (compile-time after unrolling) of a thread's words (bf16: two a word, the low half first).
+template <bool BF16, int N>
+__device__ __forceinline__ float elem(const uint32_t (&w)[N], int i) {
     if (BF16) {
         const uint32_t x = w[i >> 1];
         return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
     }
     return __uint_as_float(w[i]);
 }
+// Vector j of a thread's words (words 4 j .. 4 j + 3) with NaN as -inf, in place; returns the vector's maximum.
+template <bool BF16, int N>
+__device__ __forceinline__ float clean_vector(uint32_t (&w)[N], int j) {
+    if (BF16) {
+        #pragma unroll
+        for (int h = 0; h < 4; ++h) w[4 * j + h] = bmax2(w[4 * j + h], 0xff80ff80u);
+        const uint32_t m = bmax2(bmax2(w[4 * j], w[4 * j + 1]), bmax2(w[4 * j + 2], w[4 * j + 3]));
+        return fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
+    }
+    #pragma unroll
+    for (int h = 0; h < 4; ++h) w[4 * j + h] = __float_as_uint(fmaxf(__uint_as_float(w[4 * j + h]), DDT_NEG_INF));
+    return fmaxf(fmaxf(__uint_as_float(w[4 * j]), __uint_as_float(w[4 * j + 1])),
+                 fmaxf(__uint_as_float(w[4 * j + 2]), __uint_as_float(w[4 * j + 3])));
+}
+// One (maximum m, sum s) pair's share of a sum against the larger maximum M: s 2^((m - M) c); M = +inf: the sums
+// count +inf logits (only those with m = +inf count), M = -inf: nothing.
+__device__ __forceinline__ float ms_share(float m, float s, float M, float c) {
+    if (M == DDT_NEG_INF) return 0.0f;
+    if (M == DDT_POS_INF) return m == DDT_POS_INF ? s : 0.0f;
+    return s * ex2(__fmul_rn(__fsub_rn(m, M), c));
+}
+// A warp's (M, S) from its lanes' (m, s) pairs: the largest m, and the shares against it summed.
+__device__ __forceinline__ float2 warp_ms(float m, float s, float c) {
+    float M = m;
+    #pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+    float part = ms_share(m, s, M, c);
+    #pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) part += __shfl_xor_sync(FULL, part, o);
+    return make_float2(M, part);
+}
+
 // Logit e of a row for the rare paths, read again from memory (L2) rather than kept live in registers:
 // NaN -> -inf, past V -> -inf.
 template <bool BF16>
@@ -341,17 +373,7 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
     float tmax = DDT_NEG_INF;
     #pragma unroll
     for (int j = 0; j < NVEC; ++j) {
-        if (BF16) {
-            #pragma unroll
-            for (int h = 0; h < 4; ++h) w[4 * j + h] = bmax2(w[4 * j + h], 0xff80ff80u);
-            const uint32_t m = bmax2(bmax2(w[4 * j], w[4 * j + 1]), bmax2(w[4 * j + 2], w[4 * j + 3]));
-            vmax[j] = fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
-        } else {
-            #pragma unroll
-            for (int h = 0; h < 4; ++h) w[4 * j + h] = __float_as_uint(fmaxf(__uint_as_float(w[4 * j + h]), DDT_NEG_INF));
-            vmax[j] = fmaxf(fmaxf(__uint_as_float(w[4 * j]), __uint_as_float(w[4 * j + 1])),
-                            fmaxf(__uint_as_float(w[4 * j + 2]), __uint_as_float(w[4 * j + 3])));
-        }
+        vmax[j] = clean_vector<BF16>(w, j);
         tmax = fmaxf(tmax, vmax[j]);
     }
 
@@ -597,17 +619,9 @@ __device__ __forceinline__ void merge_rows(DraftTopkShared& sh, int k, int chunk
         s.buf[idx] = (ch < chunks && p < k) ? src[(long long)ch * k + p] : 0ull;
     }
     if (tid < 32) {
-        float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
-        float M = ms.x;
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
-        float part;
-        if (M == DDT_NEG_INF) part = 0.0f;
-        else if (M == DDT_POS_INF) part = ms.x == DDT_POS_INF ? ms.y : 0.0f;
-        else part = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) part += __shfl_xor_sync(FULL, part, o);
-        if (lane == 0) { s.ms[0] = M; s.ms[1] = part; }
+        const float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
+        const float2 MS = warp_ms(ms.x, ms.y, c);
+        if (lane == 0) { s.ms[0] = MS.x; s.ms[1] = MS.y; }
     }
     __syncthreads();
     // a tree of top-k merges: list q takes the best KP of lists q and q + w (bitonic: max against the
@@ -683,17 +697,9 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
         s.buf[idx] = p < k ? src[ch * k + p] : 0ull;
     }
     if (tid < 32) {
-        float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
-        float M = ms.x;
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
-        float part;
-        if (M == DDT_NEG_INF) part = 0.0f;
-        else if (M == DDT_POS_INF) part = ms.x == DDT_POS_INF ? ms.y : 0.0f;
-        else part = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) part += __shfl_xor_sync(FULL, part, o);
-        if (lane == 0) { s.ms[0] = M; s.ms[1] = part; }
+        const float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
+        const float2 MS = warp_ms(ms.x, ms.y, c);
+        if (lane == 0) { s.ms[0] = MS.x; s.ms[1] = MS.y; }
     }
     __syncthreads();
     const float M = s.ms[0], L = logf(s.ms[1]);
@@ -803,9 +809,7 @@ __device__ __forceinline__ float round_sum(const uint32_t (&w)[NV * 4], const Ru
             float t[8];
             #pragma unroll
             for (int v = 0; v < VEC; ++v) {
-                const uint32_t x = w[j * 4 + (BF16 ? v >> 1 : v)];
-                const float f = BF16 ? __uint_as_float((v & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
-                t[v] = ex2(fmaf(f, c, nmc));
+                t[v] = ex2(fmaf(elem<BF16>(w, j * VEC + v), c, nmc));
             }
             float vs;
             if (BF16) vs = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
@@ -815,16 +819,12 @@ __device__ __forceinline__ float round_sum(const uint32_t (&w)[NV * 4], const Ru
     } else if (r.m == DDT_POS_INF) {
         #pragma unroll
         for (int i = 0; i < NV * VEC; ++i) {
-            const uint32_t x = w[BF16 ? i >> 1 : i];
-            const float f = BF16 ? __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
-            acc += f == DDT_POS_INF ? 1.0f : 0.0f;
+            acc += elem<BF16>(w, i) == DDT_POS_INF ? 1.0f : 0.0f;
         }
     } else if (r.m != DDT_NEG_INF) {   // plain
         #pragma unroll
         for (int i = 0; i < NV * VEC; ++i) {
-            const uint32_t x = w[BF16 ? i >> 1 : i];
-            const float f = BF16 ? __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
-            acc += ex2(__fmul_rn(__fsub_rn(f, r.m), c));
+            acc += ex2(__fmul_rn(__fsub_rn(elem<BF16>(w, i), r.m), c));
         }
     }
     return acc;
@@ -941,6 +941,47 @@ __device__ __forceinline__ unsigned warp_kth(const u64* vent, int cnt, int k, un
     if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;
     return p;
 }
+// The end of a row: a lane's NV entries b0 + lane + 32 q of the warp's cnt, their vector indices vv (-1: none) and
+// their vectors wv (none: -inf), loaded at once (they were read once already: L2 or DRAM).
+template <bool BF16>
+__device__ __forceinline__ void load_entries(const u64* vent, int cnt, int b0, const unsigned char* __restrict__ rowp,
+                                             int V, int vec_ok, int (&vv)[NV], uint32_t (&wv)[NV * 4]) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        const int i = b0 + lane + 32 * q;
+        vv[q] = i < cnt ? (int)(unsigned)vent[i] : -1;
+    }
+    #pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
+        uint4 x4 = make_uint4(NEG, NEG, NEG, NEG);
+        if (vv[q] >= 0) {
+            uint32_t one[NV * 4];
+            load_round<BF16>(one, rowp, vv[q], vv[q] + 1, V, vec_ok);   // vector vv[q] alone (j = 0)
+            x4 = make_uint4(one[0], one[1], one[2], one[3]);
+        }
+        wv[4 * q] = x4.x; wv[4 * q + 1] = x4.y; wv[4 * q + 2] = x4.z; wv[4 * q + 3] = x4.w;
+    }
+}
+// Vector q of wv (vector index v, -1: none), NaN made -inf in place: its logits whose key is above p (mgt) and equal
+// to it (meq), bit t for logit t; logits past V in neither.
+template <bool BF16>
+__device__ __forceinline__ void vector_masks(uint32_t (&wv)[NV * 4], int q, int v, int V, unsigned p, unsigned& mgt,
+                                             unsigned& meq) {
+    typedef Layout<BF16> Lay;
+    clean_vector<BF16>(wv, q);
+    mgt = 0u;
+    meq = 0u;
+    #pragma unroll
+    for (int t = 0; t < Lay::VEC; ++t) {
+        const bool ok = v >= 0 && v * Lay::VEC + t < V;
+        const unsigned key = okey(elem<BF16>(wv, q * Lay::VEC + t));
+        mgt |= (ok && key > p) ? 1u << t : 0u;
+        meq |= (ok && key == p) ? 1u << t : 0u;
+    }
+}
+
 // Keep the warp's entries whose vector maximum is >= tf and whose key is >= kmin, in order (stable, in place: a
 // store goes to a slot at or below base + lane, which its lane has read). Returns the new count.
 __device__ __forceinline__ int keep_entries(u64* vent, int cnt, float tf, unsigned kmin) {
@@ -1030,17 +1071,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         float rmax = DDT_NEG_INF;
         #pragma unroll
         for (int j = 0; j < NV; ++j) {   // NaN -> -inf, the vectors' maxima
-            if (BF16) {
-                #pragma unroll
-                for (int h = 0; h < 4; ++h) cur[4 * j + h] = bmax2(cur[4 * j + h], 0xff80ff80u);
-                const uint32_t m = bmax2(bmax2(cur[4 * j], cur[4 * j + 1]), bmax2(cur[4 * j + 2], cur[4 * j + 3]));
-                vmax[j] = fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xffff0000u));
-            } else {
-                #pragma unroll
-                for (int h = 0; h < 4; ++h) cur[4 * j + h] = __float_as_uint(fmaxf(__uint_as_float(cur[4 * j + h]), DDT_NEG_INF));
-                vmax[j] = fmaxf(fmaxf(__uint_as_float(cur[4 * j]), __uint_as_float(cur[4 * j + 1])),
-                                fmaxf(__uint_as_float(cur[4 * j + 2]), __uint_as_float(cur[4 * j + 3])));
-            }
+            vmax[j] = clean_vector<BF16>(cur, j);
             rmax = fmaxf(rmax, vmax[j]);
         }
         if (rmax > r.m) run_raise(r, rmax, c);
@@ -1063,17 +1094,8 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
 
     // ---- the warp's (M, S)
     {
-        const float S = run_exact(r, c);
-        float M = r.m;
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
-        float part_s;
-        if (M == DDT_NEG_INF) part_s = 0.0f;
-        else if (M == DDT_POS_INF) part_s = r.m == DDT_POS_INF ? S : 0.0f;
-        else part_s = S * ex2(__fmul_rn(__fsub_rn(r.m, M), c));
-        #pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) part_s += __shfl_xor_sync(FULL, part_s, o);
-        if (lane == 0) s.wms[warp] = make_float2(M, part_s);
+        const float2 MS = warp_ms(r.m, run_exact(r, c), c);
+        if (lane == 0) s.wms[warp] = MS;
     }
 
 #if ROW_END_BLOCK
@@ -1138,40 +1160,13 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         // NV entries per lane (b0 + lane + 32 q): their vectors loaded at once, then taken in row order
         uint32_t wv[NV * 4];
         int vv[NV];
-        #pragma unroll
-        for (int q = 0; q < NV; ++q) {
-            const int i = b0 + lane + 32 * q;
-            vv[q] = i < cnt ? (int)(unsigned)vent[i] : -1;
-        }
-        #pragma unroll
-        for (int q = 0; q < NV; ++q) {
-            const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
-            uint4 x4 = make_uint4(NEG, NEG, NEG, NEG);
-            if (vv[q] >= 0) {
-                uint32_t one[NV * 4];
-                load_round<BF16>(one, rowp, vv[q], vv[q] + 1, V, vec_ok);   // vector vv[q] alone (j = 0)
-                x4 = make_uint4(one[0], one[1], one[2], one[3]);
-            }
-            wv[4 * q] = x4.x; wv[4 * q + 1] = x4.y; wv[4 * q + 2] = x4.z; wv[4 * q + 3] = x4.w;
-        }
+        load_entries<BF16>(vent, cnt, b0, rowp, V, vec_ok, vv, wv);
         #pragma unroll
         for (int q = 0; q < NV; ++q) {
             if (b0 + 32 * q >= cnt) break;   // warp-uniform
-            const bool use = vv[q] >= 0;
             const int v = vv[q];
-            uint32_t w[4];
-            #pragma unroll
-            for (int h = 0; h < 4; ++h) w[h] = BF16 ? bmax2(wv[4 * q + h], 0xff80ff80u) : __float_as_uint(fmaxf(__uint_as_float(wv[4 * q + h]), DDT_NEG_INF));
-            unsigned mgt = 0u, meq = 0u;
-            #pragma unroll
-            for (int t = 0; t < VEC; ++t) {
-                const uint32_t x = w[BF16 ? t >> 1 : t];
-                const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
-                const bool ok = use && v * VEC + t < V;
-                const unsigned key = okey(f);
-                mgt |= (ok && key > P) ? 1u << t : 0u;
-                meq |= (ok && key == P) ? 1u << t : 0u;
-            }
+            unsigned mgt, meq;
+            vector_masks<BF16>(wv, q, v, V, P, mgt, meq);
             // slots: the lanes' counts scanned in lane order (= row order), both at once (each < 2^16)
             const int cg = __popc(mgt), ce = __popc(meq);
             int incl = cg | (ce << 16);
@@ -1191,8 +1186,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
             int took = 0;
             #pragma unroll
             for (int t = 0; t < VEC; ++t) {
-                const uint32_t x = w[BF16 ? t >> 1 : t];
-                const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+                const float f = elem<BF16>(wv, q * VEC + t);
                 const bool g = (mgt >> t) & 1u, e = ((meq >> t) & 1u) && took < take;
                 if (e) ++took;
                 if ((g || e) && pos < BCAP) s.end.bl[pos] = ckey(f, v * VEC + t);
@@ -1227,39 +1221,12 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         // NV entries per lane (b0 + lane + 32 q): their vectors loaded at once, then taken in row order
         uint32_t wv[NV * 4];
         int vv[NV];
+        load_entries<BF16>(vent, cnt, b0, rowp, V, vec_ok, vv, wv);
         #pragma unroll
         for (int q = 0; q < NV; ++q) {
-            const int i = b0 + lane + 32 * q;
-            vv[q] = i < cnt ? (int)(unsigned)vent[i] : -1;
-        }
-        #pragma unroll
-        for (int q = 0; q < NV; ++q) {
-            const uint32_t NEG = BF16 ? 0xff80ff80u : 0xff800000u;
-            uint4 x4 = make_uint4(NEG, NEG, NEG, NEG);
-            if (vv[q] >= 0) {
-                uint32_t one[NV * 4];
-                load_round<BF16>(one, rowp, vv[q], vv[q] + 1, V, vec_ok);   // vector vv[q] alone (j = 0)
-                x4 = make_uint4(one[0], one[1], one[2], one[3]);
-            }
-            wv[4 * q] = x4.x; wv[4 * q + 1] = x4.y; wv[4 * q + 2] = x4.z; wv[4 * q + 3] = x4.w;
-        }
-        #pragma unroll
-        for (int q = 0; q < NV; ++q) {
-        const bool use = vv[q] >= 0;
         const int v = vv[q];
-        uint32_t w[4];
-        #pragma unroll
-        for (int h = 0; h < 4; ++h) w[h] = BF16 ? bmax2(wv[4 * q + h], 0xff80ff80u) : __float_as_uint(fmaxf(__uint_as_float(wv[4 * q + h]), DDT_NEG_INF));
-        unsigned mgt = 0u, meq = 0u;
-        #pragma unroll
-        for (int t = 0; t < VEC; ++t) {
-            const uint32_t x = w[BF16 ? t >> 1 : t];
-            const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
-            const bool ok = use && v * VEC + t < V;
-            const unsigned key = okey(f);
-            mgt |= (ok && key > pv) ? 1u << t : 0u;
-            meq |= (ok && key == pv) ? 1u << t : 0u;
-        }
+        unsigned mgt, meq;
+        vector_masks<BF16>(wv, q, v, V, pv, mgt, meq);
         // positions in row order (lane order = entry order): inclusive scans of the counts
         int cg = __popc(mgt), ce = __popc(meq);
         #pragma unroll
@@ -1271,8 +1238,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         int pg = ngt + cg - __popc(mgt), pe = ntie + ce - __popc(meq);
         #pragma unroll
         for (int t = 0; t < VEC; ++t) {
-            const uint32_t x = w[BF16 ? t >> 1 : t];
-            const float f = BF16 ? __uint_as_float((t & 1) ? (x & 0xffff0000u) : (x << 16)) : __uint_as_float(x);
+            const float f = elem<BF16>(wv, q * VEC + t);
             if ((mgt >> t) & 1u) el[pg++] = ckey(f, v * VEC + t);
             if ((meq >> t) & 1u) { if (pe < k) wl[pe] = ckey(f, v * VEC + t); ++pe; }
         }
@@ -1313,14 +1279,7 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     #pragma unroll
     for (int i = 0; i < WARPS; ++i) M = fmaxf(M, s.wms[i].x);
     #pragma unroll
-    for (int i = 0; i < WARPS; ++i) {
-        const float2 ms = s.wms[i];
-        float p;
-        if (M == DDT_NEG_INF) p = 0.0f;
-        else if (M == DDT_POS_INF) p = ms.x == DDT_POS_INF ? ms.y : 0.0f;
-        else p = ms.y * ex2(__fmul_rn(__fsub_rn(ms.x, M), c));
-        S += p;
-    }
+    for (int i = 0; i < WARPS; ++i) S += ms_share(s.wms[i].x, s.wms[i].y, M, c);
     __syncthreads();
     write_row(s.list, k, M, S, inv_t, row, out_lp, out_id);
 }
