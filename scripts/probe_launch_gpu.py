@@ -100,7 +100,8 @@ def references(calls: int, runs: int) -> list:
     sync = torch.cuda.synchronize
     cuda = runtime._cuda()
     dev = torch.cuda.current_device()
-    fn = cupy.RawModule(code=EMPTY).get_function("ddtree_probe_empty")
+    kernel = cupy.RawModule(code=EMPTY).get_function("ddtree_probe_empty")
+    fn = getattr(kernel, "kernel", kernel)   # CuPy 13: a RawKernel, whose .kernel is the driver Function
     params = (ctypes.c_void_p * 1)()
     addr = ctypes.addressof(params)
     launch, raw_stream, get_device = cuda["launch"], cuda["torch_stream"], cuda["get_device"]
