@@ -11,10 +11,11 @@ What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call ta
     launcher + signature + lookup, the compiled function's checks, outputs, launch(es), result), wall time per
     call of --stage-calls calls issued after the GPU's queue is drained (so the launch stage is the host's,
     not a wait for a full queue);
-  * reference points on the same path: torch.empty((16,), device="cuda"), torch.cuda.current_stream(), the raw
-    stream lookup the runtime uses (torch._C._cuda_getCurrentRawStream), and one bare cuLaunchKernel of an empty
-    kernel (cupy.cuda.driver.launchKernel, the runtime's entry point), alone and with the runtime's per-call
-    device and stream lookups around it (runtime._launch_bound's path).
+  * reference points on the same path: torch.empty((16,), device="cuda"), torch.empty_strided, a view, two
+    outputs as two allocations and as one buffer with views, torch.add of 16 floats, torch.cuda.current_stream(),
+    the raw stream lookup the runtime uses (torch._C._cuda_getCurrentRawStream), and one bare cuLaunchKernel of an
+    empty kernel (cupy.cuda.driver.launchKernel, the runtime's entry point), alone, with the runtime's per-call
+    device and stream lookups around it (runtime._launch_bound's path), and through ctypes (perf.md round 6).
 Run: python scripts/probe_launch_gpu.py [--spec kimi-k2.6-tp8] [--calls 2000] [--runs 5] [--stage-calls 200]
 Needs a CUDA device (torch with CUDA, CuPy); refuses in one line without one.
 """
@@ -116,11 +117,40 @@ def references(calls: int, runs: int) -> list:
             cuda["set_device"](dev)
         launch(fn.ptr, 1, 1, 1, 32, 1, 1, 0, s, addr, 0)
 
-    return [("torch.empty((16,), device='cuda')", eager_us(lambda: torch.empty((16,), device="cuda"), sync, calls, runs)),
-            ("torch.cuda.current_stream()", eager_us(torch.cuda.current_stream, sync, calls, runs)),
-            ("torch._C._cuda_getCurrentRawStream(dev)", eager_us(lambda: raw_stream(dev), sync, calls, runs)),
-            ("cuLaunchKernel, empty kernel (bare)", eager_us(bare, sync, calls, runs)),
-            ("  + stream and device lookups", eager_us(runtime_path, sync, calls, runs))]
+    # the same launch through ctypes (the alternative to CuPy's Cython binding)
+    lib = ctypes.CDLL("libcuda.so.1")
+    cu_launch = lib.cuLaunchKernel
+    cu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    cu_launch.restype = ctypes.c_int
+
+    def by_ctypes():
+        cu_launch(fn.ptr, 1, 1, 1, 32, 1, 1, 0, stream, addr, None)
+
+    # the torch objects an output costs: one allocation, a view, and two outputs as two allocations or one buffer
+    x = torch.empty((1, 65, 8, 512), dtype=torch.bfloat16, device="cuda")
+    two = (((1, 65, 8, 512), torch.bfloat16), ((1, 65, 8), torch.float32))
+
+    def two_empty():
+        return [torch.empty(s, dtype=d, device=x.device) for s, d in two]
+
+    def one_buffer():
+        b = torch.empty(532480 + 2080, dtype=torch.uint8, device=x.device)
+        return b[:532480].view(torch.bfloat16).view(two[0][0]), b[532480:].view(torch.float32).view(two[1][0])
+
+    def t(fn_):
+        return eager_us(fn_, sync, calls, runs)
+    return [("torch.empty((16,), device='cuda')", t(lambda: torch.empty((16,), device="cuda"))),
+            ("torch.empty_strided (one output)", t(lambda: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                               device=x.device))),
+            ("x.view(shape) of a CUDA tensor", t(lambda: x.view(65, 8, 512))),
+            ("two outputs: two torch.empty", t(two_empty)),
+            ("two outputs: one uint8 buffer, dtype + shape views", t(one_buffer)),
+            ("torch.add of 16 floats", t(lambda: torch.add(x[0, 0, 0, :16], x[0, 0, 0, :16]))),
+            ("torch.cuda.current_stream()", t(torch.cuda.current_stream)),
+            ("torch._C._cuda_getCurrentRawStream(dev)", t(lambda: raw_stream(dev))),
+            ("cuLaunchKernel, empty kernel (bare)", t(bare)),
+            ("  + stream and device lookups", t(runtime_path)),
+            ("  the bare launch through ctypes", t(by_ctypes))]
 
 
 def main(argv=None) -> int:
