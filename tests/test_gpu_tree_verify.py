@@ -267,6 +267,68 @@ def test_matrix(spec, case, impl, launcher):
     assert (again[1].view(np.uint32) == results[splits][1].view(np.uint32)).all(), f"{tag}: lse not deterministic"
 
 
+def parts_set(spec):
+    """A kernel set whose tree_verify_wgmma is the seesaw on the balanced "parts" grid (grid="parts": a block per
+    (row tile, part) walking the requests of its part of the batch's key tiles); skipped where the spec's
+    tree_verify_wgmma is not the seesaw (the parts grid is the seesaw's)."""
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.tree_verify_wgmma import schedule_for
+    from ddtree_gen.plans.variant import variant
+    if spec.kv_fp8 or schedule_for(spec, "tree_verify_wgmma") != "seesaw":
+        pytest.skip(f"spec {spec.name!r}: its tree_verify_wgmma is not the bf16 seesaw (the parts grid is its build)")
+    parts = variant(by_name("tree_verify_wgmma"), spec, grid="parts")
+    ks = variant_set([parts], also=[k for k in TENSOR_CORE_KERNELS if k != "tree_verify_wgmma"])
+    skip_unless_runs(ks, "tree_verify_wgmma")
+    return ks
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_parts_grid(spec, case):
+    """The seesaw on the parts grid through the matrix's checks: parts 1, 5 and the launcher's count (parts whose
+    boundaries cut requests: partials and the combine's spans; one part: every request whole), deterministic."""
+    ks = parts_set(spec)
+    seed = fresh_seed()
+    inp, rng = build_case(spec, case, seed, WGMMA.bf16)
+    heads = heads_to_check(spec.num_heads, rng, case.heads)
+    tag = f"wgmma parts tree_verify {spec.name} {case.id} seed={seed}"
+    results = verify_all_splits(ks, WGMMA, "tree_verify", inp, SCALES[case.scale], heads, tag)
+    again = run(ks, WGMMA, "tree_verify", inp, SCALES[case.scale], 5)
+    assert (again[0] == results[5][0]).all(), f"{tag}: out not deterministic"
+    assert (again[1].view(np.uint32) == results[5][1].view(np.uint32)).all(), f"{tag}: lse not deterministic"
+
+
+def test_parts_grid_bad_device_values(spec):
+    """The parts grid with bad device-side lengths among good requests (a bad q_len, a negative prefix_len: no
+    tiles in the scan, nothing written) and a page outside the cache (not visible), parts cutting between them."""
+    ks = parts_set(spec)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    nq, page = spec.max_tree_size, spec.page_size
+    prefix = [page + 10, 5, 700, 5, 130]
+    inp = make_inputs(spec, rng, prefix, [nq] * 5, ["random"] * 5, seed=seed, bf16=WGMMA.bf16)
+    q_lens, prefix_lens, table = inp.q_lens.copy(), inp.prefix_lens.copy(), inp.block_table.copy()
+    q_lens[1] = 0
+    prefix_lens[3] = -3
+    bad_page = (prefix[4] + nq - 1) // page
+    table[4, bad_page] = inp.kv_cache.shape[0] + 5
+    mask = inp.tree_mask.copy()
+    for j in range(nq):
+        if (prefix[4] + j) // page == bad_page:
+            mask[4, :, j // 32] &= ~np.uint32(1 << (j % 32))
+    heads = heads_to_check(spec.num_heads, rng, 4)
+    keep = [0, 2, 4]
+    good = VerifyInputs(**{k: v if k in ("kv_cache", "kv_scale") else v[keep]
+                           for k, v in inp.host(tree_mask=mask).items()})   # the good table, the hidden keys' bits cleared
+    ref = reference_for("tree_verify", good, SCALES["mla"], heads)
+    for splits in WGMMA.splits:
+        tag = f"wgmma parts {spec.name} bad values splits={splits} seed={seed}"
+        out_bits, lse = run(ks, WGMMA, "tree_verify", inp, SCALES["mla"], splits, block_table=table, q_lens=q_lens,
+                            prefix_lens=prefix_lens)
+        check_rows_written(out_bits, lse, q_lens, tag, [True, False, True, False, True])
+        check_against(out_bits[keep], lse[keep], ref, inp.q_lens[keep], heads, tag)
+
+
 PAGE16_CASES = [c for c in CASES if c.id in ("b1-L0-q1", "b7-small", "b64-mixed")]
 
 

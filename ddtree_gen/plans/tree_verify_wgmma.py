@@ -85,6 +85,7 @@ def lockstep_tma(spec, kernel: str) -> bool:
 # bytes land in the upper half of their bf16 slab group and are converted in place)
 SEESAW_SMEM = 3 * TILE + BM * BN * 2 + 5 * BM * 4 + 2 * SLABS * 8
 SEESAW_SMEM_FP8 = SEESAW_SMEM + 2 * SLABS * 8
+SEG_BYTES = 16 * 4          # the parts grid's segment state (the template's SEG_WORDS ints)
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
@@ -195,7 +196,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
     threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS   # fp8: the converter warpgroup
     if sched == "seesaw":
-        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM
+        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0)
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
