@@ -170,7 +170,9 @@ static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
 #define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
-#define SMEM_BYTES (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))
+#define SEG_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
+#define SEG_WORDS 16
+#define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230800, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
@@ -440,7 +442,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     // is unused, starts at most splits * BN keys past t_hi)
     const int pre = (int)((long long)prefix - c_lo);    const bool whole = splits == 1;                    // one chunk: out and lse, else a partial of chunk `chunk`
     const long long row_base = (long long)b * Nq * NUM_HEADS;   // row index of (b, 0, 0)
-    constexpr int uses0 = 0, uses1 = 0;                // one segment per block: each buffer's barriers start at phase 0
+    constexpr int ubits = 0;                           // one segment per block: each buffer's barriers start at phase 0
 
     unsigned char* const sQ = smem + SQ_OFF;
     unsigned char* const sK = smem + SK_OFF;
@@ -554,7 +556,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         // product's first part)
         auto s_gemm = [&](float (&s)[NS], int n, int s0, int s1, bool init) {
             const int buf = n & 1;
-            const uint32_t parity = (uint32_t)((buf ? uses1 : uses0) + (n >> 1)) & 1u;   // the buffer's use count mod 2
+            const uint32_t parity = (uint32_t)((ubits >> buf) + (n >> 1)) & 1u;   // the buffer's use count mod 2
             wg_fence();
             #pragma unroll
             for (int i = s0; i < s1; ++i) {
