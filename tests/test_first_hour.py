@@ -210,7 +210,8 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
     from ddtree_gen.plans import all_kernels, by_name
     path = _shape_spec(tmp_path / "mine", "rank-320", 320)
     spec = find_spec(str(path))
-    skipped = {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma", "tree_verify_tail_wgmma"}
+    skipped = {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma", "tree_verify_tail_wgmma",
+               "tree_verify_wgmma_parts"}   # (the shipped spec's H = 8: the parts grid is built for it, not here)
     fp8_only = {"kv_dequant", "tree_verify_wgmma_dequant"}   # a bf16 spec's: not built for its kv_dtype, as always
     assert {k.name for k in all_kernels() if not k.builds_for(spec)} == skipped | fp8_only
     assert all(by_name(k).archs_for(spec) == () for k in skipped)
@@ -221,7 +222,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
                 f"of 128") in out, out
     assert "FAILED" not in out
     rc, out = _run(capsys, "list", str(path))
-    assert rc == 0 and out.count("not built: field 'kv_lora_rank' = 320 must be a multiple of 128") == 4, out
+    assert rc == 0 and out.count("not built: field 'kv_lora_rank' = 320 must be a multiple of 128") == len(skipped), out
     ks = ddtree_gen.load(spec)
     assert "tree_verify" in ks.kernels and not skipped & set(ks.kernels)
     assert "must be a multiple of 128" in ks.unavailable("tree_verify_wgmma", 0)

@@ -26,6 +26,7 @@ from ddtree_gen.kernels import tree_verify_mma as mma
 from ddtree_gen.plans import tree_verify as verify_plans
 from ddtree_gen.plans import split_kv
 from ddtree_gen.plans import tree_verify_mma as mma_plans
+from ddtree_gen.plans.tree_verify_wgmma import PARTS_MAX_HEADS, PARTS_MIN_B
 from ddtree_gen.types import AttentionOutput
 
 B, PAGES, MAX_PAGES = 2, 10, 4
@@ -90,14 +91,14 @@ def reversed_strides(shape, itemsize):
 
 # ----------------------------------------------------------------------------- tree_verify
 
-def verify_args(spec, new):
+def verify_args(spec, new, b=B):
     h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
                            spec.mask_words, spec.page_size)
     args = dict(
-        q_nope=new((B, n, h, r), np.uint16), q_pe=new((B, n, h, p), np.uint16),
-        kv_cache=new((PAGES, page, r + p), kv_dtype(spec)), block_table=new((B, MAX_PAGES), np.int32),
-        prefix_lens=new((B,), np.int32), q_lens=new((B,), np.int32), tree_mask=new((B, n, w), np.uint32),
-        softmax_scale=192 ** -0.5, out=new((B, n, h, r), np.uint16), lse=new((B, n, h), np.float32))
+        q_nope=new((b, n, h, r), np.uint16), q_pe=new((b, n, h, p), np.uint16),
+        kv_cache=new((PAGES, page, r + p), kv_dtype(spec)), block_table=new((b, MAX_PAGES), np.int32),
+        prefix_lens=new((b,), np.int32), q_lens=new((b,), np.int32), tree_mask=new((b, n, w), np.uint32),
+        softmax_scale=192 ** -0.5, out=new((b, n, h, r), np.uint16), lse=new((b, n, h), np.float32))
     if spec.kv_fp8:
         args["kv_scale"] = KV_SCALE
     return args
@@ -683,3 +684,48 @@ def test_wave_model_of_untuned_shapes():
     for base in range(1, 4 * 132):
         s = ws(base, 132, 32)
         assert 1 <= s <= 32 and (s == 1 or -(-base * s // 132) / s < -(-base // 132))   # a split gains waves
+
+
+# ------------------------------------------------------------------ the parts grid (tree_verify_wgmma_parts)
+
+@pytest.mark.parametrize("b,kw,loaded,want", [
+    (PARTS_MIN_B, {}, True, "parts"), (64, {"impl": "wgmma"}, True, "parts"), (PARTS_MIN_B - 1, {}, True, "chunks"),
+    (PARTS_MIN_B, {"num_splits": 3}, True, "chunks"), (PARTS_MIN_B, {}, False, "chunks"),
+    (64, {"workspace": "chunks-sized"}, True, "chunks")],
+    ids=["B=min", "B=64 wgmma", "B=min-1", "num_splits given", "not loaded", "a workspace sized for the chunks"])
+def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device):
+    """tree_verify on a spec with the parts build (H <= PARTS_MAX_HEADS, bf16): the parts grid at B >= PARTS_MIN_B
+    with the launcher's own part count (one block per (row tile, part): parts_for), else the chunks grid; an explicit
+    num_splits keeps the chunks grid (its meaning there); not loaded: the chunks grid; a caller's workspace too small
+    for the parts (sized for the chunks grid's split count: B = 64 takes one chunk, no workspace): the chunks grid."""
+    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL, parts_for
+    from ddtree_gen.spec import find_spec
+    spec = find_spec("kimi-k2.6-tp8")
+    assert spec.num_heads <= PARTS_MAX_HEADS
+    names = ("tree_verify", "tree_verify_tail", "merge_states", *WGMMA_NAMES, "tree_verify_mma_combine",
+             *((PARTS_KERNEL,) if loaded else ()))
+    new, n = Arrays(), spec.max_tree_size
+    ws = new((max(split_kv.workspace_elems(spec, b, n, split_kv.MAX_SPLITS),
+                  split_kv.parts_workspace_elems(spec, b, n, split_kv.MAX_SPLITS)),), np.float32)
+    if kw.get("workspace") == "chunks-sized":
+        kw = dict(kw, workspace=new((1,), np.float32))
+    got, k = launched(tv.tree_verify, MmaKernelSet(spec, names), **verify_args(spec, new, b), **{"workspace": ws, **kw})
+    row_tiles = -(-spec.max_tree_size * spec.num_heads // split_kv.BM)
+    if want == "parts":
+        parts = parts_for(spec, b, spec.max_tree_size, MAX_PAGES * spec.page_size, 132)
+        assert got == PARTS_KERNEL and k["grid"] == (parts * row_tiles,), (got, k["grid"])
+    else:
+        assert got == "tree_verify_wgmma" and k["grid"][0] % (b * row_tiles) == 0, (got, k["grid"])
+
+
+def test_parts_grid_built_where_it_serves():
+    """The parts build exists for the bf16 seesaw specs with H <= PARTS_MAX_HEADS only; elsewhere its reason names H."""
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL
+    from ddtree_gen.spec import all_specs
+    k = by_name(PARTS_KERNEL)
+    for spec in all_specs():
+        want = not spec.kv_fp8 and spec.num_heads <= PARTS_MAX_HEADS
+        assert k.builds_for(spec) == want, spec.name
+        if not want and not spec.kv_fp8:
+            assert f"H <= {PARTS_MAX_HEADS}" in k.why_not_built(spec) and str(spec.num_heads) in k.why_not_built(spec)

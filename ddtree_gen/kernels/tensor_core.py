@@ -36,7 +36,7 @@ from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import DEQUANT, parts_for
+from ..plans.tree_verify_wgmma import DEQUANT, PARTS_KERNEL, PARTS_MIN_B, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
@@ -105,6 +105,17 @@ def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int,
     return sa
 
 
+def _holds_parts(spec, workspace, b: int, nq: int, max_keys: int, device: int) -> bool:
+    """Whether a caller's workspace (None: the launcher allocates one) holds the parts grid's partials (float32, at
+    least parts_workspace_elems for parts_for's count): a workspace sized for the chunks grid's split count need not
+    (B = 64: one chunk, none needed), and then the chunks grid runs, as the caller sized it for."""
+    if workspace is None:
+        return True
+    wa, _ = ar.view(workspace, "workspace")
+    need = parts_workspace_elems(spec, b, nq, parts_for(spec, b, nq, max_keys, sm_count(device)))
+    return wa.dtype == "float32" and math.prod(wa.shape) >= need
+
+
 def available(kset, name: str, device: int) -> bool:
     """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
     return kset.unavailable(name, device) is None
@@ -121,6 +132,10 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
+    if (name == "tree_verify_wgmma" and num_splits is None and b >= PARTS_MIN_B and PARTS_KERNEL in kset.kernels
+            and available(kset, PARTS_KERNEL, qn.device)
+            and _holds_parts(spec, arrays[WS], b, nq, max_pages * spec.page_size, qn.device)):
+        name = PARTS_KERNEL   # the balanced parts grid, measured faster there (plans/tree_verify_wgmma.PARTS_KERNEL)
     dequant = name == DEQUANT
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in kset.kernels:

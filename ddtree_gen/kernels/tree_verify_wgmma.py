@@ -33,6 +33,16 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
                      q_lens, tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
 
 
+def tree_verify_parts(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                      out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
+                      kv_scale=None) -> AttentionOutput:
+    """tree_verify_wgmma_parts by name: the seesaw on the balanced parts grid (a block per (row tile, part) of the
+    batch's key tiles), what kset.tree_verify runs at B >= plans.tree_verify_wgmma.PARTS_MIN_B where it is loaded.
+    num_splits here is the part count (default: parts_for, one wave of blocks). Same arguments otherwise."""
+    return attention(kset, "tree_verify_wgmma_parts", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
+
+
 def tree_verify_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                         out=None, lse=None, *, validate=False, workspace=None, num_splits=None, kv_scale=None,
                         kv_workspace=None) -> AttentionOutput:

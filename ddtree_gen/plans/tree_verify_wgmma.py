@@ -56,7 +56,14 @@ V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 # a call reads into a bf16 workspace, then this build of the full kernel, the bf16-cache seesaw built for the fp8
 # spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (plans/kv_dequant.py)
 DEQUANT = "tree_verify_wgmma_dequant"
-FULL_KERNELS = ("tree_verify_wgmma", DEQUANT)
+# The seesaw on the balanced parts grid (grid "parts"), a build of its own that tree_verify's launcher takes instead of
+# tree_verify_wgmma's chunks grid where it was measured faster (docs/perf.md, "The parts grid again"): a bf16 cache,
+# H <= PARTS_MAX_HEADS (9 row tiles a request: 14 parts fill 126 of 132 SMs; at H = 16 the 17 row tiles leave 13 idle
+# and the chunks grid was faster), B >= PARTS_MIN_B, the launcher's own part count (num_splits not given)
+PARTS_KERNEL = "tree_verify_wgmma_parts"
+PARTS_MAX_HEADS = 8
+PARTS_MIN_B = 8
+FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL)
 
 
 def reads_fp8(spec, kernel: str) -> bool:
@@ -131,6 +138,11 @@ def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma"
             **KNOBS}
 
 
+def parts_config(spec, arch: str = "sm_90a") -> dict:
+    """The policy of PARTS_KERNEL: the default seesaw build on the parts grid."""
+    return {**variant_config(spec, arch), "grid": "parts"}
+
+
 def dequant_config(spec, arch: str = "sm_90a") -> dict:
     """The policy of DEQUANT: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order "slab"),
     every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion is
@@ -164,8 +176,12 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if kernel == DEQUANT and not spec.kv_fp8:
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path is an fp8 spec's (kv_dtype "
                         f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    config = (dequant_config(spec) if kernel == DEQUANT else variant_config(spec, kernel=kernel)) if config is None \
-        else config
+    if kernel == PARTS_KERNEL and (spec.num_heads > PARTS_MAX_HEADS or not seesaw_fits(spec, kernel)):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the bf16 seesaw with H <= "
+                        f"{PARTS_MAX_HEADS} (num_heads is {spec.num_heads}; at H = 16 the chunks grid measured faster)")
+    if config is None:
+        config = (dequant_config(spec) if kernel == DEQUANT else parts_config(spec) if kernel == PARTS_KERNEL
+                  else variant_config(spec, kernel=kernel))
     fp8 = reads_fp8(spec, kernel)
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
@@ -226,6 +242,10 @@ def dequant_plan(spec, config=None) -> Plan:
     return verify_plan(spec, DEQUANT, config)
 
 
+def parts_plan(spec, config=None) -> Plan:
+    return verify_plan(spec, PARTS_KERNEL, config)
+
+
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
 
 KERNELS = [
@@ -238,6 +258,10 @@ KERNELS = [
     KernelDef(name=DEQUANT, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant",
               plan=dequant_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
               policy=dequant_config, spell=spell),
+    # a bf16 spec with H <= PARTS_MAX_HEADS only: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
+    KernelDef(name=PARTS_KERNEL, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_parts",
+              plan=parts_plan, context={"tail": False}, archs=ARCHS, kv_dtypes=("bf16",), policy=parts_config,
+              spell=spell),
 ]
 
 
@@ -268,6 +292,12 @@ DECLARATIONS = [
     Declaration(KERNELS[2], launcher="kernels.tree_verify_wgmma:tree_verify_dequant", reference="reference:tree_verify",
                 output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
                 missing={"torch_ops": "served by the torch op of tree_verify (fp8_path='dequant'), which runs it",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
+    # not a `serves` of its own either: tree_verify (impl "auto" / "wgmma", num_splits not given) runs it at B >= PARTS_MIN_B
+    Declaration(KERNELS[3], launcher="kernels.tree_verify_wgmma:tree_verify_parts", reference="reference:tree_verify",
+                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
+                missing={"torch_ops": "served by the torch op of tree_verify, which runs it at B >= PARTS_MIN_B",
                          "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
                                     "inputs and outputs of this kernel too"}),
 ]
