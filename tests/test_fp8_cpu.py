@@ -90,17 +90,18 @@ def test_kv_dtype_in_a_spec_file(tmp_path):
 # --------------------------------------------------------------------- the registry per kv_dtype
 
 def test_registry_per_kv_dtype():
-    """The mma.sync tree_verify kernels read bf16 caches only; the dequantize path's two kernels (kv_dequant and
-    tree_verify_wgmma_dequant) are an fp8 spec's only; every other kernel is built for both kv_dtypes."""
+    """The mma.sync tree_verify kernels and the seesaw's parts-grid build read bf16 caches only; the dequantize path's
+    two kernels (kv_dequant and tree_verify_wgmma_dequant) are an fp8 spec's only; every other kernel is built for
+    both kv_dtypes."""
     fp8_only = ("kv_dequant", "tree_verify_wgmma_dequant")
+    bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma_parts")
     for k in all_kernels():
-        want = (("bf16",) if k.name in ("tree_verify_mma", "tree_verify_tail_mma") else
-                ("fp8_e4m3",) if k.name in fp8_only else KV_DTYPES)
+        want = ("bf16",) if k.name in bf16_only else ("fp8_e4m3",) if k.name in fp8_only else KV_DTYPES
         assert k.kv_dtypes == want, k.name
         assert k.builds_for(BF16) == ("bf16" in want) and k.builds_for(FP8) == ("fp8_e4m3" in want), k.name
         assert bool(k.archs_for(FP8)) == k.builds_for(FP8), k.name
     pairs = {v.kernel.name for v in artifacts.variants(FP8, all_kernels())}
-    assert pairs == {k.name for k in all_kernels()} - {"tree_verify_mma", "tree_verify_tail_mma"}
+    assert pairs == {k.name for k in all_kernels()} - set(bf16_only)
     assert {v.kernel.name for v in artifacts.variants(BF16, all_kernels())} == {k.name for k in all_kernels()} - set(
         fp8_only)
     assert "tree_verify_mma_combine" in pairs and "merge_states" in pairs    # fp32 / bf16 outputs: built for fp8
@@ -123,7 +124,7 @@ def test_list_and_build_check_show_kv_dtype(capsys):
     cli.main(["build", "--check", FP8.name])
     out = capsys.readouterr().out
     assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, 12 kernels, 21 variants (not built for fp8_e4m3: "
-            f"tree_verify_mma, tree_verify_tail_mma)") in out
+            f"tree_verify_mma, tree_verify_tail_mma, tree_verify_wgmma_parts)") in out
     assert re.search(r"kv_dequant +- +not built: it reads fp8_e4m3 caches, the spec's kv_dtype is bf16", out) is None
     cli.main(["list", BF16.name])
     assert re.search(r"kv_dequant +- +not built: it reads fp8_e4m3 caches, the spec's kv_dtype is bf16",
