@@ -133,7 +133,10 @@ def test_list_and_build_check_show_kv_dtype(capsys):
 
 def test_kernel_set_of_an_fp8_spec(fake_devices):
     """The mma.sync launchers of an fp8 kernel set say why they cannot run (no device asked); impl="auto" is
-    wgmma on Hopper and the CUDA-core kernel elsewhere (A100, B200 included: no mma.sync for fp8)."""
+    wgmma on Hopper and the CUDA-core kernel elsewhere (A100, B200 included: no mma.sync for fp8) for the fused
+    path (fp8_path="fused", and tree_verify_tail always); tree_verify's default (fp8_path=None) is the dequantize
+    path on Hopper (kv_dequant first) and that same fused kernel elsewhere, as tv.fp8_default says."""
+    from ddtree_gen.plans.kv_dequant import workspace_elems
     ks = fake_set(FP8)
     assert "tree_verify_mma" not in ks.kernels and "tree_verify_mma_combine" in ks.kernels
     for device in DEVICES:
@@ -142,12 +145,27 @@ def test_kernel_set_of_an_fp8_spec(fake_devices):
     with pytest.raises(ArgumentError, match="^tree_verify_mma: not built for kv_dtype 'fp8_e4m3'"):
         ks.tree_verify_mma(**verify_args(FP8, new), num_splits=1)
     for launcher in ("tree_verify", "tree_verify_tail"):
+        fused = {"fp8_path": "fused"} if launcher == "tree_verify" else {}
         for device, want in ((0, "wgmma"), (1, None), (2, None), (3, None), (0, "wgmma")):
             new = Arrays()
             new.next = (device << 40) + (1 << 32)
             with pytest.raises(LaunchReached):
-                getattr(ks, launcher)(**verify_args(FP8, new), num_splits=1)
+                getattr(ks, launcher)(**verify_args(FP8, new), num_splits=1, **fused)
             assert ks.launched[0] == (f"{launcher}_{want}" if want else launcher), device
+    for device, want in ((0, "kv_dequant"), (1, "tree_verify"), (2, "tree_verify"), (3, "tree_verify")):
+        new = Arrays()
+        new.next = (device << 40) + (1 << 32)
+        args = verify_args(FP8, new)
+        b, max_pages = args["block_table"].__cuda_array_interface__["shape"]
+        path, why = tv.fp8_default(ks, "auto", device, b, max_pages)
+        assert path == ("dequant" if device == 0 else "fused"), (device, why)
+        if device:
+            assert why.startswith("tree_verify_wgmma_dequant: not available on device"), why
+        # on the H200 the workspace is given (a new one would be allocated on a GPU this machine lacks)
+        kvw = {"kv_workspace": new((workspace_elems(FP8, b, max_pages),), np.uint16)} if device == 0 else {}
+        with pytest.raises(LaunchReached):
+            ks.tree_verify(**args, num_splits=1, **kvw)
+        assert ks.launched[0] == want, device
         with pytest.raises(ArgumentError, match=f"^impl: 'mma': {launcher}_mma: not built for kv_dtype 'fp8_e4m3'"):
             getattr(ks, launcher)(**verify_args(FP8, Arrays()), impl="mma")
 

@@ -9,6 +9,7 @@ with the same scale_log2 / v_scale and split count; the GPU tests (tests/test_gp
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -302,16 +303,18 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     """fp8_path="dequant": kv_dequant into the kv workspace, then tree_verify_wgmma_dequant with the fused call's
     arguments but for the cache (the workspace's pages), its block table (after them), num_pages (B * max_pages)
     and the tensor map (bf16, swizzled, of the workspace); the same split count, scale_log2, v_scale; the combine
-    after it as in the fused call."""
+    after it as in the fused call (fp8_path="fused"). The default (fp8_path=None: fp8_default) launches the same."""
     spec = find_spec(name)
     new = Arrays()
     args = verify_args(spec, new)
     from ddtree_gen.plans import split_kv
     ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, 32),), np.float32)
     kvw = _ws(spec, new)
-    fused, dq = Recording(spec), Recording(spec)
-    tv.tree_verify(fused, **args, workspace=ws, num_splits=splits)
+    fused, dq, default = Recording(spec), Recording(spec), Recording(spec)
+    tv.tree_verify(fused, **args, workspace=ws, num_splits=splits, fp8_path="fused")
     res = tv.tree_verify(dq, **args, workspace=ws, num_splits=splits, fp8_path="dequant", kv_workspace=kvw)
+    tv.tree_verify(default, **args, workspace=ws, num_splits=splits, kv_workspace=kvw)
+    assert default.got == dq.got
     assert res.out is args["out"] and res.lse is args["lse"]
     assert [g[0] for g in dq.got] == ["kv_dequant", DEQUANT, *[g[0] for g in fused.got[1:]]]
     assert fused.got[0][0] == "tree_verify_wgmma"
@@ -358,14 +361,17 @@ def tensor_core_kvw():
 
 
 def test_fused_path_unchanged_by_the_argument(fake_device):
-    """fp8_path None (the default) and "fused" launch the fused kernel, with the same arguments."""
+    """fp8_path="fused" launches the fused kernel, with the arguments fp8_path None (the default) gives it where the
+    dequantize path does not apply (here: its kernels not loaded), and the same with them loaded."""
     new = Arrays()
     args = verify_args(FP8, new)
-    a, b, c = Recording(FP8), Recording(FP8), Recording(FP8)
+    fused_only = tuple(k for k in DEQUANT_SET if k not in ("kv_dequant", DEQUANT))
+    a, b, c, d = Recording(FP8, fused_only), Recording(FP8, fused_only), Recording(FP8), Recording(FP8, fused_only)
     tv.tree_verify(a, **args, num_splits=1)
     tv.tree_verify(b, **args, num_splits=1, fp8_path=None)
     tv.tree_verify(c, **args, num_splits=1, fp8_path="fused")
-    assert a.got == b.got == c.got and a.got[0][0] == "tree_verify_wgmma"
+    tv.tree_verify(d, **args, num_splits=1, fp8_path="fused")
+    assert a.got == b.got == c.got == d.got and a.got[0][0] == "tree_verify_wgmma"
 
 
 def test_dequant_path_zero_batch_and_no_pages(fake_device):
@@ -387,7 +393,9 @@ def test_dequant_path_zero_batch_and_no_pages(fake_device):
     (dict(fp8_path="Dequant"), "fp8_path: 'Dequant', expected None"),
     (dict(fp8_path=1), "fp8_path: 1, expected None"),
     (dict(fp8_path=("dequant",)), "fp8_path: .*expected None"),
-    (dict(kv_workspace="ws"), "kv_workspace: only the dequantize path"),
+    (dict(kv_workspace="ws", impl="simple"), "kv_workspace: only the dequantize path takes it, but fp8_path=None "
+                                             "takes the fused kernel here: impl='simple'"),
+    (dict(kv_workspace="ws"), "kv_workspace: "),   # the default takes it (the dequantize path): its checks
     (dict(fp8_path="fused", kv_workspace="ws"), "kv_workspace: only the dequantize path"),
     (dict(fp8_path="dequant", impl="simple"), "fp8_path: 'dequant' runs on the wgmma kernels"),
     (dict(fp8_path="dequant", impl="mma"), "fp8_path: 'dequant' runs on the wgmma kernels"),
@@ -430,6 +438,10 @@ def test_kv_workspace_errors(case, words, fake_device):
 
 
 def test_fp8_path_refused_for_bf16(fake_device):
+    kset = Recording(BF16, ("tree_verify", "tree_verify_wgmma", "tree_verify_mma_combine"))
+    with pytest.raises(ArgumentError, match="kv_workspace: only the dequantize path .* kv_dtype 'bf16'"):
+        tv.tree_verify(kset, **verify_args(BF16, Arrays()), kv_workspace=_ws(FP8, Arrays()))
+    assert kset.got == [] and tv.fp8_default(kset, "auto", 0, B, MAX_PAGES)[0] is None
     for path in ("fused", "dequant"):
         kset = Recording(BF16, ("tree_verify", "tree_verify_tail", "merge_states", "tree_verify_wgmma",
                                 "tree_verify_mma_combine"))
@@ -438,6 +450,153 @@ def test_fp8_path_refused_for_bf16(fake_device):
         assert kset.got == []
     with pytest.raises(ArgumentError, match="not built for kv_dtype 'bf16'"):   # the direct launcher
         wg.tree_verify_dequant(Recording(BF16, ("tree_verify_wgmma",)), **verify_args(BF16, Arrays()))
+
+
+# ------------------------------------------------------------------------ fp8_path=None: the policy (fp8_default)
+
+PAGE_BYTES = 64 * 576 * 2 + 4   # a workspace page and its table entry (the shipped fp8 specs)
+
+
+class Unavailable(Recording):
+    """A stand-in whose kernels `off` do not run on the device (as the wgmma builds on an A100)."""
+
+    def __init__(self, spec, off, kernels=DEQUANT_SET):
+        super().__init__(spec, kernels)
+        self.off = off
+
+    def unavailable(self, name, device):
+        return f"{name}: not available on device {device} (test)" if name in self.off else \
+            super().unavailable(name, device)
+
+
+def test_fp8_default_every_rule(monkeypatch):
+    """fp8_default: the dequantize path when every rule holds (impl auto / wgmma, its three kernels loaded and
+    running on the device, the workspace within KV_WORKSPACE_LIMIT: 512 MiB, B x max_pages counted, or the caller's
+    kv_workspace); the fused kernel, with the first failing rule as its reason, otherwise; a bf16 spec has none."""
+    limit = tv.KV_WORKSPACE_LIMIT
+    assert limit == 512 * 2**20 and tv.DEQUANT_KERNELS == ("kv_dequant", DEQUANT, "tree_verify_mma_combine")
+    fits = limit // PAGE_BYTES   # 7281 pages
+    assert 2 * kd_plans.workspace_elems(FP8, 1, fits) <= limit < 2 * kd_plans.workspace_elems(FP8, 1, fits + 1)
+    ks = Recording(FP8)
+
+    def path(kset=ks, impl="auto", device=0, b=1, max_pages=fits, kvw=False, name="tree_verify"):
+        return tv.fp8_default(kset, impl, device, b, max_pages, kvw, name)
+
+    for impl in ("auto", "wgmma"):   # every rule holds, the workspace exactly at the limit
+        assert path(impl=impl) == ("dequant", f"the workspace is {fits * PAGE_BYTES / 2**20:.1f} MiB (B = 1 x "
+                                              f"max_pages = {fits} bf16 pages), within KV_WORKSPACE_LIMIT = 512 MiB")
+    for b, max_pages in ((8, 64), (32, 64), (64, 32), (8, 256), (1, 1), (0, 0), (3, 0)):   # the bench's shapes, ends
+        assert path(b=b, max_pages=max_pages)[0] == "dequant", (b, max_pages)
+    # 1. the launcher
+    assert path(name="tree_verify_tail") == ("fused", "tree_verify_tail has no dequantize path")
+    # 2. impl
+    for impl in ("simple", "mma", "fast", ["auto"], None):
+        p, why = path(impl=impl)
+        assert p == "fused" and why == f"impl={impl!r}: the dequantize path runs on the wgmma kernels (impl 'auto' " \
+                                       f"or 'wgmma')"
+    # 3. loaded (each of the three; the direct launcher's fused kernel may stay)
+    for missing in tv.DEQUANT_KERNELS:
+        kset = Recording(FP8, tuple(k for k in DEQUANT_SET if k != missing))
+        assert path(kset) == ("fused", f"{missing} not loaded in this kernel set")
+    assert path(Recording(FP8, ("tree_verify",)))[1] == f"kv_dequant and {DEQUANT} and tree_verify_mma_combine " \
+                                                        f"not loaded in this kernel set"
+    # 4. the device: not known (the checks will say why), or one that does not run a kernel of the path
+    assert path(device=None) == ("fused", "the arrays' device is not known")
+    for off in tv.DEQUANT_KERNELS:
+        assert path(Unavailable(FP8, (off,))) == ("fused", f"{off}: not available on device 0 (test)")
+    # 5. the workspace: over the limit by one page (B x max_pages counts), unless the caller gives it
+    assert path(max_pages=fits + 1) == ("fused", f"the workspace would be {(fits + 1) * PAGE_BYTES / 2**20:.1f} MiB "
+                                                 f"(B = 1 x max_pages = {fits + 1} bf16 pages), over "
+                                                 f"KV_WORKSPACE_LIMIT = 512 MiB")
+    assert path(b=fits + 1, max_pages=1)[0] == "fused" and path(b=2, max_pages=fits // 2 + 1)[0] == "fused"
+    assert path(b=64, max_pages=2048)[0] == "fused"                        # 9.0 GiB
+    assert path(b=64, max_pages=2048, kvw=True) == ("dequant", "the caller's kv_workspace")
+    assert path(impl="simple", kvw=True)[0] == "fused"                     # an earlier rule still decides
+    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)                       # the module constant, read per decision
+    assert path(b=1, max_pages=1)[0] == "fused" and path(kvw=True)[0] == "dequant"
+    assert path(b=0, max_pages=0)[0] == "fused"                            # one page at least (workspace_layout)
+    assert path(Recording(BF16, ("tree_verify",))) == (None, "spec 'kimi-k2.6-tp8' has kv_dtype 'bf16': no fp8 path")
+
+
+def _fake_allocation(monkeypatch, new):
+    """The runtime's allocations as fake arrays (no GPU here): a default call may allocate its kv_workspace."""
+    from ddtree_gen import runtime
+    monkeypatch.setattr(runtime, "allocate", lambda kind, device, shape, dtype: new(
+        shape, np.uint16 if dtype == "bf16" else dtype))
+    monkeypatch.setattr(runtime, "pointer_of", ptr_of)
+
+
+def test_default_path_follows_the_policy(fake_device, monkeypatch):
+    """fp8_path=None launches what fp8_default says, decided per call signature: the dequantize path (its workspace
+    allocated per call as a scratch array, or the caller's) within the limit, the fused kernel past it (nothing
+    allocated for it) and where a rule fails; tree_verify_tail stays fused; explicit choices ignore the limit."""
+    new = Arrays()
+    _fake_allocation(monkeypatch, new)
+    args = verify_args(FP8, new)
+    kvw = _ws(FP8, new)
+    # the limit: exactly this call's workspace (B x MAX_PAGES pages); one more page of block table is over it
+    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 2 * kd_plans.workspace_elems(FP8, B, MAX_PAGES))
+    wide = dict(args, block_table=new((B, MAX_PAGES + 1), np.int32))
+    ks = Recording(FP8)
+    allocated = []
+    real = Arrays.__call__
+    monkeypatch.setattr(Arrays, "__call__", lambda self, shape, dtype, **kw: allocated.append(tuple(shape)) or
+                        real(self, shape, dtype, **kw))
+    for _ in range(2):   # the second call of each signature: the cached decision
+        tv.tree_verify(ks, **args, num_splits=1)
+        tv.tree_verify(ks, **wide, num_splits=1)
+    assert [g[0] for g in ks.got] == ["kv_dequant", DEQUANT, "tree_verify_wgmma"] * 2
+    assert allocated == [(kd_plans.workspace_elems(FP8, B, MAX_PAGES),)] * 2   # per call, for the dequantize path
+    dq_ws = [g[2][4] for g in ks.got if g[0] == "kv_dequant"]
+    fused = Recording(FP8)
+    tv.tree_verify(fused, **wide, num_splits=1, fp8_path="fused")
+    assert ks.got[2] == fused.got[0]
+    # the caller's kv_workspace fits any size; with it nothing is allocated
+    big = _ws(FP8, new, max_pages=MAX_PAGES + 1)
+    allocated.clear()
+    ks = Recording(FP8)
+    tv.tree_verify(ks, **wide, num_splits=1, kv_workspace=big)
+    tv.tree_verify(ks, **args, num_splits=1, kv_workspace=kvw, impl="wgmma")
+    assert [g[0] for g in ks.got] == ["kv_dequant", DEQUANT] * 2 and allocated == [] and dq_ws[0] != ptr_of(kvw)
+    assert ks.got[0][2][4] == ptr_of(big) and ks.got[2][2][4] == ptr_of(kvw)
+    # explicit choices: "dequant" past the limit, "fused" within it
+    ks = Recording(FP8)
+    tv.tree_verify(ks, **wide, num_splits=1, fp8_path="dequant")
+    tv.tree_verify(ks, **args, num_splits=1, fp8_path="fused")
+    assert [g[0] for g in ks.got] == ["kv_dequant", DEQUANT, "tree_verify_wgmma"]
+    # a failing rule: the fused kernel impl picks, or the CUDA-core one; kv_workspace then refused, naming the rule
+    for kset, kw, want in ((Recording(FP8), {"impl": "simple"}, "tree_verify"),
+                           (Recording(FP8, tuple(k for k in DEQUANT_SET if k != "kv_dequant")), {},
+                            "tree_verify_wgmma"),
+                           (Unavailable(FP8, (DEQUANT,)), {}, "tree_verify_wgmma"),
+                           (Unavailable(FP8, (DEQUANT, "tree_verify_wgmma")), {}, "tree_verify")):
+        tv.tree_verify(kset, **args, **kw, **({} if kw else {"num_splits": 1}))
+        assert [g[0] for g in kset.got] == [want], (kset, kw)
+        why = tv.fp8_default(kset, kw.get("impl", "auto"), 0, B, MAX_PAGES)[1]
+        with pytest.raises(ArgumentError, match=re.escape(f"kv_workspace: only the dequantize path takes it, but "
+                                                          f"fp8_path=None takes the fused kernel here: {why}")):
+            tv.tree_verify(kset, **args, **kw, kv_workspace=kvw)
+        assert len(kset.got) == 1
+    # tree_verify_tail: the fused kernel, whatever is loaded
+    ks = Recording(FP8)
+    tv.tree_verify_tail(ks, **args, num_splits=1)
+    assert [g[0] for g in ks.got] == ["tree_verify_tail_wgmma"]
+
+
+def test_default_path_plan(fake_device):
+    """The default's plan within the limit is the dequantize path's (its kv_workspace a scratch output of the call,
+    workspace_elems(spec, B, max_pages) bf16); a block table the checks refuse is refused with their message."""
+    from ddtree_gen.kernels.tensor_core import KVW
+    a = verify_args(FP8, Arrays())
+    names = ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")
+    arrays = (*(a[k] for k in names), None, None, None, None)
+    for impl in ("auto", "wgmma"):
+        prep = tv._prepare_fp8_default(Recording(FP8), impl, arrays, a["softmax_scale"], KV_SCALE, False, 1)
+        assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
+        assert (KVW, (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new and KVW in prep.scratch
+    bad = dict(a, block_table=Arrays()((B * MAX_PAGES,), np.int32))
+    with pytest.raises(ArgumentError, match="block_table"):
+        tv.tree_verify(Recording(FP8), **bad)
 
 
 @pytest.mark.parametrize("missing", ["kv_dequant", DEQUANT])
@@ -450,15 +609,17 @@ def test_fp8_path_needs_its_kernels(missing, fake_device):
 
 def test_dequant_path_key_and_cache(fake_device):
     """A second call of the same signature is the cached one (no new checks), and a different fp8_path is another
-    signature: both reach their own kernels."""
+    signature: each reaches its own kernels (the default: the dequantize path here)."""
     new = Arrays()
     args = verify_args(FP8, new)
     kvw = _ws(FP8, new)
     kset = Recording(FP8)
     for _ in range(2):
         tv.tree_verify(kset, **args, num_splits=1, fp8_path="dequant", kv_workspace=kvw)
-    tv.tree_verify(kset, **args, num_splits=1)
-    assert [g[0] for g in kset.got] == ["kv_dequant", DEQUANT, "kv_dequant", DEQUANT, "tree_verify_wgmma"]
+    tv.tree_verify(kset, **args, num_splits=1, fp8_path="fused")
+    tv.tree_verify(kset, **args, num_splits=1, kv_workspace=kvw)
+    assert [g[0] for g in kset.got] == ["kv_dequant", DEQUANT, "kv_dequant", DEQUANT, "tree_verify_wgmma",
+                                        "kv_dequant", DEQUANT]
 
 
 def test_torch_op_passes_fp8_path(monkeypatch):

@@ -27,7 +27,8 @@ def test_ops_are_registered_with_the_kv_cache_mutation():
     assert "!" not in str(ops.tree_verify.default._schema)
     for op in (ops.tree_verify, ops.tree_verify_tail):   # an fp8 spec's scale; optional, after impl
         assert 'str impl="auto", float? kv_scale=None' in str(op.default._schema)
-    # tree_verify's fp8 path (kernels/tree_verify.py: None = "fused", or "dequant"), last; the tail has none
+    # tree_verify's fp8 path (kernels/tree_verify.py: None = fp8_default's choice, "fused" or "dequant"), last;
+    # the tail has none
     assert str(ops.tree_verify.default._schema).endswith('float? kv_scale=None, str? fp8_path=None) -> (Tensor, Tensor)')
     assert str(ops.tree_verify_tail.default._schema).endswith('float? kv_scale=None) -> (Tensor, Tensor)')
 
@@ -54,6 +55,11 @@ def test_fake_shapes_follow_the_spec(spec):
             assert lse.shape == (b, n, h) and lse.dtype == torch.float32
             out, lse = op(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, kv_scale=scale[0] if scale else None)
             assert out.shape == q.shape and lse.shape == (b, n, h)
+        for path in ("fused", "dequant", None) if spec.kv_fp8 else ():   # every fp8 path: the same outputs
+            out, lse = torch.ops.ddtree.tree_verify(spec.name, q, qp, kv, table, vec, vec, tree[6], 0.1, "auto", 0.5,
+                                                    path)
+            assert out.shape == q.shape and out.dtype == torch.bfloat16
+            assert lse.shape == (b, n, h) and lse.dtype == torch.float32
         out, lse = torch.ops.ddtree.merge_states(spec.name, q, lse, q, lse)
         assert out.shape == q.shape and lse.shape == (b, n, h)
         acc = torch.ops.ddtree.tree_accept(spec.name, tree[0], tree[1], tree[7], tree[8], tree[1], vec, kv, table)

@@ -20,6 +20,11 @@ An fp8 spec (kv_dtype "fp8_e4m3": the cache holds e4m3 bytes) has no mma.sync ke
 .kv_dtypes): "auto" is wgmma where it runs, else the CUDA-core kernel, and impl="mma" is an ArgumentError.
 Its launches take kv_scale (the value of a cache element is e4m3 x kv_scale): folded into the scores'
 factor and applied to the output, in fp32 (kernels/checks.py kv_scale_arg); a bf16 spec refuses kv_scale.
+Its tree_verify reads the e4m3 cache by one of two paths of the same bits: "fused" (the kernel impl picks converts
+the tiles on chip) or "dequant" (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: measured faster);
+fp8_path=None (the default) takes "dequant" where fp8_default allows it (impl "auto" / "wgmma", its kernels loaded
+and running on the device, a workspace of at most KV_WORKSPACE_LIMIT bytes), per call signature; tree_verify_tail
+is always fused.
 
 Values that live on the device (prefix_lens, q_lens, block_table) are never read on the host by
 default, so a launch can be captured in a CUDA graph; the kernels are safe for any values instead
@@ -42,7 +47,8 @@ from ..plans.tree_verify import MERGE_WARPS
 from ..plans.split_kv import COMBINE
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
-from .tensor_core import KV_DEQUANT, attention, attention_dequant, available, prepare_attention
+from .tensor_core import KV_DEQUANT, KVW, WS, attention, attention_dequant, available, prepare_attention
+from ..plans.kv_dequant import workspace_elems
 from ..plans.tree_verify_wgmma import DEQUANT
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
@@ -172,25 +178,83 @@ def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate)
 
 
 FP8_PATHS = ("fused", "dequant")
+# fp8_path=None (the default) takes the dequantize path only where the bf16 workspace it would allocate for the call,
+# plans.kv_dequant.workspace_elems(spec, B, max_pages) x 2 bytes (B x max_pages pages of page_size x (R + P) bf16,
+# 73,732 bytes a page for the shipped specs), is at most this many bytes: 512 MiB is B x max_pages = 7,281 such
+# pages (B = 8 at 58K keys, B = 64 at 7K), a transient allocation per call that an engine can afford; past it the
+# fused kernel reads the e4m3 cache with no workspace. A caller's kv_workspace always fits (it is already there).
+KV_WORKSPACE_LIMIT = 512 * 2**20
+DEQUANT_KERNELS = (KV_DEQUANT, DEQUANT, COMBINE)   # the dequantize path's kernels (the combine: split-KV)
 
 
-def _dequant_path(kset, impl, fp8_path, kv_workspace) -> bool:
-    """Whether a tree_verify call takes the dequantize path: fp8_path None (the default) or "fused": the fused kernel
-    (an fp8 spec: its converter warpgroup); "dequant" (an fp8 spec, impl "auto" or "wgmma"): kv_dequant, then
-    tree_verify_wgmma_dequant. ArgumentError naming the argument otherwise, before anything is launched."""
+def _shape_of(x, name: str) -> tuple | None:
+    """The shape of a usable CUDA array, None if it is not one (the checks then say what is wrong)."""
+    try:
+        return ar.view(x, name)[0].shape
+    except ArgumentError:
+        return None
+
+
+def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool = False,
+                name: str = "tree_verify") -> tuple[str | None, str]:
+    """The path an fp8 spec's `name` with fp8_path=None (the default) takes, and why: (path, reason), path "dequant"
+    (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: the fused kernel's bits, measured faster on
+    every shape, docs/perf.md) or "fused" (the kernel impl picks reads the e4m3 cache itself). The first rule that
+    fails gives "fused" and its reason:
+      1. the launcher is tree_verify (tree_verify_tail has no dequantize path);
+      2. impl is "auto" or "wgmma" (the dequantize path runs on the wgmma kernels);
+      3. kv_dequant, tree_verify_wgmma_dequant and the combine kernel are loaded in kset;
+      4. they run on `device` (Hopper; None: the arrays' device is not known, the call's checks will say why);
+      5. `kv_workspace` (the caller gave one: it always fits), or the workspace the call would allocate,
+         plans.kv_dequant.workspace_elems(spec, B, max_pages) bf16, is at most KV_WORKSPACE_LIMIT bytes.
+    Otherwise "dequant". A bf16 spec: (None, reason): it has no fp8 path. The launcher decides once per call
+    signature (shapes, device), so benches and engines may ask here what a call runs."""
+    spec = kset.spec
+    if not spec.kv_fp8:
+        return None, f"spec {spec.name!r} has kv_dtype {spec.kv_dtype!r}: no fp8 path"
+    if name != "tree_verify":
+        return "fused", f"{name} has no dequantize path"
+    if not isinstance(impl, str) or impl not in ("auto", "wgmma"):
+        return "fused", f"impl={impl!r}: the dequantize path runs on the wgmma kernels (impl 'auto' or 'wgmma')"
+    missing = [k for k in DEQUANT_KERNELS if not _loaded(kset, k)]
+    if missing:
+        return "fused", f"{' and '.join(missing)} not loaded in this kernel set"
+    if device is None:
+        return "fused", "the arrays' device is not known"
+    for k in DEQUANT_KERNELS:
+        why = kset.unavailable(k, device)
+        if why:
+            return "fused", why
+    if kv_workspace:
+        return "dequant", "the caller's kv_workspace"
+    need = 2 * workspace_elems(spec, b, max_pages)
+    mib = f"{need / 2**20:.1f} MiB (B = {b} x max_pages = {max_pages} bf16 pages)"
+    if need > KV_WORKSPACE_LIMIT:
+        return "fused", f"the workspace would be {mib}, over KV_WORKSPACE_LIMIT = {KV_WORKSPACE_LIMIT // 2**20} MiB"
+    return "dequant", f"the workspace is {mib}, within KV_WORKSPACE_LIMIT = {KV_WORKSPACE_LIMIT // 2**20} MiB"
+
+
+def _fp8_choice(kset, impl, fp8_path, kv_workspace) -> str | None:
+    """What tree_verify's fp8_path asks, before anything is launched: "fused" (the fused kernel: an fp8 spec's
+    fp8_path="fused"), "dequant" (fp8_path="dequant": impl "auto" or "wgmma", its kernels loaded), "auto" (an fp8
+    spec's fp8_path=None: fp8_default decides per call signature) or None (a bf16 spec: no fp8 path). ArgumentError
+    naming the argument otherwise."""
     spec = kset.spec
     if fp8_path is not None:
         if not isinstance(fp8_path, str) or fp8_path not in FP8_PATHS:
-            raise ArgumentError(f"fp8_path: {fp8_path!r}, expected None (the default: 'fused'), "
+            raise ArgumentError(f"fp8_path: {fp8_path!r}, expected None (the default: fp8_default's choice), "
                                 f"{' or '.join(map(repr, FP8_PATHS))}")
         if not spec.kv_fp8:
             raise ArgumentError(f"fp8_path: given ({fp8_path!r}), but spec {spec.name!r} has kv_dtype "
                                 f"{spec.kv_dtype!r}: its cache is read as it is (fp8_path is for kv_dtype 'fp8_e4m3')")
+    elif spec.kv_fp8:
+        return "auto"
     if fp8_path != "dequant":
         if kv_workspace is not None:
             raise ArgumentError(f"kv_workspace: only the dequantize path (fp8_path='dequant') takes it, but fp8_path is "
-                                f"{fp8_path!r}")
-        return False
+                                f"{fp8_path!r}" + ("" if fp8_path else f" and spec {spec.name!r} has kv_dtype "
+                                                                      f"{spec.kv_dtype!r}"))
+        return "fused" if fp8_path else None
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
     if impl not in ("auto", "wgmma"):
@@ -200,7 +264,30 @@ def _dequant_path(kset, impl, fp8_path, kv_workspace) -> bool:
     if missing:
         raise ArgumentError(f"fp8_path: 'dequant' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
                             f"{spec.name!r} (load them, or pass fp8_path=None)")
-    return True
+    return "dequant"
+
+
+def _prepare_fp8_default(kset, impl, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
+    """An fp8 spec's tree_verify with fp8_path=None: the path fp8_default picks for this call signature, then that
+    path's checks and plan (the dequantize path's, or what impl picks for the fused one: _pick_impl)."""
+    table = _shape_of(arrays[3], "block_table")
+    known = table is not None and len(table) == 2   # else the checks say what is wrong with block_table
+    given = arrays[KVW] is not None
+    path, why = fp8_default(kset, impl, _device_of(arrays[0]) if known else None, *(table if known else (0, 0)),
+                            given)
+    if path == "dequant":
+        return prepare_attention(kset, DEQUANT, False, arrays, softmax_scale, validate, num_splits, kv_scale)
+    if given:
+        raise ArgumentError(f"kv_workspace: only the dequantize path takes it, but fp8_path=None takes the fused "
+                            f"kernel here: {why} (pass fp8_path='dequant', or no kv_workspace)")
+    kinds = _pick_impl(kset, "tree_verify", impl, arrays[WS], num_splits)
+    if len(kinds) > 1:
+        return _prepare_auto(kset, "tree_verify", False, kinds, arrays[:KVW], softmax_scale, kv_scale, validate,
+                             num_splits)
+    if kinds[0] == "simple":
+        return _prepare_simple(kset, "tree_verify", False, arrays[:9], softmax_scale, kv_scale, validate)
+    return prepare_attention(kset, _kernel("tree_verify", kinds[0]), False, arrays[:KVW], softmax_scale, validate,
+                             num_splits, kv_scale)
 
 
 def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits, kv_scale) -> AttentionOutput:
@@ -247,17 +334,31 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     tree_verify_mma.tree_verify); they are refused with impl="simple" and unused when "auto"
     picks the CUDA-core kernel.
 
-    fp8_path (an fp8 spec only): None (the default) or "fused": the wgmma kernel converts the e4m3 tiles on chip;
-    "dequant": kv_dequant first converts the e4m3 pages the call reads (keys < prefix_len + q_len) into a bf16
-    workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused", Hopper only
-    (impl "auto" or "wgmma"). Its kv_workspace: bf16 (uint16 on CuPy, torch.bfloat16), contiguous, 16-byte aligned,
-    at least plans.kv_dequant.workspace_elems(spec, B, max_pages) elements (B * max_pages * (page_size * (R + P) * 2
-    + 4) bytes: the pages, then their block table); allocated per call when not given.
+    fp8_path (an fp8 spec only): "fused": the wgmma kernel converts the e4m3 tiles on chip (impl picks it as for a
+    bf16 spec); "dequant": kv_dequant first converts the e4m3 pages the call reads (keys < prefix_len + q_len) into a
+    bf16 workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused", Hopper
+    only (impl "auto" or "wgmma"); None (the default): "dequant" where fp8_default allows it (impl "auto" / "wgmma",
+    its kernels loaded and running on the device, the workspace it would allocate at most KV_WORKSPACE_LIMIT = 512
+    MiB or kv_workspace given), else "fused"; decided once per call signature. Its kv_workspace (fp8_path "dequant",
+    or None where that takes the dequantize path; an ArgumentError where it takes the fused kernel): bf16 (uint16
+    on CuPy, torch.bfloat16), contiguous, 16-byte aligned, at least plans.kv_dequant.workspace_elems(spec, B,
+    max_pages) elements (B * max_pages * (page_size * (R + P) * 2 + 4) bytes: the pages, then their block table);
+    allocated per call when not given.
     """
-    if fp8_path is not None or kv_workspace is not None:
-        if _dequant_path(kset, impl, fp8_path, kv_workspace):
-            return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                     softmax_scale, out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)
+    path = _fp8_choice(kset, impl, fp8_path, kv_workspace) if fp8_path is not None or kv_workspace is not None \
+        or kset.spec.kv_fp8 else None
+    if path == "dequant":
+        return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                 softmax_scale, out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)
+    if path == "auto":   # the path depends on the call's shapes and device: decided per call signature
+        arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace,
+                  kv_workspace)
+
+        def prepare_fp8_default():
+            return _prepare_fp8_default(kset, impl, arrays, softmax_scale, kv_scale, validate, num_splits)
+        return run_call(kset, prepare_fp8_default, arrays,
+                        (impl, type(softmax_scale), softmax_scale, type(num_splits), num_splits, type(kv_scale),
+                         kv_scale), cache=not validate)
     return _dispatch(kset, "tree_verify", False,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
                      out, lse, validate, impl, workspace, num_splits, kv_scale)
@@ -267,8 +368,9 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
                      out=None, lse=None, *, validate=False, impl="auto", workspace=None,
                      num_splits=None, kv_scale=None) -> AttentionOutput:
     """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
-    merging with an external prefix kernel through merge_states. Same arguments as tree_verify
-    (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma)."""
+    merging with an external prefix kernel through merge_states. Same arguments as tree_verify but fp8_path and
+    kv_workspace (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma): it has no dequantize
+    path, an fp8 spec's tail always runs the fused kernel (fp8_default says so)."""
     return _dispatch(kset, "tree_verify_tail", True,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
                      out, lse, validate, impl, workspace, num_splits, kv_scale)
