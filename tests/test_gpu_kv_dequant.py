@@ -6,11 +6,14 @@ where the wgmma kernels cannot run: no GPU, not Hopper, DDTREE_GEN_ARCH=sm_80).
   workspace compared (the converted pages and the table written, every other page byte-identical to the poison
   written before the launch); for the default build and every build option of plans/kv_dequant (CANDIDATES, the
   builds scripts/compare_dequant.py times, and EDGE_OPTIONS, parts that do not divide a page).
-* the dequantize path: the bits of the fused fp8 kernel (tree_verify_wgmma: its converter warpgroup) on the same
-  inputs, out and lse, for split-KV off, forced on and the launcher's choice, with a kv_scale that is not a power of
-  two; rows >= q_len untouched (poisoned before the launch); the float64 bar against the reference too; NaN bytes in
-  the cache (read ones give the fused kernel's NaN rows, unread ones nothing); unmapped block-table entries; torch
-  tensors, the torch op and CUDA-graph capture.
+* the dequantize path: the bits of the fused fp8 kernel (tree_verify_wgmma: its converter warpgroup, fp8_path="fused")
+  on the same inputs, out and lse, for split-KV off, forced on and the launcher's choice, with a kv_scale that is not
+  a power of two; rows >= q_len untouched (poisoned before the launch); the float64 bar against the reference too; NaN
+  bytes in the cache (read ones give the fused kernel's NaN rows, unread ones nothing); unmapped block-table entries;
+  torch tensors, the torch op and CUDA-graph capture.
+* the default (fp8_path=None): the dequantize path where kernels.tree_verify.fp8_default allows it (the plan of the
+  call holds kv_dequant), the fused kernel past KV_WORKSPACE_LIMIT; the same bits either way; through the torch op
+  and in a CUDA graph too (its workspace allocated per call).
 The seed of each run is in every failure message (DDTREE_TEST_SEED replays it).
 """
 from __future__ import annotations
@@ -162,6 +165,13 @@ def _same_bits(got, want, tag):
     assert (got[1].view(np.uint32) == want[1].view(np.uint32)).all(), f"{tag}: lse differs from the fused kernel's"
 
 
+def _default_paths(ks) -> set:
+    """The paths the fp8_path=None calls prepared in ks took (their plans' first kernel: kv_dequant or not)."""
+    return {"dequant" if prep.steps[0].kernel == "kv_dequant" else "fused"
+            for key, prep in ks.prepared_calls.items()
+            if isinstance(key, tuple) and getattr(key[0], "co_name", None) == "prepare_fp8_default" and prep.steps}
+
+
 def _batch(spec, rng, seed):
     n = spec.max_tree_size
     inp = make_inputs(spec, rng, [0, 70, 1000, 4100], [n, 33, 2, n], ["random", "binary", "chain", "star"], seed=seed,
@@ -185,14 +195,18 @@ def test_dequant_path_matches_fused(spec, knobs):
     ref = None
     for splits in (1, 5, None):
         tag = f"{spec.name} kv_scale={inp.kv_scale} splits={splits} seed={seed}"
-        fused = _run(ks, inp, scale, splits, None)
+        fused = _run(ks, inp, scale, splits, "fused")
         got = _run(ks, inp, scale, splits, "dequant")
+        default = _run(ks, inp, scale, splits, None)   # fp8_default: the dequantize path here
         check_rows_written(*got, inp.q_lens, tag)
         _same_bits(got, fused, tag)
+        _same_bits(default, fused, f"{tag} fp8_path=None")
         if ref is None:
             from test_gpu_tree_verify import reference_for
             ref = reference_for("tree_verify", inp, scale, heads)
         check_against(got[0], got[1], ref, inp.q_lens, heads, tag)
+        check_against(default[0], default[1], ref, inp.q_lens, heads, f"{tag} fp8_path=None")
+    assert _default_paths(ks) == {"dequant"}, f"{spec.name}: fp8_path=None did not take the dequantize path"
 
 
 def test_dequant_path_given_workspace_and_other_scales(spec):
@@ -207,12 +221,40 @@ def test_dequant_path_given_workspace_and_other_scales(spec):
     kvw = cupy.full(workspace_elems(spec, b, max_pages) + 7, POISON_KV, np.uint16)
     for kv_scale in (inp.kv_scale, 0.25, 1.0):
         tag = f"{spec.name} kv_scale={kv_scale} seed={seed}"
-        fused = _run(ks, inp, SCALES["one"], None, None, kv_scale=kv_scale)
+        fused = _run(ks, inp, SCALES["one"], None, "fused", kv_scale=kv_scale)
         out, lse = poisoned(inp.shape)
         ks.tree_verify(**inp.device(kv_scale=kv_scale), softmax_scale=SCALES["one"], out=out, lse=lse,
                        fp8_path="dequant", kv_workspace=kvw)
         _same_bits((to_host(out), to_host(lse)), fused, tag)
         assert (to_host(kvw[-7:]) == POISON_KV).all(), f"{tag}: written past the workspace's elements"
+
+
+def test_default_path_past_the_limit(spec, monkeypatch):
+    """fp8_path=None with the workspace over KV_WORKSPACE_LIMIT (here: 0) runs the fused kernel (its plan: no
+    kv_dequant), with a caller's kv_workspace the dequantize path: the fused kernel's bits both ways."""
+    import cupy
+    from ddtree_gen.kernels import tree_verify as tv
+    ks = _load(spec)
+    seed = fresh_seed()
+    inp = _batch(spec, np.random.default_rng(seed), seed)
+    b, max_pages = inp.block_table.shape
+    device = cupy.cuda.Device().id
+    assert tv.fp8_default(ks, "wgmma", device, b, max_pages)[0] == "dequant"
+    fused = _run(ks, inp, SCALES["mla"], None, "fused")
+    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)
+    ks.prepared_calls.clear()   # the decisions of this signature were taken under the real limit
+    try:
+        path, why = tv.fp8_default(ks, "wgmma", device, b, max_pages)
+        assert path == "fused" and "over KV_WORKSPACE_LIMIT = 0 MiB" in why, why
+        _same_bits(_run(ks, inp, SCALES["mla"], None, None), fused, f"{spec.name} limit 0 seed={seed}")
+        assert _default_paths(ks) == {"fused"}
+        kvw = cupy.empty(workspace_elems(spec, b, max_pages), np.uint16)
+        out, lse = poisoned(inp.shape)
+        ks.tree_verify(**inp.device(), softmax_scale=SCALES["mla"], out=out, lse=lse, impl="wgmma", kv_workspace=kvw)
+        _same_bits((to_host(out), to_host(lse)), fused, f"{spec.name} limit 0, kv_workspace given, seed={seed}")
+        assert _default_paths(ks) == {"fused", "dequant"}
+    finally:
+        ks.prepared_calls.clear()   # nothing decided under the patched limit outlives the test
 
 
 def test_dequant_path_unmapped_pages_and_bad_requests(spec):
@@ -233,10 +275,11 @@ def test_dequant_path_unmapped_pages_and_bad_requests(spec):
     written = [True, True, False, False]
     for splits in (1, 5, None):
         tag = f"{spec.name} splits={splits} seed={seed}"
-        fused = _run(ks, inp, SCALES["mla"], splits, None)
+        fused = _run(ks, inp, SCALES["mla"], splits, "fused")
         got = _run(ks, inp, SCALES["mla"], splits, "dequant")
         check_rows_written(*got, inp.q_lens, tag, written=written)
         _same_bits(got, fused, tag)
+        _same_bits(_run(ks, inp, SCALES["mla"], splits, None), fused, f"{tag} fp8_path=None")
 
 
 def test_dequant_path_nan_bytes(spec):
@@ -259,7 +302,7 @@ def test_dequant_path_nan_bytes(spec):
     inp.kv_cache[spare] = 0xFF
     for splits in (1, None):
         tag = f"{spec.name} splits={splits} seed={seed}"
-        fused = _run(ks, inp, SCALES["mla"], splits, None)
+        fused = _run(ks, inp, SCALES["mla"], splits, "fused")
         got = _run(ks, inp, SCALES["mla"], splits, "dequant")
         q0, q1 = int(inp.q_lens[0]), int(inp.q_lens[1])
         f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)   # noqa: E731
@@ -276,8 +319,9 @@ def test_dequant_path_nan_bytes(spec):
 
 def test_dequant_path_torch_op_and_cuda_graph(spec):
     """torch tensors (the cache as torch.float8_e4m3fn) through ks.tree_verify and torch.ops.ddtree.tree_verify(...,
-    kv_scale, "dequant"): the CuPy call's bits; a CUDA graph captured with the path (given out, lse and kv_workspace,
-    and the op allocating its own) replays on new q and lengths to the eager result."""
+    kv_scale, "dequant"), and both with fp8_path=None (the default: the dequantize path here): the CuPy call's bits; a
+    CUDA graph captured with the path (given out, lse and kv_workspace, and the op allocating its own, "dequant" and
+    the default) replays on new q and lengths to the eager result."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
@@ -314,6 +358,12 @@ def test_dequant_path_torch_op_and_cuda_graph(spec):
     names = ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")
     op_out = torch.ops.ddtree.tree_verify(spec.name, *(args[k] for k in names), scale, "auto", inp.kv_scale, "dequant")
     same(*op_out, "torch op")
+    # the default (fp8_path=None: the dequantize path here, its workspace allocated by torch per call)
+    same(*ks.tree_verify(**args, softmax_scale=scale), "torch tensors, fp8_path=None")
+    same(*torch.ops.ddtree.tree_verify(spec.name, *(args[k] for k in names), scale, "auto", inp.kv_scale),
+         "torch op, fp8_path=None")
+    from ddtree_gen import torch_ops
+    assert _default_paths(ks) == {"dequant"} and _default_paths(torch_ops._kset(spec.name)) == {"dequant"}
     # CUDA graphs: captured once, replayed after the inputs changed in place
     b, max_pages = inp.block_table.shape
     kvw = torch.empty(workspace_elems(spec, b, max_pages), dtype=torch.bfloat16, device="cuda")
@@ -327,20 +377,27 @@ def test_dequant_path_torch_op_and_cuda_graph(spec):
         op_call = lambda: torch.ops.ddtree.tree_verify(spec.name, *(args[k] for k in names), scale, "auto",  # noqa
                                                        inp.kv_scale, "dequant")
         op_call()
+        op_default = lambda: torch.ops.ddtree.tree_verify(spec.name, *(args[k] for k in names), scale,  # noqa: E731
+                                                          "auto", inp.kv_scale)
+        op_default()
     torch.cuda.current_stream().wait_stream(s)
-    g, g_op = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    g, g_op, g_default = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         call()
     with torch.cuda.graph(g_op):
         captured = op_call()
+    with torch.cuda.graph(g_default):
+        captured_default = op_default()
     other = _batch(spec, np.random.default_rng(seed + 1), seed)   # same shapes, new q (the cache and lengths too)
     for k in names:   # byte for byte (torch.uint32 has few ops)
         args[k].view(torch.uint8).copy_(t(k, getattr(other, k)).view(torch.uint8))
     out.fill_(float("nan"))
     g.replay()
     g_op.replay()
+    g_default.replay()
     torch.cuda.synchronize()
     want2 = _run(ks, other, scale, None, "dequant", kv_scale=inp.kv_scale)
     q = other.q_lens
     same(out, lse, "graph replay", want2)
     same(*captured, "torch op graph replay", want2)
+    same(*captured_default, "torch op graph replay, fp8_path=None", want2)

@@ -713,7 +713,8 @@ def test_fp8_matches_bf16_twin(spec, impl):
     """An fp8 spec's kernels on e4m3 bytes with kv_scale = 2^k give the bits of its bf16 twin's kernels on the
     dequantized cache (exact in bf16): the conversion is exact, the scale folded into the scores' factor and
     the output factor changes no rounding (a power of two), and nothing else differs. Fixed split counts (the
-    automatic ones may differ between the two specs' tuning)."""
+    automatic ones may differ between the two specs' tuning). WGMMA: tree_verify's default (fp8_path=None, with the
+    dequantize path's kernels loaded: kernels.tree_verify.fp8_default takes that path) gives the same bits too."""
     if not spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r} has a bf16 cache")
     import ddtree_gen
@@ -743,6 +744,14 @@ def test_fp8_matches_bf16_twin(spec, impl):
     inp.kv_cache[inp.block_table[0, 0], 0, :32] = np.concatenate([np.arange(16), 0x80 + np.arange(16)])
     dequant = bf16.to_bits(fp8.dequantize(inp.kv_cache, kv_scale))
     assert np.array_equal(bf16.from_bits(dequant), fp8.dequantize(inp.kv_cache, kv_scale)), "not exact in bf16"
+    ks_default = None
+    if impl is WGMMA:   # the default path of an fp8 spec's tree_verify, where it is the dequantize path
+        import cupy
+        from ddtree_gen.kernels.tree_verify import DEQUANT_KERNELS, fp8_default
+        ks_default = ddtree_gen.load(spec, kernels=list(dict.fromkeys(impl.kernels + DEQUANT_KERNELS)))
+        skip_unless_runs(ks_default, *DEQUANT_KERNELS)
+        path, why = fp8_default(ks_default, "auto", cupy.cuda.Device().id, *inp.block_table.shape)
+        assert path == "dequant", why
     for launcher in LAUNCHERS:
         for splits in ((1, 5) if impl.split_kv else (None,)):
             tag = f"{impl} {launcher} {spec.name} vs {twin.name} kv_scale={kv_scale} splits={splits} seed={seed}"
@@ -751,6 +760,13 @@ def test_fp8_matches_bf16_twin(spec, impl):
             check_rows_written(*got, inp.q_lens, tag)
             assert (got[0] == want[0]).all(), f"{tag}: out differs from the bf16 twin's"
             assert (got[1].view(np.uint32) == want[1].view(np.uint32)).all(), f"{tag}: lse differs"
+            if ks_default is not None and launcher == "tree_verify":
+                out, lse = poisoned(inp.shape)
+                ks_default.tree_verify(**inp.device(kv_scale=kv_scale), softmax_scale=SCALES["mla"], out=out, lse=lse,
+                                       num_splits=splits)
+                assert (to_host(out) == want[0]).all(), f"{tag} fp8_path=None: out differs from the bf16 twin's"
+                assert (to_host(lse).view(np.uint32) == want[1].view(np.uint32)).all(), \
+                    f"{tag} fp8_path=None: lse differs"
 
 
 # ---------------------------------------------------------------------------- merge_states
