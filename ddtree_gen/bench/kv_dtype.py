@@ -1,7 +1,8 @@
 """`ddtree-gen bench kv-dtype`: tree_verify (impl="auto") with a bf16 and with an fp8 (e4m3) KV cache on the
-same shapes, side by side in one process; the fp8 cache by both of its paths: the fused kernel (fp8_path None: its
+same shapes, side by side in one process; the fp8 cache by both of its paths: the fused kernel (fp8_path="fused": its
 converter warpgroup) and the dequantize pre-pass (fp8_path="dequant": kv_dequant, then the bf16-cache seesaw), whose
-outputs are checked against the fused ones bit for bit."""
+outputs are checked against the fused ones bit for bit; and which of the two the default (fp8_path=None) takes on
+each shape (kernels.tree_verify.fp8_default)."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import time
 import numpy as np
 
 from ..inputs import verify_inputs
-from ..kernels.tree_verify import auto_impl
+from ..kernels.tree_verify import auto_impl, fp8_default
 from .specs import VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
@@ -23,10 +24,11 @@ DEQUANT_KERNELS = ("kv_dequant", "tree_verify_wgmma_dequant")   # an fp8 spec's 
 def run(args) -> None:
     """tree_verify (impl="auto") of a spec with a bf16 and with an fp8 (e4m3) KV cache on the same shapes, in one
     process: H comes from the config (variants of the spec with other H are built as needed), the fp8 cache holds
-    the e4m3 bytes of the bf16 cache's samples. A table: config, impl, bf16 ms, fp8 ms (the fused kernel), bf16/fp8
-    speed ratio, fp8 ms by the dequantize path (fp8_path="dequant", its kv_workspace given: the pre-pass and the
-    kernel, both in the graph), its speed ratio to bf16, whether its outputs are the fused ones' bits, and TFLOP/s and
-    % of the measured bf16 matmul peak of bf16 and fused fp8."""
+    the e4m3 bytes of the bf16 cache's samples. A table: config, impl, the path the fp8 default (fp8_path=None, no
+    kv_workspace) takes there (fp8_default: "dequant" or "fused"), bf16 ms, fp8 ms of the fused kernel
+    (fp8_path="fused"), bf16/fused speed ratio, fp8 ms by the dequantize path (fp8_path="dequant", its kv_workspace
+    given: the pre-pass and the kernel, both in the graph), its speed ratio to bf16, whether its outputs are the fused
+    ones' bits, and TFLOP/s and % of the measured bf16 matmul peak of bf16 and fused fp8."""
     from ..spec import find_spec
     from ..kernel_set import load
     base = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
@@ -35,18 +37,23 @@ def run(args) -> None:
     rows = []
     for b, h, l in KV_DTYPE_CONFIGS:
         lens = np.full(b, l)
-        flops, times, impls, same = None, {}, {}, "-"
+        flops, times, impls, same, default = None, {}, {}, "-", "-"
         for kv_dtype in ("bf16", "fp8_e4m3"):
             spec = spec_variant(base, h, kv_dtype)
             t0 = time.perf_counter()
             ks = load(spec, kernels=list(KV_DTYPE_KERNELS) + (list(DEQUANT_KERNELS) if spec.kv_fp8 else []))
             x = verify_inputs(spec, b, lens, nq)
             impls[kv_dtype] = auto_impl(ks, x["q_nope"].device.id)
-            res = ks.tree_verify(**x)
-            fn = lambda ks=ks, x=x, res=res: ks.tree_verify(**x, out=res.out, lse=res.lse)  # noqa: E731
+            fused = {"fp8_path": "fused"} if spec.kv_fp8 else {}   # the fp8 column: the fused kernel, named
+            if spec.kv_fp8:
+                default = fp8_default(ks, "auto", x["q_nope"].device.id, *x["block_table"].shape)[0]
+            res = ks.tree_verify(**x, **fused)
+            fn = lambda ks=ks, x=x, res=res, kw=fused: ks.tree_verify(**x, out=res.out, lse=res.lse, **kw)  # noqa: E731
             flops = verify_flops(spec, lens, nq)
             times[kv_dtype] = checked_graph_time_ms(fn, f"{kv_dtype} at B={b} H={h} L={l}", flops / (peak * 1e12) * 1e3)
-            print(f"B={b} H={h} L={l} {spec.name} ({kv_dtype}, impl={impls[kv_dtype]}): {times[kv_dtype]:.3f} ms "
+            paths = f", fp8_path='fused'; fp8_path=None takes {default!r}" if spec.kv_fp8 else ""
+            print(f"B={b} H={h} L={l} {spec.name} ({kv_dtype}, impl={impls[kv_dtype]}{paths}): "
+                  f"{times[kv_dtype]:.3f} ms "
                   f"(load + inputs + timing {time.perf_counter() - t0:.1f} s)", flush=True)
             if spec.kv_fp8 and impls[kv_dtype] == "wgmma":   # the dequantize path, same inputs, same process
                 same, times["dequant"] = _dequant(ks, spec, x, res, flops / (peak * 1e12) * 1e3, f"B={b} H={h} L={l}")
@@ -57,16 +64,18 @@ def run(args) -> None:
             tf = flops / (times[kv_dtype] * 1e-3) / 1e12
             cells += [f"{tf:.1f}", f"{100 * tf / peak:.1f}%"]
         dq = times.get("dequant")
-        rows.append([f"B={b} H={h} L={l}", f"{impls['bf16']}/{impls['fp8_e4m3']}", f"{times['bf16']:.3f}",
+        rows.append([f"B={b} H={h} L={l}", f"{impls['bf16']}/{impls['fp8_e4m3']}", default, f"{times['bf16']:.3f}",
                      f"{times['fp8_e4m3']:.3f}", f"{times['bf16'] / times['fp8_e4m3']:.2f}x",
                      f"{dq:.3f}" if dq else "-", f"{times['bf16'] / dq:.2f}x" if dq else "-", same, *cells])
     print_table(f"tree_verify (impl auto) of {base.name}: bf16 vs fp8 (e4m3) KV cache, Nq={nq}; CUDA-graph replay "
                 f"medians; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; measured bf16 matmul peak in this run: "
-                f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms; fp8 = the fused kernel, dequant = fp8_path='dequant' "
-                f"(kv_dequant pre-pass + bf16-cache seesaw; 'same bits' = its out and lse equal the fused kernel's)",
-                ["config", "impl bf16/fp8", "bf16 ms", "fp8 ms", "speedup", "dequant ms", "dequant speedup",
-                 "same bits", "bf16 TFLOP/s", "bf16 % peak", "fp8 TFLOP/s", "fp8 % peak"], rows, args.out,
-                "bench_kv_dtype")
+                f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms; fp8 default = the path fp8_path=None takes "
+                f"(kernels.tree_verify.fp8_default); fp8 = the fused kernel (fp8_path='fused'), dequant = "
+                f"fp8_path='dequant' (kv_dequant pre-pass + bf16-cache seesaw; 'same bits' = its out and lse equal the "
+                f"fused kernel's)",
+                ["config", "impl bf16/fp8", "fp8 default", "bf16 ms", "fp8 ms", "speedup", "dequant ms",
+                 "dequant speedup", "same bits", "bf16 TFLOP/s", "bf16 % peak", "fp8 TFLOP/s", "fp8 % peak"], rows,
+                args.out, "bench_kv_dtype")
 
 
 def _dequant(ks, spec, x, fused, floor_ms, where) -> tuple:
