@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--rescale", action="store_true", help="also time the seesaw's rescale modes exact and skip")
     ap.add_argument("--p-store", action="store_true", help="also time the seesaw with the P tiles stored by "
                     "stmatrix (the default build: 32-bit stores)")
+    ap.add_argument("--part-counts", nargs="*", type=int, default=[], metavar="P",
+                    help="with --parts: also the parts grid with these part counts (num_splits; default: parts_for's "
+                         "one wave of blocks)")
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
     from ddtree_gen import needs
@@ -70,6 +73,7 @@ def main() -> None:
         spec = find_spec(SPEC_BY_HEADS[h])
         assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
+        call_kw = {}   # name -> extra arguments of its calls
 
         def variant(schedule, ablate=0, l2_hint=None, grid="chunks", s_order="loaded", rescale="lazy",
                     p_store="sts"):
@@ -82,6 +86,9 @@ def main() -> None:
         if args.parts:   # both grids by name ("seesaw" is the default set: the parts kernel at B >= 8 where it ships)
             sets["seesaw chunks"] = variant("seesaw")
             sets["seesaw parts"] = variant("seesaw", grid="parts")
+            for p in args.part_counts:   # the same build, another part count
+                sets[f"seesaw parts x{p}"] = sets["seesaw parts"]
+                call_kw[f"seesaw parts x{p}"] = {"num_splits": p}
         if args.l2_hint:
             sets["seesaw evict_first"] = variant("seesaw", l2_hint="evict_first")
         if args.rescale:
@@ -97,9 +104,11 @@ def main() -> None:
         flops = verify_flops(spec, lens, 65)
         times, outs = {}, {}
         for name, ks in sets.items():
-            res = ks.tree_verify_wgmma(**x)
+            kw = call_kw.get(name, {})
+            res = ks.tree_verify_wgmma(**x, **kw)
             outs[name] = (to_host(res.out), to_host(res.lse))
-            times[name] = graph_time_ms(lambda ks=ks, res=res: ks.tree_verify_wgmma(**x, out=res.out, lse=res.lse),
+            times[name] = graph_time_ms(lambda ks=ks, res=res, kw=kw: ks.tree_verify_wgmma(**x, **kw, out=res.out,
+                                                                                           lse=res.lse),
                                         per_graph=5, reps=10)
         for name, fn in flashmla_peers(sets["seesaw"], x).items():
             o, lse = fn()
