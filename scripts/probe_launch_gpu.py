@@ -66,18 +66,9 @@ def no_device() -> str | None:
 
 
 def eager_us(fn, sync, calls: int, runs: int) -> float:
-    """Wall time per call: best of `runs` runs of `calls` back-to-back calls, each run ended by a sync."""
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(runs):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    """`bench launch`'s eager figure: best of `runs` runs of `calls` back-to-back calls, each ended by a sync."""
+    from ddtree_gen.bench.launch import _eager_us
+    return _eager_us(fn, sync, calls, runs)
 
 
 def split(rows) -> dict:

@@ -29,12 +29,13 @@ KV_STACKED = f"kv_commit, {LAYERS} stacked"   # the layers as one [layers, num_p
 VOCAB = 163840        # draft_topk's vocabulary (Kimi K2)
 
 
-def _eager_us(fn, sync, calls=CALLS) -> float:
+def _eager_us(fn, sync, calls=CALLS, runs=3) -> float:
+    """Wall time per call: best of `runs` runs of `calls` back-to-back calls, each run ended by a sync."""
     for _ in range(20):
         fn()
     sync()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
