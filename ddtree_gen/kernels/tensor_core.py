@@ -198,9 +198,12 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
                 steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
                                           kset.constants(KV_DEQUANT, qn.device), sms))
             new.append((KVW, (layout[2],), "bf16"))
-        tma = ((TensorMap(kv, pages * spec.page_size, r + spec.qk_rope_head_dim, bn, 64,
-                          *((1, False) if spec.kv_fp8 and not dequant else ())),)
-               if consts.get("USE_TMA") else ())
+        rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
+        if consts.get("Q_TERMS"):   # FP8 products: e4m3 latent slabs of 128 bytes, swizzled, and the rope slab of 64
+            tma = (TensorMap(kv, rows, cols, bn, 128, 1, 128), TensorMap(kv, rows, cols, bn, 64, 1, 64))
+        else:
+            tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, False) if spec.kv_fp8 and not dequant else ())),)
+                   if consts.get("USE_TMA") else ())
         blocks = splits * row_tiles if parts else b * splits * row_tiles
         steps.append(Step(name, (blocks,),
                           (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq),

@@ -96,7 +96,21 @@ SEG_BYTES = 16 * 4          # the parts grid's segment state (the template's SEG
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
-RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1)}
+RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1), "lazy4": (1, 4, 1)}
+# FP8 products (the knob fp8_mma, an fp8 seesaw only; docs/perf.md "FP8 products, built"): S and P.V in e4m3 wgmma with
+# Q and P in 1 or 2 e4m3 terms ("q<Q terms>p<P terms>" -> (Q_TERMS, P_TERMS) of templates/tree_verify_seesaw.cu.j2);
+# None: the exact bf16 math. vt_stages: the producer's V^T buffers (2 or 3)
+FP8_MMAS = {"q1p1": (1, 1), "q2p1": (2, 1), "q1p2": (1, 2), "q2p2": (2, 2)}
+VT_STAGES = (2, 3)
+
+
+def f8m_smem(q_terms: int, p_terms: int, vt_stages: int):
+    """Shared memory of an FP8-products seesaw: Q's latent slabs per term + its rope slab, two key tiles of e4m3 (4
+    latent slabs + a 64-byte rope slab), the V^T buffers, both P tiles per term, Q's row scales, the seesaw's 5 x BM
+    floats and both mbarrier arrays."""
+    lat = 4 * 64 * 128
+    return (q_terms * lat + 64 * 128 + 2 * (lat + 64 * 64) + vt_stages * 512 * 64 + 2 * p_terms * BM * BN
+            + BM * 4 + 5 * BM * 4 + 2 * 2 * SLABS * 8)
 
 
 def seesaw_fits(spec, kernel: str) -> bool:
@@ -124,7 +138,8 @@ def schedule_for(spec, kernel: str) -> str:
 # convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean", "group" or "pairs":
 # two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs"}
+         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "fp8_mma": None,
+         "vt_stages": 2}
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
@@ -163,7 +178,7 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store", "convert_sync"):
+    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages"):
         if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("rope_early"):
@@ -198,9 +213,19 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if not fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
-    if int(config.get("ablate", 0)) & 28 and convert_sync == "pairs":
+    fp8_mma, vt_stages = config.get("fp8_mma", KNOBS["fp8_mma"]), config.get("vt_stages", KNOBS["vt_stages"])
+    ablate = int(config.get("ablate", 0))
+    if fp8_mma is not None and ablate & 24:
+        raise SpecError("ablate bits 3-4 are the fp8 converter's; with fp8_mma, bit 2 leaves out the V^T transpose")
+    if fp8_mma is None and ablate & 28 and convert_sync == "pairs":
         raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
                         "'lean' or 'group'")
+    if fp8_mma is not None and (fp8_mma not in FP8_MMAS or not fp8 or sched != "seesaw"):
+        raise SpecError(f"fp8_mma {fp8_mma!r}: one of {', '.join(FP8_MMAS)}, for an fp8 spec's seesaw (spec "
+                        f"{spec.name!r}, kernel {kernel}, schedule {sched!r})")
+    if vt_stages not in VT_STAGES or (vt_stages != KNOBS["vt_stages"] and fp8_mma is None):
+        raise SpecError(f"vt_stages {vt_stages!r}: one of {VT_STAGES}, with fp8_mma")
+    q_terms, p_terms = FP8_MMAS[fp8_mma] if fp8_mma is not None else (0, 0)
     tma = bool(config["tma"])
     if tma and not (uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, page_size % {BN} "
@@ -212,7 +237,8 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
     threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS   # fp8: the converter warpgroup
     if sched == "seesaw":
-        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0)
+        smem = (f8m_smem(q_terms, p_terms, vt_stages) if q_terms else SEESAW_SMEM_FP8 if fp8
+                else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0))
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
@@ -227,9 +253,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
-                                 "GROUP_FENCE", "CONV_PAIRS"),
+                                 "GROUP_FENCE", "CONV_PAIRS", "Q_TERMS", "P_TERMS", "VT_STAGES"),
                                 (*RESCALES[rescale], int(p_store == "stmatrix"),
-                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
+                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync],
+                                 q_terms, p_terms, vt_stages))}
                            if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 

@@ -156,7 +156,25 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
 #define CONV_BARS 1
 #define GROUP_FENCE 0
+// FP8 products (F8M 1, the config's "fp8_mma": an opt-in mode with a numerical bar of its own, docs/contract.md): S = Q K^T
+// and P V in e4m3 wgmma (k32), fp32 accumulators. Q is quantized by the block, one scale a row (sq = amax / 448), in
+// Q_TERMS e4m3 terms (2: the residual q / sq - hi again, same scale, into the same accumulator); P' = 2^(S - m + P_SHIFT)
+// in [0, 256] in P_TERMS terms; K is the cache's e4m3 tile as TMA brings it (4 latent slabs of 128 bytes, 128-byte
+// swizzle, and the rope slab of 64 bytes, 64-byte swizzle: a second tensor map); V^T (K-major, the only B layout of e4m3
+// wgmma) is made by the third warpgroup, now the producer: it issues every TMA load and transposes each tile's latent
+// bytes into one of VT_STAGES V^T buffers [512 dims][64 keys] (64-byte swizzle), the keys of each 16 in the order of P's
+// A fragments (position 4 j + i of a 16: key 2 j + (i & 1) + 8 (i >> 1), what an S accumulator thread holds), with
+// the keys past the tile's end zeroed. Barriers: a tile's TMA boxes (S waits on them), V^T ready (128 producer
+// arrivals), V^T free (one arrival of each computing warpgroup after its P.V of that tile), S done (the producer
+// refills a key buffer once its S and its own reads are done).
+#define F8M 0
+#define Q_TERMS 0
+#define P_TERMS 0
+#define VT_STAGES 2
+#define P_SHIFT (F8M ? 8 - MAX_SLACK : 0)   // p' = 2^(s - m + P_SHIFT) <= 2^8: e4m3's subnormals stay 2^-10 below the max
 
+static_assert(!F8M || (FP8 && MAX_SLACK <= 8 && !PARTS && Q_TERMS <= 2 && P_TERMS >= 1 && P_TERMS <= 2
+                         && VT_STAGES >= 2 && VT_STAGES <= 3), "FP8 products: an fp8 cache, the chunks grid");
 static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
               "two warpgroups (+ FP8's converter), 64 x 64 tiles");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
@@ -164,17 +182,39 @@ static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 5
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 
 // Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total.
+#if F8M
+// Q e4m3: the hi term's 4 latent slabs [BM][128 B], the rope slab (hi bytes 0-63, lo 64-127), the lo term's latent slabs;
+// key tiles [2]: 4 latent slabs + the rope slab [BN][64 B]; V^T [VT_STAGES][512][64 B]; P_a, P_b [P_TERMS][BM][64 B]
+#define QLAT ((RANK / 128) * SLAB_BYTES)               // the 512 latent bytes of 64 rows
+#define KSL 5                                          // TMA boxes (and S commit groups) of a key tile
+#define KTILE (QLAT + SLAB_BYTES / 2)
+#define VT_BYTES (RANK * BN)
+#define PT_BYTES (BM * BN)                             // one e4m3 term of a P tile
+#define SQ_OFF 0
+#define SQLO_OFF (SQ_OFF + QLAT + SLAB_BYTES)
+#define SK_OFF (SQ_OFF + Q_TERMS * QLAT + SLAB_BYTES)
+#define SVT_OFF (SK_OFF + 2 * KTILE)
+#define SP0_OFF (SVT_OFF + VT_STAGES * VT_BYTES)
+#define SP1_OFF (SP0_OFF + P_TERMS * PT_BYTES)
+#define SQS_OFF (SP1_OFF + P_TERMS * PT_BYTES)         // f32 [BM]: Q's row scales
+#define SM_OFF (SQS_OFF + BM * 4)
+#else
 #define SQ_OFF 0                                       // Q [SLABS][BM][128 B]; slab QREG_SLAB later holds P_b
 #define SK_OFF (SQ_OFF + TILE_BYTES)                   // key tiles [2][SLABS][BN][128 B]
 #define SP0_OFF (SK_OFF + 2 * TILE_BYTES)              // P_a [BM][BN] bf16 = one slab
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
+#endif
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
-#define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
+#define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted (F8M: V^T
+                                                       // ready [3], V^T free [3], S done [2])
 #define SEG_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
 #define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230800, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+#if F8M
+static_assert(SQLO_OFF % 1024 == 0 && KTILE % 1024 == 0 && SVT_OFF % 1024 == 0 && SP1_OFF % 512 == 0, "swizzle atoms");
+#endif
 
 // Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
 // the including template defines MASK_WORDS first.
@@ -371,6 +411,7 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // 128 x 32 fits it (240 / 32 does not: the increase would wait forever), and CONV_PAIRS' 224 / 40 (room for two slabs
 // per converter step). A second converter warpgroup does not fit: at 512 threads ptxas has 128 registers for the
 // whole kernel, and a m64n256 P.V product needs 158.
+// F8M: 216 / 48 (the producer's transpose spills at 40; the computing warpgroups need no more than 216 there)
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
@@ -453,7 +494,7 @@ ddtree_tree_verify_wgmma_dequant(const bf16_t* __restrict__ q_nope,       // [B,
     float* const sScale1 = sM + 2 * BM;                          // 2^(m' - m'') of the odd tile
     float* const sL = sM + 3 * BM;                               // [2][BM] row sums, at the end
     const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
-    const uint32_t rdy0 = FP8 ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
+    const uint32_t rdy0 = FP8 && !F8M ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
 
     const int r0 = 16 * g + grp;            // this thread's rows r0 and r0 + 8 (of both S and O)
     if (tid < BM) sM[tid] = DDT_NEG_INF;
@@ -601,7 +642,7 @@ ddtree_tree_verify_wgmma_dequant(const bf16_t* __restrict__ q_nope,       // [B,
                         s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * c : DDT_NEG_INF;
                     }
                 }
-                if (nv < BN) {               // block-uniform, rare: zero the V rows that are not keys
+                if (nv < BN && !F8M) {       // block-uniform, rare: zero the V rows that are not keys (F8M: the producer does)
                     unsigned char* const tile = sK + (n & 1) * TILE_BYTES;
                     for (int idx = wtid; idx < (BN - nv) * (RANK / 8); idx += 128) {
                         const int r = nv + idx / (RANK / 8), c = idx % (RANK / 8);
@@ -629,14 +670,15 @@ ddtree_tree_verify_wgmma_dequant(const bf16_t* __restrict__ q_nope,       // [B,
                 __syncwarp();                                              // the quad has read sM[r]
                 if (qd == 0) { sM[r] = m_new; sScale[r] = fac[half]; }
                 float sum = 0.0f;
+                const float m_exp = m_use, sc = scale_log2;
                 #pragma unroll
                 for (int j = 0; j < NS / 4; ++j) {
                     if (EXP_FMA) {
-                        s[4 * j + 2 * half] = ex2(fmaf(s[4 * j + 2 * half], scale_log2, -m_use));
-                        s[4 * j + 2 * half + 1] = ex2(fmaf(s[4 * j + 2 * half + 1], scale_log2, -m_use));
+                        s[4 * j + 2 * half] = ex2(fmaf(s[4 * j + 2 * half], sc, -m_exp));
+                        s[4 * j + 2 * half + 1] = ex2(fmaf(s[4 * j + 2 * half + 1], sc, -m_exp));
                     } else {
-                        s[4 * j + 2 * half] = ex2(s[4 * j + 2 * half] - m_use);
-                        s[4 * j + 2 * half + 1] = ex2(s[4 * j + 2 * half + 1] - m_use);
+                        s[4 * j + 2 * half] = ex2(s[4 * j + 2 * half] - m_exp);
+                        s[4 * j + 2 * half + 1] = ex2(s[4 * j + 2 * half + 1] - m_exp);
                     }
                     sum += s[4 * j + 2 * half] + s[4 * j + 2 * half + 1];
                 }

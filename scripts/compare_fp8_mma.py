@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""FP8 products (the fp8 seesaw's knob fp8_mma: S and P.V in e4m3 wgmma) against the exact paths, in one process: per
+shape the bf16 default (tree_verify, impl auto), the fp8 default (fp8_path=None: the dequantize path), the fused fp8
+kernel (exact bf16 math on converted tiles) and each fp8_mma mode (Q and P in 1 or 2 e4m3 terms); CUDA-graph medians,
+speed against bf16, and the error of every fp8 build against the float64 reference on the dequantized cache (first
+requests, a few heads): the worst (request, row, head) of ||out - ref|| / ||ref||, its RMS over rows, and the worst
+|lse - ref|. --ablate adds builds with parts left out (timing only). --check runs the modes on the GPU tests' irregular batches (short, empty and tree-only rows, junk pages,
+split counts 1, 5 and the launcher's) with every row < q_len written and every other row left as poisoned.
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's F8M path (docs/perf.md, "FP8 products, built").
+Run: PYTHONPATH=. python scripts/compare_fp8_mma.py [--shapes B,H,L ...] [--modes q1p1 ...] [--vt-stages 2 3] [--check]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# issue 22's table
+SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
+MODES = ("q1p1", "q2p1", "q2p2")
+
+
+def errors(out, lse, ref, n, heads):
+    """(worst, RMS) of ||out - ref|| / ||ref|| over the (request, row, head) of the first n requests, and the worst
+    |lse - ref| (NaN anywhere: inf)."""
+    from ddtree_gen import bf16
+    o = bf16.from_bits(np.asarray(out)[:n][:, :, heads]).astype(np.float64)
+    lo = np.asarray(lse)[:n][:, :, heads].astype(np.float64)
+    if np.isnan(o).any() or np.isnan(lo).any():
+        return float("inf"), float("inf"), float("inf")
+    rel = np.linalg.norm(o - ref.out, axis=-1) / np.maximum(np.linalg.norm(ref.out, axis=-1), 1e-30)
+    return float(rel.max()), float(np.sqrt((rel ** 2).mean())), float(np.abs(lo - ref.lse).max())
+
+
+def variants(f8, modes, stages, ablates=(0,)):
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.split_kv import COMBINE
+    from ddtree_gen.plans.variant import variant
+    wg = by_name("tree_verify_wgmma")
+    out = {}
+    for m in modes:
+        for vt in stages:
+            for ab in ablates:
+                name = f"fp8_mma {m}" + (f" vt{vt}" if len(stages) > 1 else "") + (f" ablate{ab}" if ab else "")
+                out[name] = variant_set([variant(wg, f8, fp8_mma=m, rescale="lazy4", vt_stages=vt, ablate=ab)],
+                                        also=[COMBINE])
+    return out
+
+
+def check(f8, modes, stages) -> list:
+    """The GPU tests' cases through each mode: rows written / untouched, and the errors against float64."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_gpu_tree_verify as t
+    rows = []
+    builds = variants(f8, modes, stages)
+    for case in t.CASES:
+        if case.id == "b1-L100000":
+            continue
+        seed = t.fresh_seed()
+        inp, rng = t.build_case(f8, case, seed, t.random_bf16_normal)
+        scale = t.SCALES[case.scale]
+        heads = t.heads_to_check(f8.num_heads, rng, case.heads)
+        ref = t.reference_for("tree_verify", inp, scale, heads)
+        for name, ks in builds.items():
+            for splits in (1, 5, None):
+                out, lse = t.poisoned(inp.shape)
+                ks.tree_verify_wgmma(**inp.device(), softmax_scale=scale, out=out, lse=lse, num_splits=splits)
+                ob, lb = t.to_host(out), t.to_host(lse)
+                status = "ok"
+                try:
+                    t.check_rows_written(ob, lb, inp.q_lens, f"{name} {case.id} splits={splits}")
+                except AssertionError as e:
+                    status = f"ROWS: {str(e)[:120]}"
+                worst, rms, dl = errors_masked(ob, lb, ref, inp.q_lens, heads)
+                rows.append((case.id, name, str(splits), f"{worst:.2e}", f"{rms:.2e}", f"{dl:.2e}", status))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def errors_masked(out_bits, lse, ref, q_lens, heads):
+    """errors() over rows < q_len only (the cases have short requests), empty rows: 0 and -inf exactly or inf."""
+    from ddtree_gen import bf16
+    worst, sq, cnt, dl = 0.0, 0.0, 0, 0.0
+    for b, q in enumerate(q_lens):
+        q = int(q)
+        o = bf16.from_bits(out_bits[b, :q][:, heads]).astype(np.float64)
+        lo = lse[b, :q][:, heads].astype(np.float64)
+        ro, rl = ref.out[b, :q], ref.lse[b, :q]
+        empty = np.isneginf(rl)
+        if empty.any() and not ((out_bits[b, :q][:, heads][empty] == 0).all() and np.isneginf(lo[empty]).all()):
+            return float("inf"), float("inf"), float("inf")
+        full = ~empty
+        if np.isnan(o[full]).any() or np.isnan(lo[full]).any():
+            return float("inf"), float("inf"), float("inf")
+        rel = (np.linalg.norm(o - ro, axis=-1) / np.maximum(np.linalg.norm(ro, axis=-1), 1e-30))[full]
+        if rel.size:
+            worst = max(worst, float(rel.max()))
+            sq += float((rel ** 2).sum())
+            cnt += rel.size
+            with np.errstate(invalid="ignore"):
+                dl = max(dl, float(np.abs(lo - rl)[full].max()))
+    return worst, (sq / max(cnt, 1)) ** 0.5, dl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), help=f"fp8_mma modes (default {' '.join(MODES)})")
+    ap.add_argument("--vt-stages", nargs="*", type=int, default=[2], help="V^T buffers of the producer (2, 3)")
+    ap.add_argument("--ablate", nargs="*", type=int, default=[0],
+                    help="ablation bits (0: none; 1 no S, 2 no P.V, 4 no V^T transpose: wrong results, for timing)")
+    ap.add_argument("--check", action="store_true", help="the GPU tests' irregular batches instead of the timing")
+    ap.add_argument("--spec", default="kimi-k2.6-tp8", help="the bf16 spec whose fp8 variants are built")
+    args = ap.parse_args()
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True, torch=True)
+    import cupy
+    from ddtree_gen import reference
+    from ddtree_gen.bench.specs import spec_variant
+    from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, print_table, verify_flops
+    from ddtree_gen.inputs import verify_inputs
+    from ddtree_gen.kernel_set import load
+    from ddtree_gen.spec import find_spec
+
+    base = find_spec(args.spec)
+    if args.check:
+        rows = check(spec_variant(base, base.num_heads, "fp8_e4m3"), args.modes, args.vt_stages)
+        print_table("fp8_mma on the GPU tests' cases: worst / RMS of ||out - ref|| / ||ref|| and worst |lse - ref| "
+                    "against float64 on the dequantized cache (rows < q_len of the checked heads)",
+                    ["case", "build", "splits", "worst rel", "rms rel", "worst dlse", "rows"], rows, None, None)
+        return
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    peak = measured_peak_tflops()
+    rows = []
+    for b, h, L in shapes:
+        t0 = time.perf_counter()
+        bf, f8 = spec_variant(base, h, "bf16"), spec_variant(base, h, "fp8_e4m3")
+        lens = np.full(b, L)
+        xb, x8 = verify_inputs(bf, b, lens, 65), verify_inputs(f8, b, lens, 65)
+        flops = verify_flops(bf, lens, 65)
+        kb = load(bf, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", "tree_verify_mma_combine"])
+        k8 = load(f8, kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "kv_dequant", "tree_verify_wgmma_dequant"])
+        calls = {"bf16 default": (kb.tree_verify, xb, {}), "fp8 default": (k8.tree_verify, x8, {}),
+                 "fp8 fused": (k8.tree_verify, x8, {"fp8_path": "fused"})}
+        for name, ks in variants(f8, args.modes, args.vt_stages, args.ablate).items():
+            calls[name] = (ks.tree_verify_wgmma, x8, {})
+        # the reference: the first requests (at most 2), heads 0 and H - 1, on the host
+        n = min(b, 2)
+        heads = np.array(sorted({0, h - 1}))
+        host = {k: (cupy.asnumpy(v) if hasattr(v, "device") else v) for k, v in x8.items()}
+        sub = {**host, "q_nope": host["q_nope"][:n][:, :, heads], "q_pe": host["q_pe"][:n][:, :, heads],
+               "block_table": host["block_table"][:n], "prefix_lens": host["prefix_lens"][:n],
+               "q_lens": host["q_lens"][:n], "tree_mask": host["tree_mask"][:n]}
+        ref = reference.tree_verify(**sub)
+        times = {}
+        for name, (fn, x, kw) in calls.items():
+            res = fn(**x, **kw)
+            times[name] = graph_time_ms(lambda fn=fn, x=x, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
+                                        per_graph=5, reps=10)
+            err = (errors(cupy.asnumpy(res.out), cupy.asnumpy(res.lse), ref, n, heads)
+                   if x is x8 and "ablate" not in name else None)
+            tf = flops / (times[name] * 1e-3) / 1e12
+            rows.append([f"B={b} H={h} L={L}", name, f"{times[name]:.4f}", f"{100 * tf / peak:.1f}%",
+                         f"{times['bf16 default'] / times[name]:.2f}x",
+                         *((f"{err[0]:.2e}", f"{err[1]:.2e}", f"{err[2]:.2e}") if err else ("-", "-", "-"))])
+            print(rows[-1], flush=True)
+        print(f"B={b} H={h} L={L}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print_table(f"tree_verify of {base.name}'s H variants, Nq=65: bf16 default, fp8 default (dequantize path), the "
+                f"fused fp8 kernel and the fp8_mma modes; CUDA-graph medians; % of the bf16 matmul peak measured in "
+                f"this run ({peak:.0f} TFLOP/s); speed = bf16 default ms / ms; errors against float64 on the "
+                f"dequantized cache (first {2} requests, heads 0 and H-1)",
+                ["config", "build", "ms", "% peak", "speed", "worst rel", "rms rel", "worst dlse"], rows, None, None)
+
+
+if __name__ == "__main__":
+    main()
