@@ -7,8 +7,9 @@ bit for bit (rows: the same within 2e-5 + 2^-21 |x|, its sums add in another ord
 reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
 % of the floor: the logits read once at the device-to-device copy rate measured in the same run.
 When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
---rows-per-sm N ...: the rows build again with kernels/draft_topk.ROWS_PER_SM = N (it streams a row per block where
-the rows are at least N x SMs, else runs the chunks schedule; 0: streaming on every shape), one column each.
+--rows-per-sm N ...: the rows build again with kernels/draft_topk.ROWS_PER_SM = N and ROWS_MIN_CHUNKS = 0 (it streams a
+row per block where the rows are at least N x SMs, whatever V, else runs the chunks schedule; 0: streaming on every
+shape), one column each.
 --knobs NAME:KNOB=VALUE,... ...: the rows build with other build options, one column each (e.g. warps:row_end=warps).
 Run: PYTHONPATH=. python3 scripts/compare_topk.py [--spec kimi-k2.6-tp8] [--shapes B,D',V,dtype ...] [--rows 4]
      [--rows-per-sm 0 3] [--knobs warps:row_end=warps mb4:min_blocks=4]
@@ -92,7 +93,7 @@ def main() -> None:
     for s, ks in sets.items():
         assert ks.constants("draft_topk")["STREAM"] == int(s == "stream"), s
         assert ks.constants("draft_topk")["ROWS"] == int(s == "rows"), s
-    default_switch = launcher.ROWS_PER_SM
+    default_switch, default_chunks = launcher.ROWS_PER_SM, launcher.ROWS_MIN_CHUNKS
     for spec_text in args.knobs:   # name:knob=value,...: a rows variant of its own
         name, _, kv = spec_text.partition(":")
         knobs = {key: int(val) if val.lstrip("-").isdigit() else val
@@ -121,6 +122,7 @@ def main() -> None:
         for name, s, waves in runs:
             ks = sets[s]
             launcher.ROWS_PER_SM = default_switch if waves is None else waves
+            launcher.ROWS_MIN_CHUNKS = default_chunks if waves is None else 0   # a given switch: any row length
             ks.prepared_calls.clear()   # the parts are chosen when a call's signature is first prepared
             out = DraftTopkOutput(cupy.full((b, dp, k), 0x7BADBEEF, np.int32), cupy.full((b, dp, k), np.nan, np.float32))
             ks.draft_topk(x, k, t, out=out, workspace=ws)

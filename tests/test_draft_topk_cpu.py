@@ -321,10 +321,12 @@ def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
         variant(by_name("draft_topk"), spec, schedule="nope").plan()
 
 
-@pytest.mark.parametrize("rows_b,v", [(64, 129280), (14, 163840), (13, 129280), (8, 129280), (1, 1000)])   # 210 rows: stage 2; 195: not
+# 210 rows: stage 2; 195: not; V = 49152 (3 chunks a row): not, at any batch; 65536 (4 chunks): stage 2
+@pytest.mark.parametrize("rows_b,v", [(64, 129280), (14, 163840), (13, 129280), (8, 129280), (1, 1000), (64, 49152),
+                                      (64, 65536)])
 def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     """The "rows" build (template constants ROWS = 1, no static shared memory): stage 2 alone, one block per row and
-    no workspace, where the rows are at least ROWS_PER_SM x SMs; below that the chunks schedule's two
+    no workspace, where the rows are at least ROWS_PER_SM x SMs and a row ROWS_MIN_CHUNKS chunks; else the chunks schedule's two
     stages and workspace."""
     from ddtree_gen.kernels import draft_topk as mod
     from ddtree_gen.plans import by_name
@@ -340,7 +342,7 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
     draft_topk(ks, _logits(rows_b, dp, v), k)
     rows, c = rows_b * dp, chunks(v, "bf16")
-    if rows >= mod.ROWS_PER_SM * 132:
+    if rows >= mod.ROWS_PER_SM * 132 and c >= mod.ROWS_MIN_CHUNKS:
         assert len(ks.seen) == 1 and ks.seen[0][1]["grid"] == (rows,)
         assert int(ks.seen[0][1]["args"][-1]) == 2
         assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace

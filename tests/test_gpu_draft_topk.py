@@ -41,8 +41,8 @@ def load_schedule(spec, schedule):
     return variant_set([variant(kdef, spec, schedule=schedule)])
 
 
-# the rows build streams a row per block only where the rows fill the GPU (kernels/draft_topk.ROWS_PER_SM); "rows
-# streaming" is that build with ROWS_PER_SM = 0: its stage 2 on every call, whatever the batch
+# the rows build streams a row per block only where the rows fill the GPU and a row is long (kernels/draft_topk.ROWS_PER_SM,
+# ROWS_MIN_CHUNKS); "rows streaming" is that build with both 0: its stage 2 on every call, whatever the batch and V
 RUNS = (*SCHEDULES, "rows streaming", "rows-warps streaming")
 STREAMING = ("rows streaming", "rows-warps streaming")
 
@@ -50,6 +50,7 @@ STREAMING = ("rows streaming", "rows-warps streaming")
 def streaming_everywhere(monkeypatch, kset):
     from ddtree_gen.kernels import draft_topk as mod
     monkeypatch.setattr(mod, "ROWS_PER_SM", 0)
+    monkeypatch.setattr(mod, "ROWS_MIN_CHUNKS", 0)
     kset.prepared_calls.clear()   # the path is chosen when a call's signature is prepared
 
 
@@ -303,7 +304,7 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
     rng = np.random.default_rng(seed)
     from ddtree_gen.kernels import draft_topk as mod
     sets = {s: load_schedule(spec, s.split()[0]) for s in RUNS}
-    default_switch = mod.ROWS_PER_SM
+    default_switch, default_chunks = mod.ROWS_PER_SM, mod.ROWS_MIN_CHUNKS
     k = spec.max_tree_size - 1
     dp = min(15, spec.max_depth)
     cases = [("bf16", bf16.to_bits(rng.standard_normal((8, dp, 129280)) * 3), False),
@@ -322,6 +323,7 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
             # the switch is the launcher's (module-wide), and "rows" and "rows streaming" may be one kernel set:
             # on for the streaming runs alone, and off again for the next
             monkeypatch.setattr(mod, "ROWS_PER_SM", 0 if s in STREAMING else default_switch)
+            monkeypatch.setattr(mod, "ROWS_MIN_CHUNKS", 0 if s in STREAMING else default_chunks)
             kset.prepared_calls.clear()
             ids = cupy.full(x.shape[:2] + (k,), POISON, dtype=np.uint32).view(np.int32)
             lps = cupy.full(x.shape[:2] + (k,), np.nan, dtype=np.float32)

@@ -6,7 +6,8 @@
 One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float32 logits) or twice:
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
 one block per row, merges them. The "rows" build (schedule="rows") launches stage 2 once instead, one block per
-row, where there are at least ROWS_PER_SM rows an SM (then no workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
+row, where there are at least ROWS_PER_SM rows an SM and a row holds at least ROWS_MIN_CHUNKS chunks (then no
+workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
 (plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks (the build's)
 (the template constant STREAM of the loaded build says which); the workspace is the same.
 """
@@ -26,6 +27,10 @@ KERNEL = "draft_topk"
 # at D' = 15), and runs the chunks schedule's stages 0 and 1 below that (fewer rows than SMs leave SMs idle; measured
 # crossover, docs/perf.md "The end of a row selected by the block": B = 16 streams faster, B = 8 does not)
 ROWS_PER_SM = 1.5
+# ... and a row of at least ROWS_MIN_CHUNKS chunks (128 KB of logits): a row of 1-3 chunks streams slower than the chunks
+# schedule takes it (V = 16384 / 32768 / 49152 bf16 at B = 16: 1.23 / 1.01 / 1.02x of its time, 20011 float32 1.12x;
+# 4 chunks 0.84-1.02x, 5-8 chunks 0.82-0.93x: docs/perf.md "draft_topk's switch at small V")
+ROWS_MIN_CHUNKS = 4
 WS = 3                              # the workspace's index in the call's array list
 _VEC = {"bf16": 8, "float32": 4}    # logits per 16-byte load
 
@@ -74,10 +79,11 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     shapes = {"topk_ids": ((b, dp, k), "int32"), "topk_logprobs": ((b, dp, k), "float32")}
     new = list(ar.record_outputs(arrays, 1, shapes, has_out, "logits", lg))
     named = {"logits": lg}
-    # the rows build: one block per row where there are ROWS_PER_SM rows an SM (no workspace then), else
-    # its copy of the chunks schedule
+    # the rows build: one block per row where there are ROWS_PER_SM rows an SM and a row holds ROWS_MIN_CHUNKS chunks
+    # (no workspace then), else its copy of the chunks schedule
     consts = kset.constants(KERNEL, lg.device)
-    rows_path = rows > 0 and bool(consts.get("ROWS")) and rows >= ROWS_PER_SM * sm_count(lg.device)
+    rows_path = (rows > 0 and bool(consts.get("ROWS")) and rows >= ROWS_PER_SM * sm_count(lg.device)
+                 and ch >= ROWS_MIN_CHUNKS)
     need = 0 if rows_path else workspace_elems(b, dp, v, k, dtype)
     aligned = []
     if need and arrays[WS] is not None:

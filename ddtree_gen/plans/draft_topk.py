@@ -1,5 +1,5 @@
 """draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth: one block per
-row where there are 1.5 rows an SM (kernels/draft_topk.ROWS_PER_SM), else one block per chunk of a row and a merge per row; SCHEDULES below), and the
+row where there are 1.5 rows an SM and a row holds 4 chunks (kernels/draft_topk.ROWS_PER_SM, ROWS_MIN_CHUNKS), else one block per chunk of a row and a merge per row; SCHEDULES below), and the
 inputs of its bundles and sanitizer cases (its output record, DraftTopkOutput, is beside its numpy reference)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounde
 # (one barrier), stage 1 by ranks (binary searches) instead of bitonic merges. Same outputs, bit for bit.
 # "rows" (the default): one block per row, its warps streaming the row with their next loads in flight, a threshold shared by the
 # block, the row's top-k selected by the block, one launch and no workspace, where there are enough rows
-# (kernels/draft_topk.ROWS_PER_SM); below that the chunks schedule, in the same build. Its log-probs differ from the
+# (kernels/draft_topk.ROWS_PER_SM) and the rows are long (ROWS_MIN_CHUNKS); otherwise the chunks schedule, in the same build. Its log-probs differ from the
 # other two by the rounding of another order of the sums (the same ids).
 SCHEDULES = ("chunks", "stream", "rows")
 # the rows schedule's end of a row (build option `row_end`): "block" (the default): the row's k-th vector maximum
