@@ -91,12 +91,12 @@ def reversed_strides(shape, itemsize):
 
 # ----------------------------------------------------------------------------- tree_verify
 
-def verify_args(spec, new, b=B):
+def verify_args(spec, new, b=B, max_pages=None):
     h, r, p, n, w, page = (spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size,
                            spec.mask_words, spec.page_size)
     args = dict(
         q_nope=new((b, n, h, r), np.uint16), q_pe=new((b, n, h, p), np.uint16),
-        kv_cache=new((PAGES, page, r + p), kv_dtype(spec)), block_table=new((b, MAX_PAGES), np.int32),
+        kv_cache=new((PAGES, page, r + p), kv_dtype(spec)), block_table=new((b, max_pages or MAX_PAGES), np.int32),
         prefix_lens=new((b,), np.int32), q_lens=new((b,), np.int32), tree_mask=new((b, n, w), np.uint32),
         softmax_scale=192 ** -0.5, out=new((b, n, h, r), np.uint16), lse=new((b, n, h), np.float32))
     if spec.kv_fp8:
@@ -625,7 +625,10 @@ def test_split_table_per_family(monkeypatch):
         assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
         # no table off sm_90a: the wave model
         assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == split_kv.wave_splits(base, 132, 32)
-        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
+        # a short context (fewer than LONG_TILES key tiles): the fixed-cost model, whatever the table
+        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 1
+        assert split_kv.choose_splits(spec, 1, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
+        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "mma") == 2   # the mma.sync table
         assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.wave_splits(9, 132, 32)
     finally:
         split_kv.choose_splits.cache_clear()
@@ -673,6 +676,17 @@ def test_parts_for():
     assert parts_for(kimi8, 64, 1, 4224, 132) == split_kv.MAX_SPLITS   # 1 row tile: capped
 
 
+def test_short_context_splits():
+    """Short contexts: the fixed-cost model's split count at the shapes it was fitted to (scripts/sweep_splits.py,
+    H200; docs/perf.md "Short contexts"): no split where one wave holds the blocks and the keys are few, the most
+    chunks one wave holds where the batch is small."""
+    ss = split_kv.short_splits
+    assert ss(72, 132, 3, 2) == 1 and ss(72, 132, 5, 3) == 1 and ss(72, 132, 9, 5) == 1 and ss(72, 132, 17, 9) == 1
+    assert ss(144, 132, 3, 2) == 1 and ss(288, 132, 17, 9) == 1 and ss(1040, 132, 17, 9) == 1
+    assert ss(9, 132, 17, 9) == 9 and ss(18, 132, 9, 5) == 5 and ss(9, 132, 3, 2) == 2
+    assert split_kv.LONG_TILES * 64 == 2048
+
+
 def test_wave_model_of_untuned_shapes():
     """Without a table entry the split count comes from the wave model: one wave of base x s blocks beats
     two; never past `most`; no split at 4 waves of blocks or more; one chunk when nothing is gained."""
@@ -691,14 +705,16 @@ def test_wave_model_of_untuned_shapes():
 @pytest.mark.parametrize("b,kw,loaded,want", [
     (PARTS_MIN_B, {}, True, "parts"), (64, {"impl": "wgmma"}, True, "parts"), (PARTS_MIN_B - 1, {}, True, "chunks"),
     (PARTS_MIN_B, {"num_splits": 3}, True, "chunks"), (PARTS_MIN_B, {}, False, "chunks"),
-    (64, {"workspace": "chunks-sized"}, True, "chunks")],
-    ids=["B=min", "B=64 wgmma", "B=min-1", "num_splits given", "not loaded", "a workspace sized for the chunks"])
+    (64, {"workspace": "chunks-sized"}, True, "chunks"), (PARTS_MIN_B, {"short": True}, True, "chunks")],
+    ids=["B=min", "B=64 wgmma", "B=min-1", "num_splits given", "not loaded", "a workspace sized for the chunks",
+         "a block table of fewer than PARTS_MIN_KEYS keys"])
 def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device):
     """tree_verify on a spec with the parts build (H <= PARTS_MAX_HEADS, bf16): the parts grid at B >= PARTS_MIN_B
-    with the launcher's own part count (one block per (row tile, part): parts_for), else the chunks grid; an explicit
-    num_splits keeps the chunks grid (its meaning there); not loaded: the chunks grid; a caller's workspace too small
-    for the parts (sized for the chunks grid's split count: B = 64 takes one chunk, no workspace): the chunks grid."""
-    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL, parts_for
+    and a block table of at least PARTS_MIN_KEYS keys a request, with the launcher's own part count (one block per
+    (row tile, part): parts_for), else the chunks grid; an explicit num_splits keeps the chunks grid (its meaning
+    there); not loaded: the chunks grid; a caller's workspace too small for the parts (sized for the chunks grid's
+    split count: B = 64 takes one chunk, no workspace): the chunks grid."""
+    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL, PARTS_MIN_KEYS, parts_for
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     assert spec.num_heads <= PARTS_MAX_HEADS
@@ -709,10 +725,12 @@ def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device
                   split_kv.parts_workspace_elems(spec, b, n, split_kv.MAX_SPLITS)),), np.float32)
     if kw.get("workspace") == "chunks-sized":
         kw = dict(kw, workspace=new((1,), np.float32))
-    got, k = launched(tv.tree_verify, MmaKernelSet(spec, names), **verify_args(spec, new, b), **{"workspace": ws, **kw})
+    pages = PARTS_MIN_KEYS // spec.page_size - (1 if kw.pop("short", False) else 0)
+    got, k = launched(tv.tree_verify, MmaKernelSet(spec, names), **verify_args(spec, new, b, pages),
+                      **{"workspace": ws, **kw})
     row_tiles = -(-spec.max_tree_size * spec.num_heads // split_kv.BM)
     if want == "parts":
-        parts = parts_for(spec, b, spec.max_tree_size, MAX_PAGES * spec.page_size, 132)
+        parts = parts_for(spec, b, spec.max_tree_size, pages * spec.page_size, 132)
         assert got == PARTS_KERNEL and k["grid"] == (parts * row_tiles,), (got, k["grid"])
     else:
         assert got == "tree_verify_wgmma" and k["grid"][0] % (b * row_tiles) == 0, (got, k["grid"])

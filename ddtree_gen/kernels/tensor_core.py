@@ -36,7 +36,7 @@ from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import DEQUANT, PARTS_KERNEL, PARTS_MIN_B, parts_for
+from ..plans.tree_verify_wgmma import DEQUANT, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
@@ -133,6 +133,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
     if (name == "tree_verify_wgmma" and num_splits is None and b >= PARTS_MIN_B and PARTS_KERNEL in kset.kernels
+            and max_pages * spec.page_size >= PARTS_MIN_KEYS
             and available(kset, PARTS_KERNEL, qn.device)
             and _holds_parts(spec, arrays[WS], b, nq, max_pages * spec.page_size, qn.device)):
         name = PARTS_KERNEL   # the balanced parts grid, measured faster there (plans/tree_verify_wgmma.PARTS_KERNEL)

@@ -101,6 +101,9 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
         return 1
     table = _SPLIT_TABLES[family](spec, arch)
     useful = max(1, -(-int(max_keys) // (2 * bn)))
+    tiles = max(1, -(-int(max_keys) // bn))
+    if family == "wgmma" and tiles < LONG_TILES:   # a short context: the tables were fitted at L = 4096
+        return short_splits(base, sms, tiles, min(MAX_SPLITS, useful))
     s = table.get(shape_class(base)) if isinstance(table, dict) else None
     if not isinstance(s, int) or s < 1:
         s = wave_splits(base, sms, min(MAX_SPLITS, useful))
@@ -114,6 +117,25 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
 # every shape there, within 2 % on most).
 COMBINE_COST = 0.04
 WAVE_SPLIT_BASE = 4    # at base >= 4 waves of blocks, splitting gains less than the combine costs: 1
+
+
+# Short contexts (the wgmma family, fewer than LONG_TILES key tiles a request): a block's fixed cost (its prologue, Q,
+# epilogue: BLOCK_FIXED_TILES key tiles' time) is paid per block whatever its share of the keys, so more waves of
+# shorter blocks lose where the wave model above would split; fitted to scripts/sweep_splits.py at L = 64..1984 on the
+# H200 (docs/perf.md "Short contexts": 1.72 us a key tile, 10.7 us a block; the combine, 3-7 us in a graph of its own,
+# costs less behind the attention kernel)
+LONG_TILES = 32
+BLOCK_FIXED_TILES = 6.0
+COMBINE_TILES = 1.0
+
+
+def short_splits(base: int, sms: int, tiles: int, most: int) -> int:
+    """The split count the fixed-cost model predicts fastest for `base` blocks of `tiles` key tiles on `sms` SMs:
+    waves x (fixed + tiles / s), plus the combine (COMBINE_TILES a wave of partial blocks) when s > 1."""
+    def cost(s):
+        waves = -(-base * s // sms)
+        return waves * (BLOCK_FIXED_TILES + tiles / s) + (COMBINE_TILES * max(1.0, base * s / sms) if s > 1 else 0.0)
+    return min(range(1, max(1, most) + 1), key=lambda s: (cost(s), s))
 
 
 def wave_splits(base: int, sms: int, most: int) -> int:

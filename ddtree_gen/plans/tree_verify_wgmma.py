@@ -63,6 +63,9 @@ DEQUANT = "tree_verify_wgmma_dequant"
 PARTS_KERNEL = "tree_verify_wgmma_parts"
 PARTS_MAX_HEADS = 8
 PARTS_MIN_B = 8
+# ... and a block table of at least PARTS_MIN_KEYS keys a request: below, the chunks grid with the short-context split
+# count is 1.03-1.48x faster (B = 8..64, L = 64..960; docs/perf.md "Short contexts"); at B = 8 L = 1984 the parts grid wins
+PARTS_MIN_KEYS = 2048
 FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL)
 
 
