@@ -684,6 +684,7 @@ def test_short_context_splits():
     assert ss(72, 132, 3, 2) == 1 and ss(72, 132, 5, 3) == 1 and ss(72, 132, 9, 5) == 1 and ss(72, 132, 17, 9) == 1
     assert ss(144, 132, 3, 2) == 1 and ss(288, 132, 17, 9) == 1 and ss(1040, 132, 17, 9) == 1
     assert ss(9, 132, 17, 9) == 9 and ss(18, 132, 9, 5) == 5 and ss(9, 132, 3, 2) == 2
+    assert ss(144, 132, 17, 9) == 1 and ss(66, 132, 31, 16) == 1   # half the SMs filled: one chunk
     assert split_kv.LONG_TILES * 64 == 2048
 
 
