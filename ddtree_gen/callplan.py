@@ -55,9 +55,9 @@ class IsAligned:
 class TensorMap:
     """A kernel parameter computed per call: the CUtensorMap (128 bytes, passed by value) of array `index`
     viewed as a row-major [rows, cols] tensor of `elem_bytes`-byte elements (2: bf16 bits, 1: e4m3 bytes),
-    read in boxes of [box_rows, box_cols], with the 128-byte swizzle (`swizzle` True or 128: what TMA loads into a
-    wgmma operand tile), the 64-byte one (64: a box of 64-byte rows for a wgmma operand) or none (False or 0: rows as
-    they are, for threads to read). Encoded on the host for the call's pointer
+    read in boxes of [box_rows, box_cols], with the 128-byte swizzle (`swizzle` 128: what TMA loads into a wgmma
+    operand tile), the 64-byte one (64: a box of 64-byte rows for a wgmma operand) or none (0: rows as they are, for
+    threads to read). Encoded on the host for the call's pointer
     (cuTensorMapEncodeTiled, no device work) and remembered per pointer."""
     index: int
     rows: int
@@ -65,7 +65,7 @@ class TensorMap:
     box_rows: int
     box_cols: int
     elem_bytes: int = 2
-    swizzle: int = True
+    swizzle: int = 128      # bytes: 128, 64 or 0 (none)
 
 
 TENSOR_MAP_WORDS = 16   # sizeof(CUtensorMap) / 8
@@ -98,7 +98,7 @@ def tensor_map_words(ptr: int, tm: TensorMap) -> tuple:
         # UINT16 (1) or UINT8 (0) elements (bits moved as they are), no interleave, 128-byte swizzle (3), 64-byte (2)
         # or none (0), L2 promotion of 256 bytes, out-of-bound elements read as zeros
         dtype = {2: 1, 1: 0}[tm.elem_bytes]
-        swizzle = {0: 0, 1: 3, 64: 2, 128: 3}[int(tm.swizzle)]
+        swizzle = {0: 0, 64: 2, 128: 3}[tm.swizzle]
         rc = _encode_tiled()(out, dtype, 2, ctypes.c_void_p(ptr), dims, strides, box, step, 0, swizzle, 3, 0)
         if rc != 0:
             raise ArgumentError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for array {tm.index} at {ptr:#x}: "

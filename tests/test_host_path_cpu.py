@@ -679,3 +679,23 @@ def test_guarded_entries_per_launcher_are_bounded(monkeypatch):
     for a in args:
         assert kset.merge_states(*a).out.shape == a[0].shape
     assert len(through_dict) == 1 + 4 and len(_guarded(kset)) == 0 and len(launches) == 8 + 5
+
+
+@pytest.mark.parametrize("swizzle,mode", [(128, 3), (64, 2), (0, 0)])
+def test_tensor_map_swizzle_modes(swizzle, mode, monkeypatch):
+    """A TensorMap's swizzle in bytes -> cuTensorMapEncodeTiled's CU_TENSOR_MAP_SWIZZLE_* (128B 3, 64B 2, none 0), its
+    element type (UINT16 1 / UINT8 0), box and row stride; another swizzle is a KeyError before the driver is called
+    (the launchers make the maps: a programming error, not a user's)."""
+    from ddtree_gen import callplan
+    seen = []
+
+    def fake(out, dtype, rank, ptr, dims, strides, box, step, interleave, swz, promo, fill):
+        seen.append((dtype, rank, list(dims), list(strides), list(box), swz))
+        return 0
+    monkeypatch.setattr(callplan, "_ENCODE", [fake])
+    callplan._TENSOR_MAPS.clear()
+    callplan.tensor_map_words(4096, TensorMap(2, 128, 576, 64, 128 if swizzle == 128 else 64, 1, swizzle))
+    assert seen == [(0, 2, [576, 128], [576], [128 if swizzle == 128 else 64, 64], mode)]
+    assert TensorMap(2, 128, 576, 64, 64).swizzle == 128   # the default: a wgmma operand tile
+    with pytest.raises(KeyError):
+        callplan.tensor_map_words(8192, TensorMap(2, 128, 576, 64, 64, 1, 32))

@@ -333,7 +333,7 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     (tag, ptr, tm), *rest = da[18:]
     assert tag == "tensor map" and ptr == base and rest == [0] * 15
     assert (tm.index, tm.rows, tm.cols, tm.box_rows, tm.box_cols, tm.elem_bytes, tm.swizzle) == (
-        tensor_core_kvw(), B * MAX_PAGES * spec.page_size, 576, 64, 64, 2, True)
+        tensor_core_kvw(), B * MAX_PAGES * spec.page_size, 576, 64, 64, 2, 128)
     assert fa[18][2].elem_bytes == 1    # the fused build's map: e4m3 bytes
     assert dq.got[2:] == fused.got[1:]  # the combine, when split
     # the direct launcher of the kernel is the same path

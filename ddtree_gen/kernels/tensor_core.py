@@ -203,7 +203,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         if consts.get("Q_TERMS"):   # FP8 products: e4m3 latent slabs of 128 bytes, swizzled, and the rope slab of 64
             tma = (TensorMap(kv, rows, cols, bn, 128, 1, 128), TensorMap(kv, rows, cols, bn, 64, 1, 64))
         else:
-            tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, False) if spec.kv_fp8 and not dequant else ())),)
+            tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
                    if consts.get("USE_TMA") else ())
         blocks = splits * row_tiles if parts else b * splits * row_tiles
         steps.append(Step(name, (blocks,),
