@@ -4,17 +4,15 @@ shape the bf16 default (tree_verify, impl auto), the fp8 default (fp8_path=None:
 kernel (exact bf16 math on converted tiles) and each fp8_mma mode (Q and P in 1 or 2 e4m3 terms); CUDA-graph medians,
 speed against bf16, and the error of every fp8 build against the float64 reference on the dequantized cache (first
 requests, a few heads): the worst (request, row, head) of ||out - ref|| / ||ref||, its RMS over rows, and the worst
-|lse - ref|. --ablate adds builds with parts left out (timing only). --check runs the modes on the GPU tests' irregular batches (short, empty and tree-only rows, junk pages,
-split counts 1, 5 and the launcher's) with every row < q_len written and every other row left as poisoned.
+|lse - ref|. --ablate adds builds with parts left out (timing only). The modes on the GPU tests' irregular batches (rows written,
+untouched, within the modes' bars): tests/test_gpu_tree_verify.py::test_fp8_mma_builds.
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's F8M path (docs/perf.md, "FP8 products, built").
-Run: PYTHONPATH=. python scripts/compare_fp8_mma.py [--shapes B,H,L ...] [--modes q1p1 ...] [--vt-stages 2 3] [--check]
+Run: PYTHONPATH=. python scripts/compare_fp8_mma.py [--shapes B,H,L ...] [--modes q1p1 ...] [--vt-stages 2 3] [--ablate 0 4]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -51,61 +49,6 @@ def variants(f8, modes, stages, ablates=(0,)):
     return out
 
 
-def check(f8, modes, stages) -> list:
-    """The GPU tests' cases through each mode: rows written / untouched, and the errors against float64."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_gpu_tree_verify as t
-    rows = []
-    builds = variants(f8, modes, stages)
-    for case in t.CASES:
-        if case.id == "b1-L100000":
-            continue
-        seed = t.fresh_seed()
-        inp, rng = t.build_case(f8, case, seed, t.random_bf16_normal)
-        scale = t.SCALES[case.scale]
-        heads = t.heads_to_check(f8.num_heads, rng, case.heads)
-        ref = t.reference_for("tree_verify", inp, scale, heads)
-        for name, ks in builds.items():
-            for splits in (1, 5, None):
-                out, lse = t.poisoned(inp.shape)
-                ks.tree_verify_wgmma(**inp.device(), softmax_scale=scale, out=out, lse=lse, num_splits=splits)
-                ob, lb = t.to_host(out), t.to_host(lse)
-                status = "ok"
-                try:
-                    t.check_rows_written(ob, lb, inp.q_lens, f"{name} {case.id} splits={splits}")
-                except AssertionError as e:
-                    status = f"ROWS: {str(e)[:120]}"
-                worst, rms, dl = errors_masked(ob, lb, ref, inp.q_lens, heads)
-                rows.append((case.id, name, str(splits), f"{worst:.2e}", f"{rms:.2e}", f"{dl:.2e}", status))
-                print(rows[-1], flush=True)
-    return rows
-
-
-def errors_masked(out_bits, lse, ref, q_lens, heads):
-    """errors() over rows < q_len only (the cases have short requests), empty rows: 0 and -inf exactly or inf."""
-    from ddtree_gen import bf16
-    worst, sq, cnt, dl = 0.0, 0.0, 0, 0.0
-    for b, q in enumerate(q_lens):
-        q = int(q)
-        o = bf16.from_bits(out_bits[b, :q][:, heads]).astype(np.float64)
-        lo = lse[b, :q][:, heads].astype(np.float64)
-        ro, rl = ref.out[b, :q], ref.lse[b, :q]
-        empty = np.isneginf(rl)
-        if empty.any() and not ((out_bits[b, :q][:, heads][empty] == 0).all() and np.isneginf(lo[empty]).all()):
-            return float("inf"), float("inf"), float("inf")
-        full = ~empty
-        if np.isnan(o[full]).any() or np.isnan(lo[full]).any():
-            return float("inf"), float("inf"), float("inf")
-        rel = (np.linalg.norm(o - ro, axis=-1) / np.maximum(np.linalg.norm(ro, axis=-1), 1e-30))[full]
-        if rel.size:
-            worst = max(worst, float(rel.max()))
-            sq += float((rel ** 2).sum())
-            cnt += rel.size
-            with np.errstate(invalid="ignore"):
-                dl = max(dl, float(np.abs(lo - rl)[full].max()))
-    return worst, (sq / max(cnt, 1)) ** 0.5, dl
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
@@ -113,7 +56,6 @@ def main() -> None:
     ap.add_argument("--vt-stages", nargs="*", type=int, default=[2], help="V^T buffers of the producer (2, 3)")
     ap.add_argument("--ablate", nargs="*", type=int, default=[0],
                     help="ablation bits (0: none; 1 no S, 2 no P.V, 4 no V^T transpose: wrong results, for timing)")
-    ap.add_argument("--check", action="store_true", help="the GPU tests' irregular batches instead of the timing")
     ap.add_argument("--spec", default="kimi-k2.6-tp8", help="the bf16 spec whose fp8 variants are built")
     args = ap.parse_args()
     from ddtree_gen import needs
@@ -127,12 +69,6 @@ def main() -> None:
     from ddtree_gen.spec import find_spec
 
     base = find_spec(args.spec)
-    if args.check:
-        rows = check(spec_variant(base, base.num_heads, "fp8_e4m3"), args.modes, args.vt_stages)
-        print_table("fp8_mma on the GPU tests' cases: worst / RMS of ||out - ref|| / ||ref|| and worst |lse - ref| "
-                    "against float64 on the dequantized cache (rows < q_len of the checked heads)",
-                    ["case", "build", "splits", "worst rel", "rms rel", "worst dlse", "rows"], rows, None, None)
-        return
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     peak = measured_peak_tflops()
     rows = []
