@@ -156,13 +156,14 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
 #define CONV_BARS 1
 #define GROUP_FENCE 0
-// FP8 products (F8M 1, the config's "fp8_mma": an opt-in mode with a numerical bar of its own, docs/contract.md): S = Q K^T
-// and P V in e4m3 wgmma (k32), fp32 accumulators. Q is quantized by the block, one scale a row (sq = amax / 448), in
+// FP8 products (F8M 1, the config's "fp8_mma": a build knob kept as a measured experiment, slower and less exact than
+// the default: docs/perf.md "FP8 products, built", docs/decisions.md): S = Q K^T and P V in e4m3 wgmma (k32), fp32
+// accumulators. Q is quantized by the block, one scale a row (sq = amax / 448), in
 // Q_TERMS e4m3 terms (2: the residual q / sq - hi again, same scale, into the same accumulator); P' = 2^(S - m + P_SHIFT)
 // in [0, 256] in P_TERMS terms; K is the cache's e4m3 tile as TMA brings it (4 latent slabs of 128 bytes, 128-byte
 // swizzle, and the rope slab of 64 bytes, 64-byte swizzle: a second tensor map); V^T (K-major, the only B layout of e4m3
 // wgmma) is made by the third warpgroup, now the producer: it issues every TMA load and transposes each tile's latent
-// bytes into one of VT_STAGES V^T buffers [512 dims][64 keys] (64-byte swizzle), the keys of each 16 in the order of P's
+// bytes (ldmatrix.trans, byte permutes, stmatrix) into one of VT_STAGES V^T buffers [512 dims][64 keys] (64-byte swizzle), the keys of each 16 in the order of P's
 // A fragments (position 4 j + i of a 16: key 2 j + (i & 1) + 8 (i >> 1), what an S accumulator thread holds), with
 // the keys past the tile's end zeroed. Barriers: a tile's TMA boxes (S waits on them), V^T ready (128 producer
 // arrivals), V^T free (one arrival of each computing warpgroup after its P.V of that tile), S done (the producer
