@@ -26,6 +26,7 @@ def main() -> None:
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)
     import cupy
+    from ddtree_gen import bf16
     from ddtree_gen.bench.timing import graph_time_ms, print_table
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
@@ -51,8 +52,7 @@ def main() -> None:
         ref, times = None, {}
         for name, (fn, kw) in calls.items():
             res = fn(**x, **kw)
-            out = cupy.asnumpy(res.out).view(np.uint16).astype(np.uint32) << 16
-            out = out.view(np.float32)
+            out = bf16.from_bits(cupy.asnumpy(res.out))
             ref = out if ref is None else ref
             times[name] = graph_time_ms(lambda fn=fn, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
                                         per_graph=10, reps=10)

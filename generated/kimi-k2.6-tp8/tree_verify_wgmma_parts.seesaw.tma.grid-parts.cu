@@ -777,6 +777,8 @@ ddtree_tree_verify_wgmma_parts(const bf16_t* __restrict__ q_nope,       // [B, N
             }
         };
 
+        // F8M: the same pairs and hand-offs; P.V from V^T (waits on the producer), the P tiles in e4m3, and arrivals
+        // instead of refills, which let the producer go on: S done with a key buffer, a warpgroup done with a V^T buffer
         float s[NS];
         uint32_t pb[16];
         if (wg == 0) s_gemm(s, 0, 0, SLABS, true);
