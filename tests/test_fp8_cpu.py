@@ -91,9 +91,9 @@ def test_kv_dtype_in_a_spec_file(tmp_path):
 
 def test_registry_per_kv_dtype():
     """The mma.sync tree_verify kernels and the seesaw's parts-grid build read bf16 caches only; the dequantize path's
-    two kernels (kv_dequant and tree_verify_wgmma_dequant) are an fp8 spec's only; every other kernel is built for
-    both kv_dtypes."""
-    fp8_only = ("kv_dequant", "tree_verify_wgmma_dequant")
+    kernels (kv_dequant, tree_verify_wgmma_dequant and its parts-grid build) are an fp8 spec's only; every other
+    kernel is built for both kv_dtypes."""
+    fp8_only = ("kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma_dequant_parts")
     bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma_parts")
     for k in all_kernels():
         want = ("bf16",) if k.name in bf16_only else ("fp8_e4m3",) if k.name in fp8_only else KV_DTYPES
@@ -123,7 +123,7 @@ def test_list_and_build_check_show_kv_dtype(capsys):
     assert re.search(r"tree_verify_mma +- +not built: it reads bf16 caches, the spec's kv_dtype is fp8_e4m3", out)
     cli.main(["build", "--check", FP8.name])
     out = capsys.readouterr().out
-    assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, 12 kernels, 21 variants (not built for fp8_e4m3: "
+    assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, 13 kernels, 22 variants (not built for fp8_e4m3: "
             f"tree_verify_mma, tree_verify_tail_mma, tree_verify_wgmma_parts)") in out
     assert re.search(r"kv_dequant +- +not built: it reads fp8_e4m3 caches, the spec's kv_dtype is bf16", out) is None
     cli.main(["list", BF16.name])

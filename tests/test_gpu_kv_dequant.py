@@ -11,6 +11,8 @@ where the wgmma kernels cannot run: no GPU, not Hopper, DDTREE_GEN_ARCH=sm_80).
   a power of two; rows >= q_len untouched (poisoned before the launch); the float64 bar against the reference too; NaN
   bytes in the cache (read ones give the fused kernel's NaN rows, unread ones nothing); unmapped block-table entries;
   torch tensors, the torch op and CUDA-graph capture.
+* the parts grid (B >= 8, a block table of >= 2048 keys, H <= 8): the bits of the bf16 twin's parts build of the same
+  slab order on the dequantized cache, and the float64 bar.
 * the default (fp8_path=None): the dequantize path where kernels.tree_verify.fp8_default allows it (the plan of the
   call holds kv_dequant), the fused kernel past KV_WORKSPACE_LIMIT; the same bits either way; through the torch op
   and in a CUDA graph too (its workspace allocated per call).
@@ -207,6 +209,55 @@ def test_dequant_path_matches_fused(spec, knobs):
         check_against(got[0], got[1], ref, inp.q_lens, heads, tag)
         check_against(default[0], default[1], ref, inp.q_lens, heads, f"{tag} fp8_path=None")
     assert _default_paths(ks) == {"dequant"}, f"{spec.name}: fp8_path=None did not take the dequantize path"
+
+
+def test_dequant_path_parts_grid(spec):
+    """At B >= PARTS_MIN_B with a block table of at least PARTS_MIN_KEYS keys (num_splits not given) the dequantize path,
+    fp8_path "dequant" and None, runs its parts-grid build (tree_verify_wgmma_dequant_parts): with kv_scale = 2^k its
+    bits (out, lse) are the bf16 twin's parts build of the same slab order on the dequantized cache (exact in bf16);
+    with the batch's kv_scale (not a power of two) it meets the float64 bar; rows >= q_len untouched (poisoned)."""
+    from ddtree_gen import bf16, fp8
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.kernels.tensor_core import grid_kernel
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
+    from ddtree_gen.plans.variant import variant
+    from test_gpu_tree_verify import bf16_twin, reference_for
+    if not spec.kv_fp8 or not by_name(DEQUANT_PARTS).builds_for(spec):
+        pytest.skip(f"spec {spec.name!r}: {by_name(DEQUANT_PARTS).why_not_built(spec)}")
+    import cupy
+    ks = _load(spec, KERNELS + (DEQUANT_PARTS,))
+    twin = bf16_twin(spec)
+    ks_twin = variant_set([variant(by_name(PARTS_KERNEL), twin, rope_early=True, s_order="slab")],
+                          also=["tree_verify_mma_combine"])
+    skip_unless_runs(ks_twin, PARTS_KERNEL)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    n = spec.max_tree_size
+    lens = [0, 70, 1000, PARTS_MIN_KEYS + 52, 3000, 5, 640, 64, 4100]   # B = 9 >= PARTS_MIN_B
+    qlens = [n, 33, 2, n, 1, n, 17, 1, n]
+    inp = make_inputs(spec, rng, lens, qlens, "random", seed=seed, bf16=WGMMA.bf16, junk_bits=True)
+    b, max_pages = inp.block_table.shape
+    assert max_pages * spec.page_size >= PARTS_MIN_KEYS and b >= PARTS_MIN_B
+    assert grid_kernel(ks, DEQUANT, b, inp.shape[1], max_pages, None, None, cupy.cuda.Device().id) == DEQUANT_PARTS
+    scale = SCALES["mla"]
+    kv_scale = 2.0 ** int(rng.integers(-4, 2))
+    dequant = bf16.to_bits(fp8.dequantize(inp.kv_cache, kv_scale))
+    out, lse = poisoned(inp.shape)
+    ks_twin.tree_verify_wgmma_parts(**inp.device(kv_cache=dequant, kv_scale=None), softmax_scale=scale, out=out,
+                                    lse=lse)
+    want = to_host(out), to_host(lse)
+    heads = heads_to_check(spec.num_heads, rng, 4)
+    ref = reference_for("tree_verify", inp, scale, heads)
+    for path in ("dequant", None):
+        tag = f"{spec.name} fp8_path={path} seed={seed}"
+        got = _run(ks, inp, scale, None, path, kv_scale=kv_scale)
+        check_rows_written(*got, inp.q_lens, tag)
+        assert (got[0] == want[0]).all(), f"{tag}: out differs from the bf16 twin's parts build"
+        assert (got[1].view(np.uint32) == want[1].view(np.uint32)).all(), f"{tag}: lse differs from the twin's"
+        mine = _run(ks, inp, scale, None, path)   # the batch's own kv_scale: the float64 bar
+        check_rows_written(*mine, inp.q_lens, tag)
+        check_against(mine[0], mine[1], ref, inp.q_lens, heads, tag)
 
 
 def test_dequant_path_given_workspace_and_other_scales(spec):

@@ -22,7 +22,7 @@ from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tree_verify_wgmma as wg
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans import kv_dequant as kd_plans
-from ddtree_gen.plans.tree_verify_wgmma import DEQUANT
+from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_MAX_HEADS, PARTS_MIN_B, PARTS_MIN_KEYS
 from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import find_spec
 from test_fp8_cpu import fp8x4_to_bf16x4
@@ -162,7 +162,8 @@ def test_workspace_formula():
 def test_builds_of_the_dequantize_path():
     """kv_dequant and tree_verify_wgmma_dequant are built for the fp8 specs only; the latter is the bf16-cache seesaw
     (256 threads, no converter, KV_FP8 off) in the fused fp8 build's slab order, and its source is the bf16 twin's
-    seesaw of that order but for the names: the same kernel."""
+    seesaw of that order but for the names: the same kernel. Its parts-grid build (tree_verify_wgmma_dequant_parts) is
+    the bf16 twin's parts build of that order but for the names."""
     from ddtree_gen.render import render
     for name in ("kv_dequant", DEQUANT):
         assert by_name(name).kv_dtypes == ("fp8_e4m3",)
@@ -181,6 +182,16 @@ def test_builds_of_the_dequantize_path():
     assert "#define FP8 0" in mine and "typedef bf16_t kv_t;" in mine
     normalize = [("tree_verify_wgmma_dequant", "tree_verify_wgmma"), ("kimi-k2.6-tp8-fp8", "kimi-k2.6-tp8")]
     for a, b in normalize:
+        mine = mine.replace(a, b)
+    assert mine == theirs
+    # the parts-grid build: DEQUANT on the parts grid, the bf16 twin's parts build of the same slab order
+    vp = variant(by_name(DEQUANT_PARTS), FP8)
+    assert vp.name == "tree_verify_wgmma_dequant_parts.seesaw.tma.grid-parts.s-order-slab.rope-early"
+    cp = vp.plan().template_constants()
+    assert cp["PARTS"] == 1 and cp["THREADS"] == 256 and cp["ROPE_EARLY"] == 1 and cp["S_LOADED_ORDER"] == 0
+    twin_parts = variant(by_name("tree_verify_wgmma_parts"), BF16, rope_early=True, s_order="slab")
+    mine, theirs = render(vp), render(twin_parts)
+    for a, b in [("tree_verify_wgmma_dequant_parts", "tree_verify_wgmma_parts"), *normalize[1:]]:
         mine = mine.replace(a, b)
     assert mine == theirs
     kdq = variant(by_name("kv_dequant"), FP8).plan().template_constants()
@@ -269,14 +280,14 @@ DEQUANT_SET = ("tree_verify", "tree_verify_tail", "merge_states", "tree_verify_w
                "tree_verify_mma_combine", "kv_dequant", DEQUANT)
 
 
-def verify_args(spec, new, nq=None):
+def verify_args(spec, new, nq=None, b=B, max_pages=MAX_PAGES):
     h, r, p, n, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.max_tree_size, spec.mask_words
     nq = nq or n
-    args = dict(q_nope=new((B, nq, h, r), np.uint16), q_pe=new((B, nq, h, p), np.uint16),
+    args = dict(q_nope=new((b, nq, h, r), np.uint16), q_pe=new((b, nq, h, p), np.uint16),
                 kv_cache=new((PAGES, spec.page_size, r + p), np.uint8 if spec.kv_fp8 else np.uint16),
-                block_table=new((B, MAX_PAGES), np.int32), prefix_lens=new((B,), np.int32),
-                q_lens=new((B,), np.int32), tree_mask=new((B, nq, w), np.uint32), softmax_scale=192 ** -0.5,
-                out=new((B, nq, h, r), np.uint16), lse=new((B, nq, h), np.float32))
+                block_table=new((b, max_pages), np.int32), prefix_lens=new((b,), np.int32),
+                q_lens=new((b,), np.int32), tree_mask=new((b, nq, w), np.uint32), softmax_scale=192 ** -0.5,
+                out=new((b, nq, h, r), np.uint16), lse=new((b, nq, h), np.float32))
     if spec.kv_fp8:
         args["kv_scale"] = KV_SCALE
     return args
@@ -340,6 +351,52 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     again = Recording(spec)
     wg.tree_verify_dequant(again, **args, workspace=ws, num_splits=splits, kv_workspace=kvw)
     assert again.got == dq.got
+
+
+@pytest.mark.parametrize("b,kw,loaded,want", [
+    (PARTS_MIN_B, {}, True, "parts"), (PARTS_MIN_B - 1, {}, True, "chunks"), (PARTS_MIN_B, {"num_splits": 3}, True,
+    "chunks"), (PARTS_MIN_B, {}, False, "chunks"), (PARTS_MIN_B, {"short": True}, True, "chunks")],
+    ids=["B=min", "B=min-1", "num_splits given", "not loaded", "fewer than PARTS_MIN_KEYS keys"])
+def test_dequant_path_parts_grid(b, kw, loaded, want, fake_device):
+    """The dequantize path takes its parts-grid build (tree_verify_wgmma_dequant_parts) by the bf16 parts rule: B >=
+    PARTS_MIN_B, a block table of at least PARTS_MIN_KEYS keys, num_splits not given, the build loaded; with the
+    part count of parts_for (one block per (row tile, part)), after the same kv_dequant; fp8_path=None takes the same,
+    and the build's launcher by name too. Otherwise the chunks-grid build, as before."""
+    from ddtree_gen.plans import split_kv
+    from ddtree_gen.plans.tree_verify_wgmma import parts_for
+    assert FP8.num_heads <= PARTS_MAX_HEADS
+    pages = PARTS_MIN_KEYS // FP8.page_size - (1 if kw.pop("short", False) else 0)
+    new, n = Arrays(), FP8.max_tree_size
+    args = verify_args(FP8, new, b=b, max_pages=pages)
+    ws = new((max(split_kv.workspace_elems(FP8, b, n, split_kv.MAX_SPLITS),
+                  split_kv.parts_workspace_elems(FP8, b, n, split_kv.MAX_SPLITS)),), np.float32)
+    kvw = _ws(FP8, new, b, pages)
+    names = DEQUANT_SET + ((DEQUANT_PARTS,) if loaded else ())
+    dq, default = Recording(FP8, names), Recording(FP8, names)
+    tv.tree_verify(dq, **args, workspace=ws, fp8_path="dequant", kv_workspace=kvw, **kw)
+    tv.tree_verify(default, **args, workspace=ws, kv_workspace=kvw, **kw)
+    assert default.got == dq.got
+    row_tiles = -(-n * FP8.num_heads // split_kv.BM)
+    assert dq.got[0][0] == "kv_dequant"
+    if want == "parts":
+        parts = parts_for(FP8, b, n, pages * FP8.page_size, 132)
+        assert dq.got[1][0] == DEQUANT_PARTS and dq.got[1][1] == (parts * row_tiles,), dq.got[1][:2]
+        assert dq.got[1][2][12] == parts and dq.got[-1][0] == "tree_verify_mma_combine"
+        again = Recording(FP8, names)
+        wg.tree_verify_dequant_parts(again, **args, workspace=ws, kv_workspace=kvw)
+        assert again.got == dq.got
+    else:
+        assert dq.got[1][0] == DEQUANT and dq.got[1][1][0] % (b * row_tiles) == 0, dq.got[1][:2]
+
+
+def test_dequant_parts_built_where_it_serves():
+    """The dequantize path's parts build exists for the fp8 seesaw specs with H <= PARTS_MAX_HEADS only."""
+    from ddtree_gen.spec import all_specs
+    k = by_name(DEQUANT_PARTS)
+    for spec in all_specs():
+        assert k.builds_for(spec) == (spec.kv_fp8 and spec.num_heads <= PARTS_MAX_HEADS), spec.name
+        if spec.kv_fp8 and spec.num_heads > PARTS_MAX_HEADS:
+            assert f"H <= {PARTS_MAX_HEADS}" in k.why_not_built(spec)
 
 
 def test_dequant_path_allocates_its_workspace(fake_device):
@@ -644,10 +701,11 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
     makes (the shipped ones and the unshipped H variants), never for a bf16 one."""
     from ddtree_gen.bench import kv_dtype as bench
     from ddtree_gen.bench.specs import spec_variant
-    assert set(bench.DEQUANT_KERNELS) == {"kv_dequant", DEQUANT}
+    assert set(bench.DEQUANT_KERNELS) == {"kv_dequant", DEQUANT, DEQUANT_PARTS}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
         for name in bench.DEQUANT_KERNELS:
-            assert by_name(name).builds_for(spec_variant(BF16, h, "fp8_e4m3")), (h, name)
+            want = name != DEQUANT_PARTS or h <= PARTS_MAX_HEADS   # the parts build: H <= 8 only
+            assert by_name(name).builds_for(spec_variant(BF16, h, "fp8_e4m3")) == want, (h, name)
             assert not by_name(name).builds_for(spec_variant(BF16, h, "bf16")), (h, name)
 
 

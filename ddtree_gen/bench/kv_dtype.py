@@ -10,7 +10,9 @@ import time
 import numpy as np
 
 from ..inputs import verify_inputs
+from ..kernels.tensor_core import grid_kernel
 from ..kernels.tree_verify import auto_impl, fp8_default
+from ..plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS
 from .specs import VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
@@ -18,7 +20,8 @@ from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, ve
 KV_DTYPE_CONFIGS = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096),
                     (8, 64, 16384)]
 KV_DTYPE_KERNELS = VERIFY_KERNELS
-DEQUANT_KERNELS = ("kv_dequant", "tree_verify_wgmma_dequant")   # an fp8 spec's fp8_path="dequant"
+# an fp8 spec's fp8_path="dequant" (its parts-grid build where H <= 8: the path takes it at B >= 8)
+DEQUANT_KERNELS = ("kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma_dequant_parts")
 
 
 def run(args) -> None:
@@ -57,8 +60,10 @@ def run(args) -> None:
                   f"(load + inputs + timing {time.perf_counter() - t0:.1f} s)", flush=True)
             if spec.kv_fp8 and impls[kv_dtype] == "wgmma":   # the dequantize path, same inputs, same process
                 same, times["dequant"] = _dequant(ks, spec, x, res, flops / (peak * 1e12) * 1e3, f"B={b} H={h} L={l}")
+                against = {"yes": "bit-identical to the fused kernel's", "NO": "DIFFERENT from the fused kernel's"}
                 print(f"B={b} H={h} L={l} {spec.name} (fp8_path='dequant'): {times['dequant']:.3f} ms, outputs "
-                      f"{'bit-identical to' if same == 'yes' else 'DIFFERENT from'} the fused kernel's", flush=True)
+                      f"{against.get(same, f'of the parts grid: {same[6:]} from the fused ones (relative)')}",
+                      flush=True)
         cells = []
         for kv_dtype in ("bf16", "fp8_e4m3"):
             tf = flops / (times[kv_dtype] * 1e-3) / 1e12
@@ -72,15 +77,17 @@ def run(args) -> None:
                 f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms; fp8 default = the path fp8_path=None takes "
                 f"(kernels.tree_verify.fp8_default); fp8 = the fused kernel (fp8_path='fused'), dequant = "
                 f"fp8_path='dequant' (kv_dequant pre-pass + bf16-cache seesaw; 'same bits' = its out and lse equal the "
-                f"fused kernel's)",
+                f"fused kernel's; 'parts' = its parts-grid build ran, bits of its own: the worst row's relative "
+                f"difference from the fused output)",
                 ["config", "impl bf16/fp8", "fp8 default", "bf16 ms", "fp8 ms", "speedup", "dequant ms",
                  "dequant speedup", "same bits", "bf16 TFLOP/s", "bf16 % peak", "fp8 TFLOP/s", "fp8 % peak"], rows,
                 args.out, "bench_kv_dtype")
 
 
 def _dequant(ks, spec, x, fused, floor_ms, where) -> tuple:
-    """The dequantize path on the fused call's inputs: ("yes" / "NO": its out and lse are the fused ones' bits, ms
-    by CUDA-graph replay) with its kv_workspace given (allocated once, as an engine would)."""
+    """The dequantize path on the fused call's inputs: ("yes": its out and lse are the fused ones' bits; on the parts
+    grid, which has bits of its own, "parts" and the worst ||out - fused|| / ||fused|| of a row; "NO" otherwise, ms by
+    CUDA-graph replay) with its kv_workspace given (allocated once, as an engine would)."""
     import cupy
     from ..plans.kv_dequant import workspace_elems
     b, max_pages = x["block_table"].shape
@@ -89,7 +96,13 @@ def _dequant(ks, spec, x, fused, floor_ms, where) -> tuple:
     rows = np.arange(x["q_nope"].shape[1])[None, :] < cupy.asnumpy(x["q_lens"])[:, None]   # rows < q_len
     same = all(np.array_equal(cupy.asnumpy(a)[rows].view(np.uint8), cupy.asnumpy(f)[rows].view(np.uint8))
                for a, f in ((res.out, fused.out), (res.lse, fused.lse)))
+    verdict = "yes" if same else "NO"
+    if not same and grid_kernel(ks, DEQUANT, b, x["q_nope"].shape[1], max_pages, None, None,
+                                x["q_nope"].device.id) == DEQUANT_PARTS:
+        from .. import bf16
+        o, f = (bf16.from_bits(cupy.asnumpy(a)[rows]).astype(np.float64) for a in (res.out, fused.out))
+        rel = np.linalg.norm(o - f, axis=-1) / np.maximum(np.linalg.norm(f, axis=-1), 1e-30)
+        verdict = f"parts {rel.max():.1e}" if np.isfinite(rel).all() else "NO (NaN)"
     fn = lambda: ks.tree_verify(**x, out=res.out, lse=res.lse, fp8_path="dequant", kv_workspace=kvw)  # noqa: E731
-    return ("yes" if same else "NO"), checked_graph_time_ms(fn, f"fp8 dequant at {where}", floor_ms)
-
+    return verdict, checked_graph_time_ms(fn, f"fp8 dequant at {where}", floor_ms)
 

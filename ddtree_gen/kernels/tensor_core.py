@@ -36,7 +36,7 @@ from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import DEQUANT, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS, parts_for
+from ..plans.tree_verify_wgmma import DEQUANT, WORKSPACE_READERS, PARTS_MIN_B, PARTS_MIN_KEYS, PARTS_OF, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
@@ -63,16 +63,17 @@ def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens
 
 
 def attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, out,
-                      lse, validate, workspace, num_splits, kv_scale, kv_workspace) -> AttentionOutput:
+                      lse, validate, workspace, num_splits, kv_scale, kv_workspace, name=DEQUANT) -> AttentionOutput:
     """An fp8 spec's tree_verify by the dequantize path (fp8_path="dequant"): kv_dequant converts the e4m3 pages the
     call reads into kv_workspace (a bf16 paged cache and its block table: plans/kv_dequant.workspace_layout), then
-    tree_verify_wgmma_dequant (the bf16-cache seesaw) reads it, with kv_scale applied as in the fused kernel."""
+    tree_verify_wgmma_dequant (the bf16-cache seesaw; its parts-grid build where the parts rule holds) reads it, with
+    kv_scale applied as in the fused kernel. name: DEQUANT_PARTS runs that build by name."""
     arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace, kv_workspace)
 
     def prepare_dequant():
-        return prepare_attention(kset, DEQUANT, False, arrays, softmax_scale, validate, num_splits, kv_scale)
-    return run_call(kset, prepare_dequant, arrays, (type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-                                                    type(kv_scale), kv_scale), cache=not validate)
+        return prepare_attention(kset, name, False, arrays, softmax_scale, validate, num_splits, kv_scale)
+    return run_call(kset, prepare_dequant, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits),
+                                                    num_splits, type(kv_scale), kv_scale), cache=not validate)
 
 
 def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
@@ -116,6 +117,18 @@ def _holds_parts(spec, workspace, b: int, nq: int, max_keys: int, device: int) -
     return wa.dtype == "float32" and math.prod(wa.shape) >= need
 
 
+def grid_kernel(kset, name: str, b: int, nq: int, max_pages: int, num_splits, workspace, device: int) -> str:
+    """The kernel a call of `name` runs: its parts-grid build (plans/tree_verify_wgmma.PARTS_OF) where that is loaded
+    and runs, num_splits is not given, B >= PARTS_MIN_B, the block table spans at least PARTS_MIN_KEYS keys and a
+    caller's workspace holds the parts' partials (measured faster there); else `name`."""
+    grid = PARTS_OF.get(name)
+    keys = max_pages * kset.spec.page_size
+    if (grid and num_splits is None and b >= PARTS_MIN_B and grid in kset.kernels and keys >= PARTS_MIN_KEYS
+            and available(kset, grid, device) and _holds_parts(kset.spec, workspace, b, nq, keys, device)):
+        return grid
+    return name
+
+
 def available(kset, name: str, device: int) -> bool:
     """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
     return kset.unavailable(name, device) is None
@@ -132,12 +145,8 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    if (name == "tree_verify_wgmma" and num_splits is None and b >= PARTS_MIN_B and PARTS_KERNEL in kset.kernels
-            and max_pages * spec.page_size >= PARTS_MIN_KEYS
-            and available(kset, PARTS_KERNEL, qn.device)
-            and _holds_parts(spec, arrays[WS], b, nq, max_pages * spec.page_size, qn.device)):
-        name = PARTS_KERNEL   # the balanced parts grid, measured faster there (plans/tree_verify_wgmma.PARTS_KERNEL)
-    dequant = name == DEQUANT
+    name = grid_kernel(kset, name, b, nq, max_pages, num_splits, arrays[WS], qn.device)
+    dequant = name in WORKSPACE_READERS
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in kset.kernels:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "

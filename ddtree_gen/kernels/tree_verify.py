@@ -21,7 +21,8 @@ An fp8 spec (kv_dtype "fp8_e4m3": the cache holds e4m3 bytes) has no mma.sync ke
 Its launches take kv_scale (the value of a cache element is e4m3 x kv_scale): folded into the scores'
 factor and applied to the output, in fp32 (kernels/checks.py kv_scale_arg); a bf16 spec refuses kv_scale.
 Its tree_verify reads the e4m3 cache by one of two paths of the same bits: "fused" (the kernel impl picks converts
-the tiles on chip) or "dequant" (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: measured faster);
+the tiles on chip) or "dequant" (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: measured faster;
+at B >= 8 with H <= 8 its parts-grid build, bits of its own: contract section 4b);
 fp8_path=None (the default) takes "dequant" where fp8_default allows it (impl "auto" / "wgmma", its kernels loaded
 and running on the device, a workspace of at most KV_WORKSPACE_LIMIT bytes), per call signature; tree_verify_tail
 is always fused.
@@ -198,7 +199,7 @@ def _shape_of(x, name: str) -> tuple | None:
 def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool = False,
                 name: str = "tree_verify") -> tuple[str | None, str]:
     """The path an fp8 spec's `name` with fp8_path=None (the default) takes, and why: (path, reason), path "dequant"
-    (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: the fused kernel's bits, measured faster on
+    (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: the fused kernel's bits but on the parts grid, measured faster on
     every shape, docs/perf.md) or "fused" (the kernel impl picks reads the e4m3 cache itself). The first rule that
     fails gives "fused" and its reason:
       1. the launcher is tree_verify (tree_verify_tail has no dequantize path);
@@ -336,7 +337,8 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
 
     fp8_path (an fp8 spec only): "fused": the wgmma kernel converts the e4m3 tiles on chip (impl picks it as for a
     bf16 spec); "dequant": kv_dequant first converts the e4m3 pages the call reads (keys < prefix_len + q_len) into a
-    bf16 workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused", Hopper
+    bf16 workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused" (but where
+    the parts rule takes tree_verify_wgmma_dequant_parts: B >= 8, H <= 8, >= 2048 keys, no num_splits), Hopper
     only (impl "auto" or "wgmma"); None (the default): "dequant" where fp8_default allows it (impl "auto" / "wgmma",
     its kernels loaded and running on the device, the workspace it would allocate at most KV_WORKSPACE_LIMIT = 512
     MiB or kv_workspace given), else "fused"; decided once per call signature. Its kv_workspace (fp8_path "dequant",

@@ -8,6 +8,7 @@ or with impl="wgmma"; kset.tree_verify_wgmma calls them directly.
 """
 from __future__ import annotations
 
+from ..plans.tree_verify_wgmma import DEQUANT_PARTS
 from ..types import AttentionOutput
 from .tensor_core import attention, attention_dequant
 
@@ -52,3 +53,13 @@ def tree_verify_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, 
     it with kv_scale in fp32: the bits of the fused kernel (tree_verify_wgmma). Same arguments otherwise."""
     return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                              out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)
+
+
+def tree_verify_dequant_parts(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                              out=None, lse=None, *, validate=False, workspace=None, num_splits=None, kv_scale=None,
+                              kv_workspace=None) -> AttentionOutput:
+    """tree_verify_wgmma_dequant_parts by name: the dequantize path with its attention kernel on the balanced parts grid,
+    what kset.tree_verify of an fp8 spec's dequantize path runs at B >= plans.tree_verify_wgmma.PARTS_MIN_B where it is
+    loaded. num_splits here is the part count (default: parts_for). Same arguments as tree_verify_dequant."""
+    return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                             out, lse, validate, workspace, num_splits, kv_scale, kv_workspace, name=DEQUANT_PARTS)

@@ -66,13 +66,20 @@ PARTS_MIN_B = 8
 # ... and a block table of at least PARTS_MIN_KEYS keys a request: below, the chunks grid with the short-context split
 # count is 1.03-1.48x faster (B = 8..64, L = 64..960; docs/perf.md "Short contexts"); at B = 8 L = 1984 the parts grid wins
 PARTS_MIN_KEYS = 2048
-FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL)
+# The dequantize path's kernel on the parts grid: an fp8 spec with H <= PARTS_MAX_HEADS, where its calls take the parts
+# grid by the rule of PARTS_KERNEL (docs/perf.md "The dequantize path on the bf16 default's build": 0.76 -> 0.83x of
+# bf16 at B = 8 H = 8). The bits of the bf16 parts build in the fused build's slab order on the dequantized cache
+DEQUANT_PARTS = "tree_verify_wgmma_dequant_parts"
+# the kernel tree_verify's launcher takes instead of each chunks-grid kernel where the parts rule holds
+PARTS_OF = {"tree_verify_wgmma": PARTS_KERNEL, DEQUANT: DEQUANT_PARTS}
+WORKSPACE_READERS = (DEQUANT, DEQUANT_PARTS)     # the builds that read kv_dequant's bf16 workspace
+FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL, DEQUANT_PARTS)
 
 
 def reads_fp8(spec, kernel: str) -> bool:
-    """Whether `kernel`'s build for `spec` reads e4m3 tiles: an fp8 spec's, except the dequantize path's kernel (DEQUANT),
-    which reads the bf16 workspace."""
-    return spec.kv_fp8 and kernel != DEQUANT
+    """Whether `kernel`'s build for `spec` reads e4m3 tiles: an fp8 spec's, except the dequantize path's kernels
+    (WORKSPACE_READERS), which read the bf16 workspace."""
+    return spec.kv_fp8 and kernel not in WORKSPACE_READERS
 
 
 def uses_tma(spec, kernel: str) -> bool:
@@ -168,6 +175,11 @@ def dequant_config(spec, arch: str = "sm_90a") -> dict:
     return {"schedule": "seesaw", "tma": True, **KNOBS, "rope_early": True, "s_order": "slab"}
 
 
+def dequant_parts_config(spec, arch: str = "sm_90a") -> dict:
+    """The policy of DEQUANT_PARTS: DEQUANT's build on the parts grid (the slab order measured the same there)."""
+    return {**dequant_config(spec, arch), "grid": "parts"}
+
+
 def spell(config) -> tuple:
     """A configuration's part of a variant's name (plans/variant.py): tree_verify_wgmma.seesaw.tma,
     tree_verify_wgmma.lockstep.cpasync.ablate3 (each knob that is not at its default value after the schedule)."""
@@ -191,15 +203,15 @@ def spell(config) -> tuple:
 
 def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
-    if kernel == DEQUANT and not spec.kv_fp8:
+    if kernel in WORKSPACE_READERS and not spec.kv_fp8:
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path is an fp8 spec's (kv_dtype "
                         f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    if kernel == PARTS_KERNEL and (spec.num_heads > PARTS_MAX_HEADS or not seesaw_fits(spec, kernel)):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the bf16 seesaw with H <= "
+    if kernel in (PARTS_KERNEL, DEQUANT_PARTS) and (spec.num_heads > PARTS_MAX_HEADS or not seesaw_fits(spec, kernel)):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the seesaw with H <= "
                         f"{PARTS_MAX_HEADS} (num_heads is {spec.num_heads}; at H = 16 the chunks grid measured faster)")
     if config is None:
-        config = (dequant_config(spec) if kernel == DEQUANT else parts_config(spec) if kernel == PARTS_KERNEL
-                  else variant_config(spec, kernel=kernel))
+        config = {DEQUANT: dequant_config, PARTS_KERNEL: parts_config,
+                  DEQUANT_PARTS: dequant_parts_config}.get(kernel, functools.partial(variant_config, kernel=kernel))(spec)
     fp8 = reads_fp8(spec, kernel)
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
@@ -276,6 +288,10 @@ def parts_plan(spec, config=None) -> Plan:
     return verify_plan(spec, PARTS_KERNEL, config)
 
 
+def dequant_parts_plan(spec, config=None) -> Plan:
+    return verify_plan(spec, DEQUANT_PARTS, config)
+
+
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
 
 KERNELS = [
@@ -292,6 +308,10 @@ KERNELS = [
     KernelDef(name=PARTS_KERNEL, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_parts",
               plan=parts_plan, context={"tail": False}, archs=ARCHS, kv_dtypes=("bf16",), policy=parts_config,
               spell=spell),
+    # an fp8 spec with H <= PARTS_MAX_HEADS only: DEQUANT on the parts grid, which the dequantize path takes at B >= PARTS_MIN_B
+    KernelDef(name=DEQUANT_PARTS, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant_parts",
+              plan=dequant_parts_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
+              policy=dequant_parts_config, spell=spell),
 ]
 
 
@@ -328,6 +348,13 @@ DECLARATIONS = [
     Declaration(KERNELS[3], launcher="kernels.tree_verify_wgmma:tree_verify_parts", reference="reference:tree_verify",
                 output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
                 missing={"torch_ops": "served by the torch op of tree_verify, which runs it at B >= PARTS_MIN_B",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
+    # the dequantize path (fp8_path "dequant", or None where it takes that path) runs it at B >= PARTS_MIN_B
+    Declaration(KERNELS[4], launcher="kernels.tree_verify_wgmma:tree_verify_dequant_parts",
+                reference="reference:tree_verify", output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
+                missing={"torch_ops": "served by the torch op of tree_verify (an fp8 spec's dequantize path), which "
+                                      "runs it at B >= PARTS_MIN_B",
                          "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
                                     "inputs and outputs of this kernel too"}),
 ]

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""The dequantize path's attention kernel (tree_verify_wgmma_dequant) in other builds, end to end, in one process: per
+shape the bf16 default (tree_verify, impl auto: the chunks or the parts grid, as the launcher picks), the fp8 default
+(fp8_path=None: kv_dequant, then the shipped tree_verify_wgmma_dequant, built in the fused kernel's slab order), and
+the same pre-pass followed by other builds of the attention kernel:
+* "bf16 order": the bf16 default's slab order (rope slab with the late group, S in loaded order) instead of the fused
+  fp8 kernel's (rope_early, s_order "slab"): the bf16 default's build on the workspace;
+* "parts" / "parts, bf16 order": the balanced parts grid (grid "parts"), which the bf16 default runs at H <= 8, B >= 8.
+CUDA-graph medians, speed against bf16, and each build's error against the float64 reference on the dequantized
+cache (first 2 requests, heads 0 and H - 1: worst and RMS of ||out - ref|| / ||ref||, worst |lse - ref|).
+When: on an H100 / H200, to choose the dequantize path's build (docs/perf.md, "The dequantize path on the bf16
+default's build").
+Run: PYTHONPATH=.:scripts python3 scripts/compare_dequant_builds.py [--shapes B,H,L ...] [--spec kimi-k2.6-tp8]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from compare_fp8_mma import SHAPES, errors
+
+BUILDS = {"bf16 order": {"rope_early": False, "s_order": "loaded"},
+          "parts": {"grid": "parts"},
+          "parts, bf16 order": {"grid": "parts", "rope_early": False, "s_order": "loaded"}}
+PARTS_MAX_H = 16     # the parts builds are timed at H <= 16 only (at H >= 64 a request has 65+ row tiles: 1-2 parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
+    ap.add_argument("--spec", default="kimi-k2.6-tp8", help="the bf16 spec whose H variants are built")
+    args = ap.parse_args()
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=True, torch=True)
+    import cupy
+    from ddtree_gen import reference
+    from ddtree_gen.bench.specs import spec_variant
+    from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, print_table, verify_flops
+    from ddtree_gen.inputs import verify_inputs
+    from ddtree_gen.kernel_set import load, variant_set
+    from ddtree_gen.plans import by_name
+    from ddtree_gen.plans.split_kv import COMBINE
+    from ddtree_gen.plans.variant import variant
+
+    from ddtree_gen.spec import find_spec
+
+    base = find_spec(args.spec)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    peak = measured_peak_tflops()
+    rows = []
+    for b, h, L in shapes:
+        t0 = time.perf_counter()
+        bf, f8 = spec_variant(base, h, "bf16"), spec_variant(base, h, "fp8_e4m3")
+        lens = np.full(b, L)
+        xb, x8 = verify_inputs(bf, b, lens, 65), verify_inputs(f8, b, lens, 65)
+        flops = verify_flops(bf, lens, 65)
+        kb = load(bf, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", "tree_verify_mma_combine"])
+        k8 = load(f8, kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "kv_dequant", "tree_verify_wgmma_dequant"])
+        calls = {"bf16 default": (kb.tree_verify, xb, {}), "fp8 default": (k8.tree_verify, x8, {})}
+        dq = by_name("tree_verify_wgmma_dequant")
+        for name, knobs in BUILDS.items():
+            if "parts" in name and h > PARTS_MAX_H:
+                continue
+            vs = variant_set([variant(dq, f8, **knobs)], also=[COMBINE, "kv_dequant", "tree_verify_wgmma"])
+            calls[f"dequant {name}"] = (vs.tree_verify, x8, {"fp8_path": "dequant"})
+        n = min(b, 2)
+        heads = np.array(sorted({0, h - 1}))
+        host = {k: (cupy.asnumpy(v) if hasattr(v, "device") else v) for k, v in x8.items()}
+        sub = {**host, "q_nope": host["q_nope"][:n][:, :, heads], "q_pe": host["q_pe"][:n][:, :, heads],
+               "block_table": host["block_table"][:n], "prefix_lens": host["prefix_lens"][:n],
+               "q_lens": host["q_lens"][:n], "tree_mask": host["tree_mask"][:n]}
+        ref = reference.tree_verify(**sub)
+        times = {}
+        for name, (fn, x, kw) in calls.items():
+            res = fn(**x, **kw)
+            times[name] = graph_time_ms(lambda fn=fn, x=x, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
+                                        per_graph=5, reps=10)
+            err = errors(cupy.asnumpy(res.out), cupy.asnumpy(res.lse), ref, n, heads) if x is x8 else None
+            tf = flops / (times[name] * 1e-3) / 1e12
+            rows.append([f"B={b} H={h} L={L}", name, f"{times[name]:.4f}", f"{100 * tf / peak:.1f}%",
+                         f"{times['bf16 default'] / times[name]:.2f}x",
+                         *((f"{err[0]:.2e}", f"{err[1]:.2e}", f"{err[2]:.2e}") if err else ("-", "-", "-"))])
+            print(rows[-1], flush=True)
+        print(f"B={b} H={h} L={L}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print_table(f"tree_verify of {base.name}'s H variants, Nq=65: the bf16 default, the fp8 default (dequantize path) "
+                f"and the dequantize path with other builds of its attention kernel; CUDA-graph medians; % of the bf16 "
+                f"matmul peak measured in this run ({peak:.0f} TFLOP/s); speed = bf16 default ms / ms; errors against "
+                f"float64 on the dequantized cache (first 2 requests, heads 0 and H-1)",
+                ["config", "build", "ms", "% peak", "speed", "worst rel", "rms rel", "worst dlse"], rows, None, None)
+
+
+if __name__ == "__main__":
+    main()
