@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The dequantize path's attention kernel (tree_verify_wgmma_dequant) in other builds, end to end, in one process: per
 shape the bf16 default (tree_verify, impl auto: the chunks or the parts grid, as the launcher picks), the fp8 default
-(fp8_path=None: kv_dequant, then the shipped tree_verify_wgmma_dequant, built in the fused kernel's slab order), and
-the same pre-pass followed by other builds of the attention kernel:
+without the parts-grid build loaded (fp8_path=None: kv_dequant, then tree_verify_wgmma_dequant, the chunks grid in the
+fused kernel's slab order: the default before tree_verify_wgmma_dequant_parts shipped), and the same pre-pass
+followed by other builds of the attention kernel:
 * "bf16 order": the bf16 default's slab order (rope slab with the late group, S in loaded order) instead of the fused
   fp8 kernel's (rope_early, s_order "slab"): the bf16 default's build on the workspace;
 * "parts" / "parts, bf16 order": the balanced parts grid (grid "parts"), which the bf16 default runs at H <= 8, B >= 8.
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from compare_fp8_mma import SHAPES, errors
+from compare_fp8_mma import SHAPES, time_and_check
 
 BUILDS = {"bf16 order": {"rope_early": False, "s_order": "loaded"},
           "parts": {"grid": "parts"},
@@ -34,16 +35,13 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    import cupy
-    from ddtree_gen import reference
     from ddtree_gen.bench.specs import spec_variant
-    from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, print_table, verify_flops
+    from ddtree_gen.bench.timing import measured_peak_tflops, print_table, verify_flops
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.split_kv import COMBINE
     from ddtree_gen.plans.variant import variant
-
     from ddtree_gen.spec import find_spec
 
     base = find_spec(args.spec)
@@ -65,24 +63,7 @@ def main() -> None:
                 continue
             vs = variant_set([variant(dq, f8, **knobs)], also=[COMBINE, "kv_dequant", "tree_verify_wgmma"])
             calls[f"dequant {name}"] = (vs.tree_verify, x8, {"fp8_path": "dequant"})
-        n = min(b, 2)
-        heads = np.array(sorted({0, h - 1}))
-        host = {k: (cupy.asnumpy(v) if hasattr(v, "device") else v) for k, v in x8.items()}
-        sub = {**host, "q_nope": host["q_nope"][:n][:, :, heads], "q_pe": host["q_pe"][:n][:, :, heads],
-               "block_table": host["block_table"][:n], "prefix_lens": host["prefix_lens"][:n],
-               "q_lens": host["q_lens"][:n], "tree_mask": host["tree_mask"][:n]}
-        ref = reference.tree_verify(**sub)
-        times = {}
-        for name, (fn, x, kw) in calls.items():
-            res = fn(**x, **kw)
-            times[name] = graph_time_ms(lambda fn=fn, x=x, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
-                                        per_graph=5, reps=10)
-            err = errors(cupy.asnumpy(res.out), cupy.asnumpy(res.lse), ref, n, heads) if x is x8 else None
-            tf = flops / (times[name] * 1e-3) / 1e12
-            rows.append([f"B={b} H={h} L={L}", name, f"{times[name]:.4f}", f"{100 * tf / peak:.1f}%",
-                         f"{times['bf16 default'] / times[name]:.2f}x",
-                         *((f"{err[0]:.2e}", f"{err[1]:.2e}", f"{err[2]:.2e}") if err else ("-", "-", "-"))])
-            print(rows[-1], flush=True)
+        rows += time_and_check(calls, x8, f"B={b} H={h} L={L}", flops, peak)
         print(f"B={b} H={h} L={L}: {time.perf_counter() - t0:.1f} s", flush=True)
     print_table(f"tree_verify of {base.name}'s H variants, Nq=65: the bf16 default, the fp8 default (dequantize path) "
                 f"and the dequantize path with other builds of its attention kernel; CUDA-graph medians; % of the bf16 "

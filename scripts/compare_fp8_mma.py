@@ -33,6 +33,35 @@ def errors(out, lse, ref, n, heads):
     return float(rel.max()), float(np.sqrt((rel ** 2).mean())), float(np.abs(lo - ref.lse).max())
 
 
+def time_and_check(calls: dict, x8: dict, config: str, flops: float, peak: float) -> list:
+    """Time each call (name -> (fn, inputs, kwargs); the first is the baseline of the speed column) by CUDA-graph
+    replay, and the error of each call on the fp8 inputs x8 (but ablations) against the float64 reference of the first
+    requests (at most 2), heads 0 and H - 1; the table's rows."""
+    import cupy
+    from ddtree_gen import reference
+    from ddtree_gen.bench.timing import graph_time_ms
+    b, h = x8["q_nope"].shape[0], x8["q_nope"].shape[2]
+    n = min(b, 2)
+    heads = np.array(sorted({0, h - 1}))
+    host = {k: (cupy.asnumpy(v) if hasattr(v, "device") else v) for k, v in x8.items()}
+    sub = {**host, "q_nope": host["q_nope"][:n][:, :, heads], "q_pe": host["q_pe"][:n][:, :, heads],
+           "block_table": host["block_table"][:n], "prefix_lens": host["prefix_lens"][:n],
+           "q_lens": host["q_lens"][:n], "tree_mask": host["tree_mask"][:n]}
+    ref = reference.tree_verify(**sub)
+    times, rows, base = {}, [], next(iter(calls))
+    for name, (fn, x, kw) in calls.items():
+        res = fn(**x, **kw)
+        times[name] = graph_time_ms(lambda fn=fn, x=x, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
+                                    per_graph=5, reps=10)
+        err = (errors(cupy.asnumpy(res.out), cupy.asnumpy(res.lse), ref, n, heads)
+               if x is x8 and "ablate" not in name else None)
+        tf = flops / (times[name] * 1e-3) / 1e12
+        rows.append([config, name, f"{times[name]:.4f}", f"{100 * tf / peak:.1f}%", f"{times[base] / times[name]:.2f}x",
+                     *((f"{err[0]:.2e}", f"{err[1]:.2e}", f"{err[2]:.2e}") if err else ("-", "-", "-"))])
+        print(rows[-1], flush=True)
+    return rows
+
+
 def variants(f8, modes, stages, ablates=(0,)):
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
@@ -60,10 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    import cupy
-    from ddtree_gen import reference
     from ddtree_gen.bench.specs import spec_variant
-    from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, print_table, verify_flops
+    from ddtree_gen.bench.timing import measured_peak_tflops, print_table, verify_flops
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load
     from ddtree_gen.spec import find_spec
@@ -84,26 +111,7 @@ def main() -> None:
                  "fp8 fused": (k8.tree_verify, x8, {"fp8_path": "fused"})}
         for name, ks in variants(f8, args.modes, args.vt_stages, args.ablate).items():
             calls[name] = (ks.tree_verify_wgmma, x8, {})
-        # the reference: the first requests (at most 2), heads 0 and H - 1, on the host
-        n = min(b, 2)
-        heads = np.array(sorted({0, h - 1}))
-        host = {k: (cupy.asnumpy(v) if hasattr(v, "device") else v) for k, v in x8.items()}
-        sub = {**host, "q_nope": host["q_nope"][:n][:, :, heads], "q_pe": host["q_pe"][:n][:, :, heads],
-               "block_table": host["block_table"][:n], "prefix_lens": host["prefix_lens"][:n],
-               "q_lens": host["q_lens"][:n], "tree_mask": host["tree_mask"][:n]}
-        ref = reference.tree_verify(**sub)
-        times = {}
-        for name, (fn, x, kw) in calls.items():
-            res = fn(**x, **kw)
-            times[name] = graph_time_ms(lambda fn=fn, x=x, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
-                                        per_graph=5, reps=10)
-            err = (errors(cupy.asnumpy(res.out), cupy.asnumpy(res.lse), ref, n, heads)
-                   if x is x8 and "ablate" not in name else None)
-            tf = flops / (times[name] * 1e-3) / 1e12
-            rows.append([f"B={b} H={h} L={L}", name, f"{times[name]:.4f}", f"{100 * tf / peak:.1f}%",
-                         f"{times['bf16 default'] / times[name]:.2f}x",
-                         *((f"{err[0]:.2e}", f"{err[1]:.2e}", f"{err[2]:.2e}") if err else ("-", "-", "-"))])
-            print(rows[-1], flush=True)
+        rows += time_and_check(calls, x8, f"B={b} H={h} L={L}", flops, peak)
         print(f"B={b} H={h} L={L}: {time.perf_counter() - t0:.1f} s", flush=True)
     print_table(f"tree_verify of {base.name}'s H variants, Nq=65: bf16 default, fp8 default (dequantize path), the "
                 f"fused fp8 kernel and the fp8_mma modes; CUDA-graph medians; % of the bf16 matmul peak measured in "
