@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
-from compare_fp8_mma import SHAPES, time_and_check
+from compare_fp8_mma import SHAPES, shape_setup, time_and_check
 
 BUILDS = {"bf16 order": {"rope_early": False, "s_order": "loaded"},
           "parts": {"grid": "parts"},
@@ -35,10 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from ddtree_gen.bench.specs import spec_variant
-    from ddtree_gen.bench.timing import measured_peak_tflops, print_table, verify_flops
-    from ddtree_gen.inputs import verify_inputs
-    from ddtree_gen.kernel_set import load, variant_set
+    from ddtree_gen.bench.timing import measured_peak_tflops, print_table
+    from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.split_kv import COMBINE
     from ddtree_gen.plans.variant import variant
@@ -50,13 +46,7 @@ def main() -> None:
     rows = []
     for b, h, L in shapes:
         t0 = time.perf_counter()
-        bf, f8 = spec_variant(base, h, "bf16"), spec_variant(base, h, "fp8_e4m3")
-        lens = np.full(b, L)
-        xb, x8 = verify_inputs(bf, b, lens, 65), verify_inputs(f8, b, lens, 65)
-        flops = verify_flops(bf, lens, 65)
-        kb = load(bf, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", "tree_verify_mma_combine"])
-        k8 = load(f8, kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "kv_dequant", "tree_verify_wgmma_dequant"])
-        calls = {"bf16 default": (kb.tree_verify, xb, {}), "fp8 default": (k8.tree_verify, x8, {})}
+        f8, x8, flops, calls = shape_setup(base, b, h, L)
         dq = by_name("tree_verify_wgmma_dequant")
         for name, knobs in BUILDS.items():
             if "parts" in name and h > PARTS_MAX_H:

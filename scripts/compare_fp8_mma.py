@@ -33,6 +33,23 @@ def errors(out, lse, ref, n, heads):
     return float(rel.max()), float(np.sqrt((rel ** 2).mean())), float(np.abs(lo - ref.lse).max())
 
 
+def shape_setup(base, b: int, h: int, L: int):
+    """One shape's bf16 and fp8 specs (H variants of `base`) and inputs (Nq = 65, every request L keys), its FLOPs and
+    the two default calls: (fp8 spec, fp8 inputs, flops, {"bf16 default": ..., "fp8 default": ...}) with each call
+    (fn, inputs, kwargs). The fp8 kernel set holds the chunks-grid dequantize path (not its parts build)."""
+    from ddtree_gen.bench.specs import spec_variant
+    from ddtree_gen.bench.timing import verify_flops
+    from ddtree_gen.inputs import verify_inputs
+    from ddtree_gen.kernel_set import load
+    bf, f8 = spec_variant(base, h, "bf16"), spec_variant(base, h, "fp8_e4m3")
+    lens = np.full(b, L)
+    xb, x8 = verify_inputs(bf, b, lens, 65), verify_inputs(f8, b, lens, 65)
+    kb = load(bf, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", "tree_verify_mma_combine"])
+    k8 = load(f8, kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "kv_dequant", "tree_verify_wgmma_dequant"])
+    return f8, x8, verify_flops(bf, lens, 65), {"bf16 default": (kb.tree_verify, xb, {}),
+                                                "fp8 default": (k8.tree_verify, x8, {})}
+
+
 def time_and_check(calls: dict, x8: dict, config: str, flops: float, peak: float) -> list:
     """Time each call (name -> (fn, inputs, kwargs); the first is the baseline of the speed column) by CUDA-graph
     replay, and the error of each call on the fp8 inputs x8 (but ablations) against the float64 reference of the first
@@ -89,10 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from ddtree_gen.bench.specs import spec_variant
-    from ddtree_gen.bench.timing import measured_peak_tflops, print_table, verify_flops
-    from ddtree_gen.inputs import verify_inputs
-    from ddtree_gen.kernel_set import load
+    from ddtree_gen.bench.timing import measured_peak_tflops, print_table
     from ddtree_gen.spec import find_spec
 
     base = find_spec(args.spec)
@@ -101,14 +115,8 @@ def main() -> None:
     rows = []
     for b, h, L in shapes:
         t0 = time.perf_counter()
-        bf, f8 = spec_variant(base, h, "bf16"), spec_variant(base, h, "fp8_e4m3")
-        lens = np.full(b, L)
-        xb, x8 = verify_inputs(bf, b, lens, 65), verify_inputs(f8, b, lens, 65)
-        flops = verify_flops(bf, lens, 65)
-        kb = load(bf, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", "tree_verify_mma_combine"])
-        k8 = load(f8, kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "kv_dequant", "tree_verify_wgmma_dequant"])
-        calls = {"bf16 default": (kb.tree_verify, xb, {}), "fp8 default": (k8.tree_verify, x8, {}),
-                 "fp8 fused": (k8.tree_verify, x8, {"fp8_path": "fused"})}
+        f8, x8, flops, calls = shape_setup(base, b, h, L)
+        calls["fp8 fused"] = (calls["fp8 default"][0], x8, {"fp8_path": "fused"})
         for name, ks in variants(f8, args.modes, args.vt_stages, args.ablate).items():
             calls[name] = (ks.tree_verify_wgmma, x8, {})
         rows += time_and_check(calls, x8, f"B={b} H={h} L={L}", flops, peak)
