@@ -6,7 +6,9 @@ fused kernel's slab order: the default before tree_verify_wgmma_dequant_parts sh
 followed by other builds of the attention kernel:
 * "bf16 order": the bf16 default's slab order (rope slab with the late group, S in loaded order) instead of the fused
   fp8 kernel's (rope_early, s_order "slab"): the bf16 default's build on the workspace;
-* "parts" / "parts, bf16 order": the balanced parts grid (grid "parts"), which the bf16 default runs at H <= 8, B >= 8.
+* "parts" / "parts, bf16 order": the balanced parts grid (grid "parts"), which the bf16 default runs at H <= 8, B >= 8;
+* "parts, inline": the parts build with convert "inline" (no pre-pass: its converter warpgroup converts the pages);
+  with --inline-ablations also its ablations (INLINE_ABLATIONS: wrong results on purpose, no error column).
 CUDA-graph medians, speed against bf16, and each build's error against the float64 reference on the dequantized
 cache (first 2 requests, heads 0 and H - 1: worst and RMS of ||out - ref|| / ||ref||, worst |lse - ref|).
 When: on an H100 / H200, to choose the dequantize path's build (docs/perf.md, "The dequantize path on the bf16
@@ -23,6 +25,12 @@ from compare_fp8_mma import SHAPES, shape_setup, time_and_check
 BUILDS = {"bf16 order": {"rope_early": False, "s_order": "loaded"},
           "parts": {"grid": "parts"},
           "parts, bf16 order": {"grid": "parts", "rope_early": False, "s_order": "loaded"}}
+# builds of the parts kernel (tree_verify_wgmma_dequant_parts) itself
+PARTS_BUILDS = {"parts, inline": {"convert": "inline"}}
+# the inline build's ablations (templates/tree_verify_seesaw.cu.j2 ABLATE with INLINE): bit 2 no conversion, bit 3 the
+# relay waits on no counter, bit 4 the computing warpgroups issue their TMA loads themselves (no relay)
+INLINE_ABLATIONS = {"no conversion, no waits, no relay": 28, "no conversion, no waits": 12, "no waits": 8,
+                    "no conversion": 4}
 PARTS_MAX_H = 16     # the parts builds are timed at H <= 16 only (at H >= 64 a request has 65+ row tiles: 1-2 parts)
 
 
@@ -30,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
     ap.add_argument("--spec", default="kimi-k2.6-tp8", help="the bf16 spec whose H variants are built")
+    ap.add_argument("--inline-ablations", action="store_true", help="also time the inline build's ablations")
+    ap.add_argument("--only-parts", action="store_true", help="time the defaults and the parts builds only")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
@@ -37,6 +47,7 @@ def main() -> None:
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.split_kv import COMBINE
+    from ddtree_gen.plans.tree_verify_wgmma import PARTS_MIN_B
     from ddtree_gen.plans.variant import variant
     from ddtree_gen.spec import find_spec
 
@@ -47,12 +58,19 @@ def main() -> None:
     for b, h, L in shapes:
         t0 = time.perf_counter()
         f8, x8, flops, calls = shape_setup(base, b, h, L)
-        dq = by_name("tree_verify_wgmma_dequant")
+        dq, dqp = by_name("tree_verify_wgmma_dequant"), by_name("tree_verify_wgmma_dequant_parts")
         for name, knobs in BUILDS.items():
-            if "parts" in name and h > PARTS_MAX_H:
+            if ("parts" in name and h > PARTS_MAX_H) or (args.only_parts and "parts" not in name):
                 continue
             vs = variant_set([variant(dq, f8, **knobs)], also=[COMBINE, "kv_dequant", "tree_verify_wgmma"])
             calls[f"dequant {name}"] = (vs.tree_verify, x8, {"fp8_path": "dequant"})
+        extra = {f"parts, inline, ablate{bits} ({a})": {"convert": "inline", "ablate": bits}
+                 for a, bits in INLINE_ABLATIONS.items()} if args.inline_ablations else {}
+        for name, knobs in {**PARTS_BUILDS, **extra}.items():
+            if not dqp.builds_for(f8) or b < PARTS_MIN_B:
+                continue
+            vs = variant_set([variant(dqp, f8, **knobs)], also=[COMBINE, "kv_dequant", "tree_verify_wgmma"])
+            calls[f"dequant {name}"] = (vs.tree_verify_wgmma_dequant_parts, x8, {})
         rows += time_and_check(calls, x8, f"B={b} H={h} L={L}", flops, peak)
         print(f"B={b} H={h} L={L}: {time.perf_counter() - t0:.1f} s", flush=True)
     print_table(f"tree_verify of {base.name}'s H variants, Nq=65: the bf16 default, the fp8 default (dequantize path) "

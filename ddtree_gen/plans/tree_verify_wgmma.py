@@ -103,6 +103,7 @@ def lockstep_tma(spec, kernel: str) -> bool:
 SEESAW_SMEM = 3 * TILE + BM * BN * 2 + 5 * BM * 4 + 2 * SLABS * 8
 SEESAW_SMEM_FP8 = SEESAW_SMEM + 2 * SLABS * 8
 SEG_BYTES = 16 * 4          # the parts grid's segment state (the template's SEG_WORDS ints)
+FREE_BYTES = 4 * 8          # convert "inline": the producer's [2][2] "buffer half free" mbarriers
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
@@ -136,7 +137,8 @@ def schedule_for(spec, kernel: str) -> str:
 
 # the knobs of a build besides the schedule and TMA, at their values in the default build (variant_config):
 # ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones; fp8: bit 2 the converter's conversion, bit 3
-# its fences, bit 4 its arithmetic (wrong results on purpose, for timing);
+# its fences, bit 4 its arithmetic (wrong results on purpose, for timing); convert "inline": bit 2 no conversion, bit 3 no
+# waits on the page counters, bit 4 no producer (the computing warpgroups issue their loads);
 # l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint; grid "parts" (seesaw only): the balanced
 # parts of the batch's key tiles (parts_for) instead of per-request chunks; s_order "slab": WG1's S in slab order
 # rather than in the order its slabs were loaded; sync_handoffs: the warpgroups' hand-offs as bar.sync on both
@@ -146,10 +148,15 @@ def schedule_for(spec, kernel: str) -> str:
 # the rope slab loaded and multiplied with the early group (V_L's slabs) instead of the late one (an fp8 cache: always,
 # its in-place conversion needs it; a bf16 one with it gives the fp8 build's bits on the dequantized cache)
 # convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean", "group" or "pairs":
-# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built")
+# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built"); convert (DEQUANT_PARTS only, CONVERTS):
+# "prepass" or "inline" (measured slower: docs/perf.md "The converter inside the parts kernel, built")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
          "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "fp8_mma": None,
-         "vt_stages": 2}
+         "vt_stages": 2, "convert": "prepass"}
+# DEQUANT_PARTS's convert: "prepass" (kv_dequant's launch converts the pages, then this kernel reads them) or "inline"
+# (a converter warpgroup of this kernel converts them while the others compute: templates/tree_verify_seesaw.cu.j2
+# INLINE; the same workspace bytes, so the same bits; 0.77x of bf16 against the prepass path's 0.84x at B = 8, H = 8)
+CONVERTS = ("prepass", "inline")
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
@@ -193,7 +200,7 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages"):
+    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages", "convert"):
         if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("rope_early"):
@@ -225,14 +232,15 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
-    if not fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
+    inline = config.get("convert", KNOBS["convert"]) == "inline"
+    if not fp8 and (convert_sync != KNOBS["convert_sync"] or (int(config.get("ablate", 0)) & 28 and not inline)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
     fp8_mma, vt_stages = config.get("fp8_mma", KNOBS["fp8_mma"]), config.get("vt_stages", KNOBS["vt_stages"])
     ablate = int(config.get("ablate", 0))
     if fp8_mma is not None and ablate & 24:
         raise SpecError("ablate bits 3-4 are the fp8 converter's; with fp8_mma, bit 2 leaves out the V^T transpose")
-    if fp8_mma is None and ablate & 28 and convert_sync == "pairs":
+    if fp8_mma is None and ablate & 28 and convert_sync == "pairs" and not inline:
         raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
                         "'lean' or 'group'")
     if fp8_mma is not None and (fp8_mma not in FP8_MMAS or not fp8 or sched != "seesaw"):
@@ -250,10 +258,17 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         f"is the lockstep schedule's)")
     if sched == "seesaw" and fp8 and config.get("grid", "chunks") != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
-    threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS   # fp8: the converter warpgroup
+    convert = config.get("convert", KNOBS["convert"])
+    if convert not in CONVERTS:
+        raise SpecError(f"convert {convert!r}: one of {', '.join(CONVERTS)}")
+    if inline and (kernel != DEQUANT_PARTS or config.get("grid") != "parts" or spec.page_size != BN):
+        raise SpecError(f"convert 'inline' is the dequantize path's parts build's (kernel {DEQUANT_PARTS}, grid "
+                        f"'parts', page_size {BN}): spec {spec.name!r}, kernel {kernel}")
+    # fp8 / inline: the converter warpgroup
+    threads = THREADS + 128 if sched == "seesaw" and (fp8 or inline) else THREADS
     if sched == "seesaw":
         smem = (f8m_smem(q_terms, p_terms, vt_stages) if q_terms else SEESAW_SMEM_FP8 if fp8
-                else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0))
+                else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0) + (FREE_BYTES if inline else 0))
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
@@ -264,6 +279,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "ABLATE": sympy.Integer(int(config.get("ablate", 0))),
                         "L2_EVICT_FIRST": sympy.Integer(1 if config.get("l2_hint") == "evict_first" else 0),
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
+                        "INLINE": sympy.Integer(1 if inline else 0),
                         "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)

@@ -132,6 +132,23 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // the lockstep kernel; "parts" (PARTS 1): a block per (row tile, part) that walks the requests of its part of the
 // batch's key tiles (cut on the device from the lengths), one segment per request.
 #define PARTS 0
+// The config's "convert" (the dequantize path's parts build only, INLINE 1: "inline"): no kv_dequant pre-pass; a third,
+// converter warpgroup converts the call's e4m3 pages into the bf16 workspace itself, global to global, while the other
+// two compute. Block (row tile r, part p): its warps 0-2 convert slice r (of row_tiles) of every page of part p, in the
+// part's order and at most CONV_AHEAD tiles ahead of the block's own loads (spread over the kernel: converted all at
+// once, they saturate DRAM under the attention's first tiles), then each releases the page's counter
+// (red.release.gpu). Its warp 3's lane 0, the producer, issues the block's key-tile TMA loads, in the computing
+// warpgroups' order: a tile once its page's counter shows every converter warp of the part's blocks (3 x row_tiles),
+// then fence.proxy.async (the converted bytes -> TMA); a buffer half once its last reader has arrived on its free
+// barrier (where that reader would have issued the refill itself: a spin on its side serialises the wgmma). The
+// blocks of a part wait on each other: the parts grid is one wave (row_tiles x parts <= SMs, parts_for), and no
+// wait is circular (a converter waits on its own producer only, which is never behind the part's slowest). The
+// counters are the call's own: a first launch of this kernel with zero_words > 0 zeroes them. The bf16 workspace gets
+// the same bytes as kv_dequant's, so the bits are the prepass build's. docs/perf.md "The converter inside the parts
+// kernel".
+#define INLINE 0
+#define CONV_AHEAD 6                     // INLINE: tiles a converter may run ahead of its block's producer
+#define PRODUCER (INLINE && !(ABLATE & 16))   // INLINE's producer issues the key-tile loads (ablation bit 4: the consumers)
 // WG1's S of its next tile in the order its slabs were loaded (1, the default: its own V_R and rope slabs first) or
 // in slab order (0; the config's "s_order": "slab"). FP8: always in slab order (slab_at's: the early group first), the
 // order in which the converter delivers them (measured: waiting there for its own late group first was a quarter of
@@ -176,8 +193,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 
 static_assert(!F8M || (FP8 && MAX_SLACK <= 8 && !PARTS && Q_TERMS <= 2 && P_TERMS >= 1 && P_TERMS <= 2
                          && VT_STAGES >= 2 && VT_STAGES <= 3), "FP8 products: an fp8 cache, the chunks grid");
-static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
-              "two warpgroups (+ FP8's converter), 64 x 64 tiles");
+static_assert(THREADS == CONSUMERS + (FP8 || INLINE ? 128 : 0) && BM == 64 && BN == 64,
+              "two warpgroups (+ FP8's or INLINE's converter), 64 x 64 tiles");
+static_assert(!INLINE || (PARTS && !FP8 && PAGE == BN), "the inline converter: the parts grid over a bf16 workspace, a tile a page");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
@@ -210,7 +228,8 @@ static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
                                                        // ready [3], V^T free [3], S done [2])
 #define SEG_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
-#define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
+#define FREE_OFF (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))   // INLINE: [2][2] mbarriers: buffer k's half h is free
+#define SMEM_BYTES (FREE_OFF + (INLINE ? 4 * 8 : 0))
 static_assert(SMEM_BYTES == 230944, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 #if F8M
@@ -413,11 +432,12 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // per converter step). A second converter warpgroup does not fit: at 512 threads ptxas has 128 registers for the
 // whole kernel, and a m64n256 P.V product needs 158.
 // F8M: 216 / 48 (the producer's transpose spills at 40; the computing warpgroups need no more than 216 there)
+// INLINE: 232 / 40 (2 x 128 x 232 + 128 x 40 = the pool: the consumers' code needs 246 unbounded)
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
 __device__ __forceinline__ void consumers_sync() {
-    if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
+    if (FP8 || INLINE) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
     else __syncthreads();
 }
 
@@ -599,8 +619,10 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         int src_a = tile_row(0);                                   // tile a's row (the even tile of the pair)
         int src_b = n_tiles > 1 ? tile_row(1) : -1;                // tile a + 1's
         if (tid == 0) {
-            load_slabs(0, src_a, 0, SLABS);
-            if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
+            if (!PRODUCER) {
+                load_slabs(0, src_a, 0, SLABS);
+                if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
+            }
         }
         {
             const uint32_t dst = smem_addr(sQ);
@@ -791,7 +813,9 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 keep_u32(pb);
                 // ---- WG1's max of tile b: P_a rescaled to it -> sP0 (for WG1's P_a V_aR); O_L rescaled
                 named_sync(BAR_SCALE1, 256);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
+                if (PRODUCER) {
+                    if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 0);   // (INLINE: the producer refills)
+                } else if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
@@ -841,7 +865,9 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 if (next_a) s_gemm(s, a + 2, 0, EARLY, true);               // tile a + 2's early group: loaded first
                 if (has_b) {
                     if (next_a) wg_wait<EARLY>(); else wg_wait<0>();        // P_b V_bL is done
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
+                    if (PRODUCER) {
+                        if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 2);
+                    } else if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
                 }
                 if (next_a) s_gemm(s, a + 2, EARLY, SLABS, false);
                 wg_wait<0>();
@@ -889,11 +915,15 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     named_arrive(BAR_P1, 256);
                     wg_wait<1>();                                            // P_b V_bR is done
                     keep_u32(pb);
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
+                    if (PRODUCER) {
+                        if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 3);
+                    } else if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
                 }
                 wg_wait<0>();                                                // P_a' V_aR is done
                 wg_keep(o);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
+                if (PRODUCER) {
+                    if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 1);
+                } else if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
                 src_b = src_nb;
                 if (next_b) {
                     // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before
