@@ -955,3 +955,17 @@ def test_dequant_parts_inline_launch_plan(splits, fake_device):
     assert [a[i] for i in same] == [pa[i] for i in same]
     assert a[19:35] == pa[19:35] and a[19][1] == base and a[19][2].elem_bytes == 2 and len(a) == len(pa) + 3   # the map
     assert inl.got[2:] == pre.got[2:]
+
+
+@pytest.mark.parametrize("kernel,knobs,words", [
+    ("tree_verify_wgmma", {"convert": "inline"}, "convert 'inline' is the dequantize path's parts build's"),
+    (DEQUANT, {"convert": "inline"}, "convert 'inline' is the dequantize path's parts build's"),
+    (DEQUANT_PARTS, {"convert": "inline", "grid": "chunks"}, "grid 'parts'"),
+    (DEQUANT_PARTS, {"convert": "bogus"}, "convert 'bogus': one of prepass, inline")])
+def test_inline_convert_refused_elsewhere(kernel, knobs, words):
+    """convert "inline" builds for the dequantize path's parts kernel only; an unknown convert is named."""
+    from ddtree_gen.errors import SpecError
+    with pytest.raises(SpecError, match=re.escape(words)):
+        variant(by_name(kernel), FP8, **knobs).plan()
+    assert variant(by_name(DEQUANT_PARTS), FP8, convert="inline").plan().template_constants()["INLINE"] == 1
+    assert variant(by_name(DEQUANT_PARTS), FP8).plan().template_constants()["INLINE"] == 0

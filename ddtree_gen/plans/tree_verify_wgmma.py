@@ -232,7 +232,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
-    inline = config.get("convert", KNOBS["convert"]) == "inline"
+    convert = config.get("convert", KNOBS["convert"])
+    if convert not in CONVERTS:
+        raise SpecError(f"convert {convert!r}: one of {', '.join(CONVERTS)}")
+    inline = convert == "inline"
     if not fp8 and (convert_sync != KNOBS["convert_sync"] or (int(config.get("ablate", 0)) & 28 and not inline)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
@@ -258,9 +261,6 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         f"is the lockstep schedule's)")
     if sched == "seesaw" and fp8 and config.get("grid", "chunks") != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
-    convert = config.get("convert", KNOBS["convert"])
-    if convert not in CONVERTS:
-        raise SpecError(f"convert {convert!r}: one of {', '.join(CONVERTS)}")
     if inline and (kernel != DEQUANT_PARTS or config.get("grid") != "parts" or spec.page_size != BN):
         raise SpecError(f"convert 'inline' is the dequantize path's parts build's (kernel {DEQUANT_PARTS}, grid "
                         f"'parts', page_size {BN}): spec {spec.name!r}, kernel {kernel}")
