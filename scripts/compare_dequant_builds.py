@@ -28,8 +28,9 @@ BUILDS = {"bf16 order": {"rope_early": False, "s_order": "loaded"},
 # builds of the parts kernel (tree_verify_wgmma_dequant_parts) itself
 PARTS_BUILDS = {"parts, inline": {"convert": "inline"}}
 # the inline build's ablations (templates/tree_verify_seesaw.cu.j2 ABLATE with INLINE): bit 2 no conversion, bit 3 the
-# relay waits on no counter, bit 4 the computing warpgroups issue their TMA loads themselves (no relay)
-INLINE_ABLATIONS = {"no conversion, no waits, no relay": 28, "no conversion, no waits": 12, "no waits": 8,
+# producer waits on no counter, bit 4 the computing warpgroups issue their TMA loads themselves (no producer; the runs
+# of docs/bench/compare_inline_convert.txt call it "relay", the first version's name)
+INLINE_ABLATIONS = {"no conversion, no waits, no producer": 28, "no conversion, no waits": 12, "no waits": 8,
                     "no conversion": 4}
 PARTS_MAX_H = 16     # the parts builds are timed at H <= 16 only (at H >= 64 a request has 65+ row tiles: 1-2 parts)
 
