@@ -105,12 +105,20 @@ def _excerpt(source: str, log: str, filename: str, context: int = 2) -> str:
     return "\n".join(out)
 
 
+# NVRTC 12.9+ keeps a cache of the programs it compiled, across processes (CUDA_CACHE_DISABLE=1 also turns it off); a
+# compile it finds there skips ptxas and returns an empty log, so a kernel compiled before on the machine (into another
+# binary cache, by `build --out`, before the ddtree-gen cache was cleared) would get no ptxas report and fail its
+# build. Seen on the H200 machine (NVRTC 13.0). Our binary cache already keeps every variant, so NVRTC's adds nothing.
+# Not a codegen option: not part of options(), the cache keys or the manifests.
+NO_CACHE = "--no-cache"
+
+
 def compile_source(source: str, filename: str, entries: list[str], options=OPTIONS) -> CompileResult:
     from cupy.cuda import nvrtc
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(options))
+            nvrtc.compileProgram(prog, [*options, NO_CACHE])
         except nvrtc.NVRTCError:
             log = nvrtc.getProgramLog(prog)
             raise BuildError(f"NVRTC failed to compile {filename}:\n{log.strip(chr(0) + ' ' + chr(10))}\n\n"

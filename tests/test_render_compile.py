@@ -65,6 +65,26 @@ def test_compile_reports_registers_smem_spills():
     assert result.cubin[:4] == b"\x7fELF"
 
 
+_SHARED_K = ('extern "C" __global__ void k(float* x) { __shared__ float s[100]; s[threadIdx.x] = x[threadIdx.x];'
+             ' __syncthreads(); x[threadIdx.x] = s[99 - threadIdx.x]; }')
+
+
+def test_every_compile_gets_its_ptxas_report(monkeypatch):
+    """NVRTC's own cache (12.9+) returns an empty log for a program it compiled before, which would leave a variant
+    built twice (another binary cache, `build --out`) without its ptxas report: every compile asks NVRTC not to use
+    it (--no-cache, outside the options the cache keys and manifests record), and the same source compiled twice
+    reports twice."""
+    from cupy.cuda import nvrtc
+    seen = []
+    real = nvrtc.compileProgram
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda prog, opts: seen.append(list(opts)) or real(prog, opts))
+    first = nvrtc_compile.compile_source(_SHARED_K, "k.cu", ["k"])
+    again = nvrtc_compile.compile_source(_SHARED_K, "k.cu", ["k"])
+    assert seen == [[*nvrtc_compile.OPTIONS, "--no-cache"]] * 2
+    assert first.reports == again.reports and again.reports["k"].smem == 400 and again.cubin == first.cubin
+    assert "--no-cache" not in nvrtc_compile.OPTIONS
+
+
 def test_parse_ptxas_sample():
     log = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'a' for 'sm_90'
