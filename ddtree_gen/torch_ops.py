@@ -157,6 +157,51 @@ def kv_commit_stacked_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_ca
     return None
 
 
+# --------------------------------------------------------------------- the direct entries
+
+def _direct_entry(name: str, impl):
+    """direct.<name>: a function with torch.ops.ddtree.<name>'s signature (its schema's argument names and
+    defaults) that calls the op's implementation itself when nothing traces the call, and the op otherwise.
+    "Nothing traces it": not under torch.compile / torch.export (torch.compiler.is_compiling), no dispatch mode
+    active (FakeTensorMode, make_fx, functionalization: torch._C._len_torch_dispatch_stack), and its first tensor
+    argument a plain torch.Tensor (not a subclass, an fx Proxy or a fake tensor). Dynamo traces through it and
+    records the op, so a compiled graph is the same as with the op. The eager path skips the dispatcher (3-5 us of
+    argument boxing and a Python kernel call: docs/perf.md, host time rounds 4 and 7); it returns what the op's
+    implementation returns (the launcher's record, a namedtuple, where the op gives a plain tuple; None for the
+    commits)."""
+    op = getattr(torch.ops.ddtree, name).default
+    schema = op._schema
+    params, names = [], []
+    for a in schema.arguments:
+        names.append(a.name)
+        params.append(f"{a.name}={a.default_value!r}" if a.has_default_value() else a.name)
+    first = next(a.name for a in schema.arguments if str(a.type) == "Tensor")   # every op has one
+    args = ", ".join(names)
+    src = (f"def {name}({', '.join(params)}):\n"
+           f"    if not _compiling() and not _modes() and type({first}) is _Tensor:\n"
+           f"        return _run({args})\n"
+           f"    return _op({args})\n")
+    ns = {"_compiling": torch.compiler.is_compiling, "_modes": torch._C._len_torch_dispatch_stack,
+          "_Tensor": torch.Tensor, "_run": impl, "_op": op}
+    exec(compile(src, f"<ddtree_gen direct.{name}>", "exec"), ns)
+    fn = ns[name]
+    fn.__qualname__ = f"direct.{name}"
+    fn.__module__ = __name__
+    fn.__doc__ = (f"torch.ops.ddtree.{name} without the dispatcher in eager calls (the op when traced).\n\n"
+                  f"    {schema}")
+    return fn
+
+
+class _Direct:
+    """The torch ops' direct entries, one attribute per op (direct.tree_verify, ...): see _direct_entry."""
+
+    def __repr__(self):
+        return f"<ddtree_gen.torch_ops.direct: {', '.join(sorted(vars(self)))}>"
+
+
+direct = _Direct()
+
+
 def _register():
     for decl, op in registry.torch_ops():
         impl = registry.resolve(op.impl) if op.impl else _positional(decl.name)
@@ -164,6 +209,7 @@ def _register():
         _LIB.impl(op.name, impl, "CUDA")
         torch.library.register_fake(f"ddtree::{op.name}", lib=_LIB)(_with_spec(registry.resolve(op.fake)))
         _IMPLS[op.name] = impl
+        setattr(direct, op.name, _direct_entry(op.name, impl))
 
 
 _register()

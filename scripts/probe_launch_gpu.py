@@ -5,8 +5,9 @@ When: after a launch-path change, or when `ddtree-gen bench launch` on the GPU a
 (the CPU harness: stand-in binaries, no driver) disagree (tree_build plain: 17.6 us in the harness, 24.6-32.4 us
 on the H200), to see which stage costs more on the real GPU.
 What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call table, ddtree_gen/bench/launch.py):
-  * per row: the eager wall time per call of the plain launcher and of the torch op (best of --runs runs of
-    --calls back-to-back calls, synchronised at the end of each run, as `bench launch`'s eager column);
+  * per row: the eager wall time per call of the plain launcher, of the torch op and of the op's direct entry
+    (torch_ops.direct) (best of --runs runs of --calls back-to-back calls, synchronised at the end of each run, as
+    `bench launch`'s eager column);
   * per row: the stages of one cached plain call (scripts/profile_launch.py's stage_times on the real kernel set:
     launcher + signature + lookup, the compiled function's checks, outputs, launch(es), result), wall time per
     call of --stage-calls calls issued after the GPU's queue is drained (so the launch stage is the host's,
@@ -161,19 +162,21 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize
     plain, _, state = launch._calls(ks, spec, "torch")
     ops = launch._op_calls(spec.name, *state)
+    direct = launch._op_calls(spec.name, *state, direct=True)
     profile_launch.CLOCK[0], profile_launch.SYNC[0] = time.perf_counter, sync   # wall time, the queue drained
     print(f"host time per eager call on {torch.cuda.get_device_name()}, spec {spec.name}, B = 1, prefix 64, Nq = N, "
           f"torch CUDA inputs (eager: best of {args.runs} x {args.calls} calls; stages: the plain call, "
           f"best of 5 x {args.stage_calls} calls after a sync)")
-    head = f"{'call':<24} {'plain us':>8} {'op us':>7} {'op-plain':>8} |" + "".join(
+    head = f"{'call':<24} {'plain us':>8} {'op us':>7} {'op-plain':>8} {'direct us':>9} |" + "".join(
         f" {s:>11}" for s in ("launcher+", "checks", "outputs", "launch(es)", "result")) + f" {'stage sum':>9}"
     print(head)
     for name, fn in plain.items():
         p = eager_us(fn, sync, args.calls, args.runs)
         o = eager_us(ops[name], sync, args.calls, args.runs) if name in ops else float("nan")
+        d = eager_us(direct[name], sync, args.calls, args.runs) if name in direct else float("nan")
         st = split(profile_launch.stage_times(ks, fn, args.stage_calls)[1:])
         sync()
-        print(f"{name:<24} {p:8.1f} {o:7.1f} {o - p:8.1f} |" + "".join(f" {st[s]:11.1f}" for s in STAGES)
+        print(f"{name:<24} {p:8.1f} {o:7.1f} {o - p:8.1f} {d:9.1f} |" + "".join(f" {st[s]:11.1f}" for s in STAGES)
               + f" {sum(st.values()):9.1f}")
     print("(stages, us: launcher+ = the launcher, its signature and the cache lookup; then the compiled call's parts)")
     print("reference points (us per call, best of the same runs):")

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         for row, name in OPS.items():
             if row not in table or table[row][1] is None:
                 continue
-            plain, op = table[row]
+            plain, op, _ = table[row]
             impl = torch_ops.implementation(name)
             p, o = us(plain, n), us(op, n)
             result = op()

@@ -141,8 +141,9 @@ def inputs(spec):
 
 
 def calls(ks, spec):
-    """name -> (plain call, torch-op call or None): the calls of `bench launch`, and kv_commit of 61 layers (a list:
-    the op kv_commit; stacked: kv_commit_stacked)."""
+    """name -> (plain call, torch-op call or None, the op's direct entry or None): the calls of `bench launch`, and
+    kv_commit of 61 layers (a list: the op kv_commit; stacked: kv_commit_stacked). The direct entries
+    (torch_ops.direct) take the same arguments as the ops."""
     import torch
 
     from ddtree_gen import registry, torch_ops
@@ -159,38 +160,52 @@ def calls(ks, spec):
     for _, op in registry.torch_ops():
         lib.impl(op.name, torch_ops.implementation(op.name), "CPU")
     calls.lib = lib   # kept alive
-    ops, s = torch.ops.ddtree, spec.name
+    s = spec.name
     vargs = (v["q_nope"], v["q_pe"], v["kv_cache"], v["block_table"], v["prefix_lens"], v["q_lens"], v["tree_mask"],
              v["softmax_scale"])
     extra = (v["kv_scale"],) if spec.kv_fp8 else ()
-    out = {
-        "tree_build": (lambda: ks.tree_build(ids, lps, roots, prefix, budget),
-                       lambda: ops.tree_build(s, ids, lps, roots, prefix, budget)),
-        "tree_verify (auto)": (lambda: ks.tree_verify(**v), lambda: ops.tree_verify(s, *vargs, "auto", *extra)),
-        "tree_verify_tail": (lambda: ks.tree_verify_tail(**v),
-                             lambda: ops.tree_verify_tail(s, *vargs, "auto", *extra)),
-        "merge_states": (lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse),
-                         lambda: ops.merge_states(s, res.out, res.lse, tail.out, tail.lse)),
-        "tree_accept": (lambda: ks.tree_accept(*acc_args),
-                        lambda: ops.tree_accept(s, tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling,
-                                                target, v["prefix_lens"], v["kv_cache"], v["block_table"])),
-        "tree_walk": (lambda: ks.tree_accept(tree, target, v["prefix_lens"]),
-                      lambda: ops.tree_walk(s, tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling,
-                                            target, v["prefix_lens"])),
-        f"kv_commit, {LAYERS} stacked": (lambda: ks.kv_commit(acc, v["prefix_lens"], stacked, v["block_table"]),
-                                         (lambda: ops.kv_commit_stacked(s, acc.accept_lens, acc.accepted_nodes,
-                                                                        v["prefix_lens"], stacked, v["block_table"]))),
-        f"kv_commit, {LAYERS} layers": (lambda: ks.kv_commit(acc, v["prefix_lens"], caches, v["block_table"]),
-                                        lambda: ops.kv_commit(s, acc.accept_lens, acc.accepted_nodes,
-                                                              v["prefix_lens"], caches, v["block_table"])),
-    }
+    logits = k = None
     if "draft_topk" in ks.kernels:
         logits = torch.randn((1, spec.max_depth, 129280), generator=torch.Generator().manual_seed(1)).bfloat16()
         k = min(64, spec.max_tree_size - 1)
-        op = getattr(ops, "draft_topk", None)
-        out["draft_topk"] = (lambda: ks.draft_topk(logits, k), (lambda: op(s, logits, k)) if op is not None else None)
+
+    def op_calls(ops):   # row -> the call through `ops` (torch.ops.ddtree, or torch_ops.direct)
+        out = {
+            "tree_build": lambda: ops.tree_build(s, ids, lps, roots, prefix, budget),
+            "tree_verify (auto)": lambda: ops.tree_verify(s, *vargs, "auto", *extra),
+            "tree_verify_tail": lambda: ops.tree_verify_tail(s, *vargs, "auto", *extra),
+            "merge_states": lambda: ops.merge_states(s, res.out, res.lse, tail.out, tail.lse),
+            "tree_accept": lambda: ops.tree_accept(s, tree.num_nodes, tree.tokens, tree.first_child,
+                                                   tree.next_sibling, target, v["prefix_lens"], v["kv_cache"],
+                                                   v["block_table"]),
+            "tree_walk": lambda: ops.tree_walk(s, tree.num_nodes, tree.tokens, tree.first_child, tree.next_sibling,
+                                               target, v["prefix_lens"]),
+            f"kv_commit, {LAYERS} stacked": lambda: ops.kv_commit_stacked(s, acc.accept_lens, acc.accepted_nodes,
+                                                                          v["prefix_lens"], stacked,
+                                                                          v["block_table"]),
+            f"kv_commit, {LAYERS} layers": lambda: ops.kv_commit(s, acc.accept_lens, acc.accepted_nodes,
+                                                                 v["prefix_lens"], caches, v["block_table"]),
+        }
+        if logits is not None and hasattr(ops, "draft_topk"):
+            out["draft_topk"] = lambda: ops.draft_topk(s, logits, k)
+        return out
+
+    plain = {
+        "tree_build": lambda: ks.tree_build(ids, lps, roots, prefix, budget),
+        "tree_verify (auto)": lambda: ks.tree_verify(**v),
+        "tree_verify_tail": lambda: ks.tree_verify_tail(**v),
+        "merge_states": lambda: ks.merge_states(res.out, res.lse, tail.out, tail.lse),
+        "tree_accept": lambda: ks.tree_accept(*acc_args),
+        "tree_walk": lambda: ks.tree_accept(tree, target, v["prefix_lens"]),
+        f"kv_commit, {LAYERS} stacked": lambda: ks.kv_commit(acc, v["prefix_lens"], stacked, v["block_table"]),
+        f"kv_commit, {LAYERS} layers": lambda: ks.kv_commit(acc, v["prefix_lens"], caches, v["block_table"]),
+    }
+    if logits is not None:
+        plain["draft_topk"] = lambda: ks.draft_topk(logits, k)
+    ops, direct = op_calls(torch.ops.ddtree), op_calls(torch_ops.direct)
+    out = {name: (fn, ops.get(name), direct.get(name)) for name, fn in plain.items()}
     a, b = torch.ones(16), torch.ones(16)
-    out["torch.add, 16 floats (CPU)"] = (lambda: torch.add(a, b), None)
+    out["torch.add, 16 floats (CPU)"] = (lambda: torch.add(a, b), None, None)
     return out
 
 
@@ -280,7 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="kimi-k2.6-tp8", help="spec name (default kimi-k2.6-tp8)")
     ap.add_argument("--calls", type=int, default=5000, help="calls per timing run (best of 5)")
     ap.add_argument("--profile", metavar="CALL", help="cProfile this call's plain launcher (a row name, or its "
-                                                      "prefix), 'op:CALL' its torch op")
+                                                      "prefix), 'op:CALL' its torch op, 'direct:CALL' the op's "
+                                                      "direct entry")
     ap.add_argument("--stages", metavar="CALL", help="time each stage of this call (its compiled function's "
                                                      "checks, outputs, launch, result; the rest before it)")
     ap.add_argument("--source", metavar="CALL", help="print this call's compiled function (callplan.compile_runner)")
@@ -300,14 +316,16 @@ def main(argv=None) -> int:
     table = calls(ks, spec)
     if args.profile or args.stages or args.source:
         want = args.profile or args.stages or args.source
-        op = want.startswith("op:")
-        want = want[3:] if op else want
+        form, _, rest = want.partition(":")
+        form, want = (form, rest) if rest and form in ("op", "direct") else ("plain", want)
         name = next((k for k in table if k.startswith(want)), None)
         if name is None:
             ap.error(f"no call named {want!r}: {', '.join(table)}")
-        fn = table[name][1 if op else 0]
+        fn = table[name][("plain", "op", "direct").index(form)]
+        if fn is None:
+            ap.error(f"{name!r} has no {form} form")
         if args.stages:
-            print(f"stages of {name} ({'torch op' if op else 'plain'}), {args.calls} calls")
+            print(f"stages of {name} ({form}), {args.calls} calls")
             stages(ks, fn, args.calls)
             return 0
         if args.source:
@@ -324,15 +342,17 @@ def main(argv=None) -> int:
         return 0
     print(f"host time per cached eager call, spec {spec.name}, B = 1, prefix 64, Nq = N, torch CPU tensors "
           f"standing for CUDA ones, no driver (best of 5 x {args.calls} calls; this machine's CPU, {args.clock} time)")
-    print(f"{'call':<30} {'plain us':>9} {'torch op us':>12} {'op - plain':>11} {'launches':>9}")
-    for name, (plain, op) in table.items():
+    print(f"{'call':<30} {'plain us':>9} {'torch op us':>12} {'op - plain':>11} {'direct us':>10} "
+          f"{'direct - plain':>15} {'launches':>9}")
+    for name, (plain, op, direct) in table.items():
         before = len(launches)
         plain()
         n_launch = len(launches) - before
         p = per_call_us(plain, args.calls)
         o = per_call_us(op, args.calls) if op is not None else float("nan")
+        d = per_call_us(direct, args.calls) if direct is not None else float("nan")
         launches.clear()
-        print(f"{name:<30} {p:9.1f} {o:12.1f} {o - p:11.1f} {n_launch:9d}")
+        print(f"{name:<30} {p:9.1f} {o:12.1f} {o - p:11.1f} {d:10.1f} {d - p:15.1f} {n_launch:9d}")
     return 0
 
 

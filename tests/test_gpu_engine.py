@@ -236,11 +236,20 @@ def _step_inputs(spec, torch, rng):
                 kv_scale=random_kv_scale(rng) if spec.kv_fp8 else None)
 
 
-def _step(x, kv, kv_layers):
-    """tree_build -> tree_verify -> tree_accept through torch.ops.ddtree (what an engine compiles);
-    then the engine path for many layers: the walk once and kv_commit of `kv_layers` (copies of kv)."""
+def _entries(entry):
+    """The namespace a step calls: torch.ops.ddtree ("op"), or the ops' direct entries ("direct")."""
     import torch
-    ops = torch.ops.ddtree
+
+    import ddtree_gen.torch_ops
+    return ddtree_gen.torch_ops.direct if entry == "direct" else torch.ops.ddtree
+
+
+def _step(x, kv, kv_layers, entry="op"):
+    """tree_build -> tree_verify -> tree_accept through torch.ops.ddtree (what an engine compiles), or through the
+    ops' direct entries (entry="direct"); then the engine path for many layers: the walk once and kv_commit of
+    `kv_layers` (copies of kv)."""
+    import torch
+    ops = _entries(entry)
     spec = x["spec"]
     tree = ops.tree_build(spec, x["ids"], x["lps"], x["roots"], x["prefix"], 64)
     q_lens = torch.full_like(x["prefix"], x["q_nope"].shape[1])
@@ -259,15 +268,19 @@ def _load(name):
     return ddtree_gen.load(name)
 
 
+@pytest.mark.parametrize("entry", ["op", "direct"])
 @pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
-def test_torch_compile_fullgraph_matches_eager(spec_name):
+def test_torch_compile_fullgraph_matches_eager(spec_name, entry):
+    """The step compiled (fullgraph) equals the step run eagerly through the ops; with entry="direct" both the
+    compiled and the eager step call the direct entries (eager: the implementations without the dispatcher)."""
     torch = _need_gpus(1)
     import ddtree_gen.torch_ops  # noqa: F401
     x = _step_inputs(_load(spec_name).spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_compiled = x["kv"].clone(), x["kv"].clone()
     layers_eager, layers_compiled = [x["kv"].clone() for _ in range(2)], [x["kv"].clone() for _ in range(2)]
-    want = _step(x, kv_eager, layers_eager)
-    got = torch.compile(_step, fullgraph=True)(x, kv_compiled, layers_compiled)
+    want = _step(x, kv_eager, layers_eager, entry)
+    torch._dynamo.reset()
+    got = torch.compile(_step, fullgraph=True)(x, kv_compiled, layers_compiled, entry)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point else g,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)
@@ -279,22 +292,23 @@ def test_torch_compile_fullgraph_matches_eager(spec_name):
     assert int(want[-8].max()) > 0   # some request accepted drafts: the commit really ran
 
 
+@pytest.mark.parametrize("entry", ["op", "direct"])
 @pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
-def test_torch_ops_capture_in_a_cuda_graph(spec_name):
+def test_torch_ops_capture_in_a_cuda_graph(spec_name, entry):
     torch = _need_gpus(1)
     import ddtree_gen.torch_ops  # noqa: F401
     x = _step_inputs(_load(spec_name).spec, torch, np.random.default_rng(fresh_seed()))
     kv_eager, kv_graph = x["kv"].clone(), x["kv"].clone()
     layers_graph = [x["kv"].clone() for _ in range(3)]
-    want = _step(x, kv_eager, [x["kv"].clone()])
+    want = _step(x, kv_eager, [x["kv"].clone()])   # eager through the ops: the reference of both entries
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _step(x, x["kv"].clone(), [x["kv"].clone() for _ in range(3)])   # warm-up outside the capture
+        _step(x, x["kv"].clone(), [x["kv"].clone() for _ in range(3)], entry)   # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        got = _step(x, kv_graph, layers_graph)
+        got = _step(x, kv_graph, layers_graph, entry)
     kv_graph.copy_(x["kv"])
     for layer in layers_graph:
         layer.copy_(x["kv"])
@@ -308,6 +322,41 @@ def test_torch_ops_capture_in_a_cuda_graph(spec_name):
     assert torch.equal(kv_graph.view(torch.uint8), kv_eager.view(torch.uint8))
     for layer in layers_graph:
         assert torch.equal(layer.view(torch.uint8), kv_eager.view(torch.uint8))
+
+
+@pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
+def test_direct_entries_give_the_ops_results(spec_name):
+    """Each direct entry, called eagerly, gives the op's outputs bit for bit and moves the same cache entries:
+    the whole step through torch_ops.direct against the same step through torch.ops.ddtree, on fresh inputs, the
+    outputs given back as the op's fields in the op's order."""
+    torch = _need_gpus(1)
+    x = _step_inputs(_load(spec_name).spec, torch, np.random.default_rng(fresh_seed()))
+    kv_op, kv_direct = x["kv"].clone(), x["kv"].clone()
+    layers_op, layers_direct = [x["kv"].clone() for _ in range(2)], [x["kv"].clone() for _ in range(2)]
+    want = _step(x, kv_op, layers_op)
+    # the same step's outputs once more, poisoned and freed: the caching allocator hands these blocks to the direct
+    # step's outputs (same sizes, same stream), so an output the direct step left unwritten would not match
+    scratch = _step(x, x["kv"].clone(), [x["kv"].clone() for _ in range(2)])
+    for o in scratch:
+        o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
+    ptrs = {o.data_ptr() for o in scratch}
+    del scratch, o
+    got = _step(x, kv_direct, layers_direct, "direct")
+    assert ptrs & {o.data_ptr() for o in got}   # some outputs did start poisoned
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.device == w.device
+        assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point else g,
+                           w.view(torch.uint8) if w.dtype.is_floating_point else w)
+    for a, b in zip([kv_direct, *layers_direct], [kv_op, *layers_op]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert not torch.equal(kv_direct.view(torch.uint8), x["kv"].view(torch.uint8))   # the commit moved entries
+    ops = _entries("direct")
+    d = x["q_nope"].shape[1]
+    logits = torch.randn(x["q_nope"].shape[0], 3, 5000, device=x["q_nope"].device).to(torch.bfloat16)
+    a = ops.draft_topk(x["spec"], logits, d - 1, 0.7)
+    b = torch.ops.ddtree.draft_topk(x["spec"], logits, d - 1, 0.7)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
 def test_profiler_shows_our_kernels(ks):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (optional: the CuPy path needs no torch)")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-import ddtree_gen.torch_ops  # noqa: E402,F401
+import ddtree_gen.torch_ops  # noqa: E402
 
 
 def test_ops_are_registered_with_the_kv_cache_mutation():
@@ -80,21 +80,29 @@ class _NotRun(Exception):
     """Raised by the captured graph: the test traces a step, it never runs one (no GPU here)."""
 
 
-def test_a_step_compiles_to_one_graph_on_fake_tensors():
+def _entries(entry: str):
+    """The namespace a step calls: torch.ops.ddtree, or the ops' direct entries (torch_ops.direct)."""
+    return ddtree_gen.torch_ops.direct if entry == "direct" else torch.ops.ddtree
+
+
+@pytest.mark.parametrize("entry", ["op", "direct"])
+def test_a_step_compiles_to_one_graph_on_fake_tensors(entry):
     """torch.compile(fullgraph=True) traces tree_build -> tree_verify -> tree_walk -> kv_commit (the list, then
     the stacked form) through the
-    fake implementations (dynamo runs them on fake tensors): one graph, no break, the ops in order."""
+    fake implementations (dynamo runs them on fake tensors): one graph, no break, the ops in order. Written with
+    the direct entries, the step compiles to the same graph: dynamo records the ops."""
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     n, h, r, p, b = spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, 2
     name = spec.name
+    ops = _entries(entry)
 
     def step(ids, lps, roots, lens, q, qp, kv, table, target, layers):
-        tree = torch.ops.ddtree.tree_build(name, ids, lps, roots, lens, n - 1)
-        out, lse = torch.ops.ddtree.tree_verify(name, q, qp, kv, table, lens, lens, tree[6], 0.1, "auto")
-        acc = torch.ops.ddtree.tree_walk(name, tree[0], tree[1], tree[7], tree[8], target, lens)
-        torch.ops.ddtree.kv_commit(name, acc[0], acc[1], lens, [kv], table)
-        torch.ops.ddtree.kv_commit_stacked(name, acc[0], acc[1], lens, layers, table)
+        tree = ops.tree_build(name, ids, lps, roots, lens, n - 1)
+        out, lse = ops.tree_verify(name, q, qp, kv, table, lens, lens, tree[6], 0.1, "auto")
+        acc = ops.tree_walk(name, tree[0], tree[1], tree[7], tree[8], target, lens)
+        ops.kv_commit(name, acc[0], acc[1], lens, [kv], table)
+        ops.kv_commit_stacked(name, acc[0], acc[1], lens, layers, table)
         return out * 2, lse, acc[2]
 
     i32 = dict(dtype=torch.int32)
@@ -167,3 +175,97 @@ def test_stacked_commit_refuses_a_list_and_another_rank(spec, monkeypatch):
                                     table)
     with pytest.raises(LaunchReached):   # a [layers, num_pages, page_size, R+P] cache passes every check
         torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)
+
+
+# ------------------------------------------------------------------ the direct entries (torch_ops.direct)
+
+def test_direct_entries_take_the_ops_arguments():
+    """One direct entry per declared op, with the op's schema as its signature: the same argument names in the same
+    order, the same defaults (so any call the op takes, positional or by keyword, binds the same way)."""
+    import inspect
+
+    from ddtree_gen import registry
+    direct = ddtree_gen.torch_ops.direct
+    names = [op.name for _, op in registry.torch_ops()]
+    assert sorted(vars(direct)) == sorted(names)
+    for name in names:
+        schema = getattr(torch.ops.ddtree, name).default._schema
+        params = list(inspect.signature(getattr(direct, name)).parameters.values())
+        assert [p.name for p in params] == [a.name for a in schema.arguments], name
+        for p, a in zip(params, schema.arguments):
+            want = a.default_value if a.has_default_value() else inspect.Parameter.empty
+            assert p.default == want and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, (name, p, want)
+        assert str(schema) in getattr(direct, name).__doc__
+
+
+def _stand_in_device0(spec, monkeypatch):
+    """CPU tensors standing for device 0's, and torch_ops' kernel set a stand-in that refuses to launch."""
+    import sys
+    from pathlib import Path
+
+    from conftest import FakeKernelSet
+    from ddtree_gen import arrays, runtime, torch_ops
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import profile_launch
+    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+    kset = FakeKernelSet(spec)
+    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
+    return kset
+
+
+def test_direct_entry_in_eager_runs_the_launcher_not_the_dispatcher(spec, monkeypatch):
+    """An eager call of a direct entry goes to the op's implementation without the dispatcher: on CPU tensors
+    (standing for device 0's) the launcher runs its checks and reaches the launch, where the op itself has no CPU
+    kernel to dispatch to; and a bad argument is the launcher's ArgumentError, as through the op on a GPU."""
+    from conftest import LaunchReached
+    from ddtree_gen.errors import ArgumentError
+    _stand_in_device0(spec, monkeypatch)
+    direct = ddtree_gen.torch_ops.direct
+    lens, nodes, prefix = _commit_args(spec)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="CPU"):   # the dispatcher: no kernel for CPU tensors
+        torch.ops.ddtree.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)
+    with pytest.raises(LaunchReached):
+        direct.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)
+    with pytest.raises(LaunchReached):   # by keyword, as the op binds them
+        direct.kv_commit_stacked(spec=spec.name, accept_lens=lens, accepted_nodes=nodes, prefix_lens=prefix,
+                                 kv_cache=_kv(spec, 3, 4), block_table=table)
+    with pytest.raises(ArgumentError, match=r"^kv_cache: 3 dimensions"):
+        direct.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 4), table)
+    with pytest.raises(LaunchReached):   # the list form: a list argument, its first tensor argument a tensor
+        direct.kv_commit(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
+    n = spec.max_tree_size
+    logits = torch.zeros(2, spec.max_depth, 1000, dtype=torch.bfloat16)
+    with pytest.raises(LaunchReached):
+        direct.draft_topk(spec.name, logits, n - 1)   # the schema's default temperature
+    with pytest.raises(ArgumentError, match="temperature"):
+        direct.draft_topk(spec.name, logits, n - 1, temperature=0.0)
+
+
+def test_direct_entry_under_a_dispatch_mode_is_the_op(spec):
+    """Under FakeTensorMode (a dispatch mode: also make_fx, export, functionalization) a direct entry calls the op,
+    so its fake runs: fake outputs of the op's shapes, nothing launched (no kernel set is loaded here)."""
+    direct = ddtree_gen.torch_ops.direct
+    n, w, b = spec.max_tree_size, spec.mask_words, 3
+    with FakeTensorMode():
+        ids = torch.empty(b, spec.max_depth, n - 1, dtype=torch.int32)
+        vec = torch.empty(b, dtype=torch.int32)
+        tree = direct.tree_build(spec.name, ids, ids.float(), vec, vec, n - 1)
+        assert [tuple(t.shape) for t in tree] == [(b,)] + [(b, n)] * 5 + [(b, n, w), (b, n), (b, n)]
+        assert type(tree) is tuple   # the op's tuple, not the launcher's record
+        logits = torch.empty(b, spec.max_depth, 1000, dtype=torch.bfloat16)
+        top = direct.draft_topk(spec.name, logits, n - 1, temperature=0.5)
+        assert [tuple(t.shape) for t in top] == [(b, spec.max_depth, n - 1)] * 2
+
+
+def test_direct_entry_with_a_tensor_subclass_is_the_op(spec):
+    """A first tensor argument that is not a plain torch.Tensor (a subclass: here a fake tensor outside its mode's
+    dispatch) takes the op, whose dispatch the subclass controls."""
+    direct = ddtree_gen.torch_ops.direct
+    mode = FakeTensorMode()
+    with mode:
+        vec = torch.empty(2, dtype=torch.int32)
+        ids = torch.empty(2, spec.max_depth, spec.max_tree_size - 1, dtype=torch.int32)
+    assert type(ids) is not torch.Tensor
+    tree = direct.tree_build(spec.name, ids, ids.float(), vec, vec, 8)   # the fake tensors run the op's fake
+    assert type(tree[0]) is type(ids) and tuple(tree[1].shape) == (2, spec.max_tree_size)

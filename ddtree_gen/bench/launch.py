@@ -2,7 +2,8 @@
 
 For every launcher on a tiny problem (B = 1, prefix 64; kimi-k2.6-tp8 unless --spec; kv_commit of 61
 layers, as a list of caches and as one stacked array (torch ops kv_commit and kv_commit_stacked); draft_topk, where the kernel set has it, of B = 1, D' = D, k = 64, V = 163840 bf16 logits), with
-torch and with CuPy inputs, and through the torch custom op:
+torch and with CuPy inputs, through the torch custom op ("torch op") and through its direct entry ("direct":
+ddtree_gen.torch_ops.direct, the op's arguments, no dispatcher in an eager call):
   * eager: wall time per call of many back-to-back calls (the host is the bottleneck there);
   * host: wall time per call of HOST_CALLS calls issued without waiting for the GPU (the host's own time, also
     where the GPU is the slower side: then eager > host);
@@ -186,11 +187,13 @@ def _empty_like_kind(like, n: int, kind: str):
     return cupy.empty(n, dtype=cupy.int32)
 
 
-def _op_calls(spec_name: str, x, tree, res, tail, walk, caches, stacked) -> dict:
+def _op_calls(spec_name: str, x, tree, res, tail, walk, caches, stacked, direct: bool = False) -> dict:
+    """name -> the call through torch.ops.ddtree, or (direct) through the ops' direct entries (torch_ops.direct:
+    the same arguments, the implementation without the dispatcher in eager calls)."""
     import torch
 
-    from .. import torch_ops  # noqa: F401  (registers torch.ops.ddtree)
-    ops = torch.ops.ddtree
+    from .. import torch_ops  # (registers torch.ops.ddtree)
+    ops = torch_ops.direct if direct else torch.ops.ddtree
     v = x["verify"]
     ids, lps, roots, prefix = x["build"]
     budget = len(tree.tokens[0]) - 1
@@ -230,6 +233,7 @@ def measure(spec_name: str) -> list[tuple]:
     torch_calls, torch_given, state = _calls(ks, spec, "torch")
     cupy_calls, cupy_given, _ = _calls(ks, spec, "cupy")
     op_calls = _op_calls(spec.name, *state)
+    direct_calls = _op_calls(spec.name, *state, direct=True)
     nan = float("nan")
     for name in torch_calls:
         gpu = _graph_us_torch(torch_given[name])
@@ -238,6 +242,8 @@ def measure(spec_name: str) -> list[tuple]:
         if name in op_calls:
             rows.append((name, "torch op", _eager_us(op_calls[name], tsync), _host_us(op_calls[name], tsync), nan,
                          gpu))
+            rows.append((name, "direct", _eager_us(direct_calls[name], tsync), _host_us(direct_calls[name], tsync),
+                         nan, gpu))
         rows.append((name, "cupy", _eager_us(cupy_calls[name], csync), _host_us(cupy_calls[name], csync), nan,
                      _graph_us_cupy(cupy_given[name])))
     a, b, c = (torch.ones(16, device="cuda") for _ in range(3))
