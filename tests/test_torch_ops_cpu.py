@@ -139,15 +139,27 @@ def _kv(spec, *shape):
                        dtype=torch.float8_e4m3fn if spec.kv_fp8 else torch.bfloat16)
 
 
+def _stand_in_device0(spec, monkeypatch):
+    """CPU tensors standing for device 0's, and torch_ops' kernel set a stand-in that refuses to launch."""
+    import sys
+    from pathlib import Path
+
+    from conftest import FakeKernelSet
+    from ddtree_gen import arrays, runtime, torch_ops
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import profile_launch
+    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+    kset = FakeKernelSet(spec)
+    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
+    return kset
+
+
 def test_stacked_commit_refuses_a_list_and_another_rank(spec, monkeypatch):
     """kv_commit_stacked takes one tensor: the schema refuses a list (torch's message names kv_cache), and a
     kv_cache that is not 4-D is an ArgumentError naming kv_cache when traced (the fake) and in the op's
     implementation (the launcher's checks, before any launch)."""
-    import sys
-    from pathlib import Path
-
-    from conftest import FakeKernelSet, LaunchReached
-    from ddtree_gen import arrays, runtime, torch_ops
+    from conftest import LaunchReached
+    from ddtree_gen import torch_ops
     from ddtree_gen.errors import ArgumentError
     lens, nodes, prefix = _commit_args(spec)
     table = torch.zeros(2, 4, dtype=torch.int32)
@@ -159,11 +171,7 @@ def test_stacked_commit_refuses_a_list_and_another_rank(spec, monkeypatch):
             torch.ops.ddtree.kv_commit_stacked(spec.name, *args[:3], _kv(spec, 4), args[3])
     # the implementation (what the dispatcher runs on a GPU), CPU tensors standing for device 0's, on a stand-in
     # kernel set that refuses to launch
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import profile_launch
-    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
-    kset = FakeKernelSet(spec)
-    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
+    _stand_in_device0(spec, monkeypatch)
     with pytest.raises(ArgumentError, match=r"^kv_cache: a list of 2 caches, expected one \[layers, "):
         torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
     with pytest.raises(ArgumentError, match=r"^kv_cache: 3 dimensions \(4, .*one layer's cache: add a leading"):
@@ -196,21 +204,6 @@ def test_direct_entries_take_the_ops_arguments():
             want = a.default_value if a.has_default_value() else inspect.Parameter.empty
             assert p.default == want and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, (name, p, want)
         assert str(schema) in getattr(direct, name).__doc__
-
-
-def _stand_in_device0(spec, monkeypatch):
-    """CPU tensors standing for device 0's, and torch_ops' kernel set a stand-in that refuses to launch."""
-    import sys
-    from pathlib import Path
-
-    from conftest import FakeKernelSet
-    from ddtree_gen import arrays, runtime, torch_ops
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import profile_launch
-    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
-    kset = FakeKernelSet(spec)
-    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
-    return kset
 
 
 def test_direct_entry_in_eager_runs_the_launcher_not_the_dispatcher(spec, monkeypatch):
