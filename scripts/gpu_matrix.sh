@@ -2,7 +2,8 @@
 # The GPU matrix on the device: build every variant, then every gpu-marked test.
 # When: on a GPU machine after any change to templates/ or ddtree_gen/ (plans, launchers, runtime),
 # before committing it; pytest args narrow it (e.g. tests/test_gpu_tree_verify.py -k wgmma).
-# Usage: bash scripts/gpu_matrix.sh [pytest args...]; logs go to $OUT (or ./gpu-out).
+# Usage: [JOBS=4] bash scripts/gpu_matrix.sh [pytest args...]; logs go to $OUT (or ./gpu-out): one log and junit
+# file per test process (JOBS of them, side by side; JOBS=1: one process).
 # Build targets (docs/decisions.md, "Build targets"): by default each kernel runs as the build for the
 # GPU (the sm_90a cubins on an H100 / H200). DDTREE_GEN_ARCH=sm_80 runs the matrix on the sm_80 PTX
 # builds instead (what an A100, L40S or B200 runs; the tests of the wgmma kernels skip, saying why);
@@ -22,10 +23,29 @@ build_rc=0
 for pid in "${pids[@]}"; do wait "$pid" || build_rc=1; done
 echo "build exit $build_rc"; tail -qn1 "$out"/build-*.log
 rc=0
+jobs="${JOBS:-4}"
 for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
   tag=""; [ "$arch" = auto ] || tag="-$arch"
-  echo "=== gpu tests, DDTREE_GEN_ARCH=$arch"
-  DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q -ra -p no:cacheprovider --junitxml="$out/gpu-junit$tag.xml" \
-    "$@" 2>&1 | tee "$out/gpu-tests$tag.log" | tail -60 || rc=1
+  echo "=== gpu tests, DDTREE_GEN_ARCH=$arch, $jobs processes"
+  # the collected test ids dealt round-robin to $jobs pytest processes side by side on the one GPU (a test's kernel
+  # builds are CPU work, and the whole matrix in one process outgrew one 10-minute device call); each process writes
+  # its own log and junit file, and the summary lines of all of them are printed last
+  ids="$out/gpu-ids$tag.txt"
+  DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
+    | grep '::' > "$ids"
+  if [ ! -s "$ids" ]; then echo "no gpu tests collected"; rc=1; continue; fi
+  echo "$(wc -l < "$ids") tests collected"
+  pids=()
+  for j in $(seq 0 $((jobs - 1))); do
+    awk -v n="$jobs" -v j="$j" 'NR % n == j' "$ids" > "$out/gpu-ids$tag-$j.txt"
+    DDTREE_GEN_ARCH="$arch" xargs -a "$out/gpu-ids$tag-$j.txt" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
+      --durations=15 --junitxml="$out/gpu-junit$tag-$j.xml" > "$out/gpu-tests$tag-$j.log" 2>&1 & pids+=("$!")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  for j in $(seq 0 $((jobs - 1))); do
+    echo "--- process $j (gpu-tests$tag-$j.log)"
+    grep -E "^(FAILED|ERROR)" "$out/gpu-tests$tag-$j.log"
+    tail -n1 "$out/gpu-tests$tag-$j.log"
+  done
 done
 exit $rc
