@@ -30,15 +30,15 @@ for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
   # the collected test ids dealt round-robin to $jobs pytest processes side by side on the one GPU (a test's kernel
   # builds are CPU work, and the whole matrix in one process outgrew one 10-minute device call); each process writes
   # its own log and junit file, and the summary lines of all of them are printed last
-  ids="$out/gpu-ids$tag.txt"
+  ids="$(mktemp -d)/ids.txt"   # (outside $out: the device returns a limited number of files)
   DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
     | grep '::' > "$ids"
   if [ ! -s "$ids" ]; then echo "no gpu tests collected"; rc=1; continue; fi
   echo "$(wc -l < "$ids") tests collected"
   pids=()
   for j in $(seq 0 $((jobs - 1))); do
-    awk -v n="$jobs" -v j="$j" 'NR % n == j' "$ids" > "$out/gpu-ids$tag-$j.txt"
-    DDTREE_GEN_ARCH="$arch" xargs -a "$out/gpu-ids$tag-$j.txt" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
+    awk -v n="$jobs" -v j="$j" 'NR % n == j' "$ids" > "$ids.$j"
+    DDTREE_GEN_ARCH="$arch" xargs -a "$ids.$j" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
       --durations=15 --junitxml="$out/gpu-junit$tag-$j.xml" > "$out/gpu-tests$tag-$j.log" 2>&1 & pids+=("$!")
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
@@ -47,5 +47,8 @@ for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
     grep -E "^(FAILED|ERROR)" "$out/gpu-tests$tag-$j.log"
     tail -n1 "$out/gpu-tests$tag-$j.log"
   done
+  echo "--- skips of all processes, by reason"
+  cat "$out"/gpu-tests$tag-[0-9]*.log | sed -n 's/^SKIPPED \[\([0-9]*\)\] [^ ]*: /\1 /p' \
+    | awk '{n = $1; $1 = ""; c[$0] += n} END {for (r in c) printf "%6d %s\n", c[r], r}' | sort -rn
 done
 exit $rc
