@@ -7,7 +7,7 @@
 # Build targets (docs/decisions.md, "Build targets"): by default each kernel runs as the build for the
 # GPU (the sm_90a cubins on an H100 / H200). DDTREE_GEN_ARCH=sm_80 runs the matrix on the sm_80 PTX
 # builds instead (what an A100, L40S or B200 runs; the tests of the wgmma kernels skip, saying why);
-# PASSES="auto sm_80" runs both passes, one after the other (logs gpu-tests.log, gpu-tests-sm_80.log).
+# PASSES="auto sm_80" runs both passes, one after the other (logs gpu-tests-J.log, gpu-tests-sm_80-J.log).
 set -uo pipefail
 out="${OUT:-gpu-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
