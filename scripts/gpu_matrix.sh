@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU matrix on the device: build every variant, then every gpu-marked test.
 # When: on a GPU machine after any change to templates/ or ddtree_gen/ (plans, launchers, runtime),
-# before committing it; pytest args narrow it (e.g. tests/test_gpu_tree_verify.py -k wgmma).
+# before committing it; pytest args narrow it (e.g. tests/test_gpu_tree_verify.py -k wgmma: they select the tests
+# at collection; the processes run the selected ids).
 # Usage: [JOBS=4] bash scripts/gpu_matrix.sh [pytest args...]; logs go to $OUT (or ./gpu-out): one log and junit
 # file per test process (JOBS of them, side by side; JOBS=1: one process).
 # Build targets (docs/decisions.md, "Build targets"): by default each kernel runs as the build for the
@@ -31,19 +32,24 @@ for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
   # builds are CPU work, and the whole matrix in one process outgrew one 10-minute device call); each process writes
   # its own log and junit file, and the summary lines of all of them are printed last
   ids="$(mktemp -d)/ids.txt"   # (outside $out: the device returns a limited number of files)
-  DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "$@" 2>/dev/null \
-    | grep '::' > "$ids"
-  if [ ! -s "$ids" ]; then echo "no gpu tests collected"; rc=1; continue; fi
+  DDTREE_GEN_ARCH="$arch" python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider "$@" > "$ids.collect" 2>&1
+  collect_rc=$?
+  grep '::' "$ids.collect" > "$ids"
+  if [ "$collect_rc" != 0 ] || [ ! -s "$ids" ]; then   # a module that fails to import is an error, not fewer tests
+    echo "collecting the gpu tests failed (pytest exit $collect_rc):"; tail -n 40 "$ids.collect"; rc=1; continue
+  fi
   echo "$(wc -l < "$ids") tests collected"
+  rm -f "$out"/gpu-tests$tag-[0-9]*.log "$out"/gpu-junit$tag-[0-9]*.xml   # (an earlier run's, with another JOBS)
   pids=()
   for j in $(seq 0 $((jobs - 1))); do
     awk -v n="$jobs" -v j="$j" 'NR % n == j' "$ids" > "$ids.$j"
-    DDTREE_GEN_ARCH="$arch" xargs -a "$ids.$j" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
+    DDTREE_GEN_ARCH="$arch" xargs -r -a "$ids.$j" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
       --durations=15 --junitxml="$out/gpu-junit$tag-$j.xml" > "$out/gpu-tests$tag-$j.log" 2>&1 & pids+=("$!")
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   for j in $(seq 0 $((jobs - 1))); do
     echo "--- process $j (gpu-tests$tag-$j.log)"
+    [ -s "$ids.$j" ] || { echo "(no tests: fewer tests than processes)"; continue; }
     grep -E "^(FAILED|ERROR)" "$out/gpu-tests$tag-$j.log"
     tail -n1 "$out/gpu-tests$tag-$j.log"
   done
