@@ -11,7 +11,8 @@
 # PASSES="auto sm_80" runs both passes, one after the other (logs gpu-tests-J.log, gpu-tests-sm_80-J.log).
 set -uo pipefail
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
+# the caller's PYTHONPATH is kept after the checkout (FlashMLA's package there: the pairing tests run, else skip)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
 python3 -c "import ml_dtypes" 2>/dev/null || echo "WARNING: ml_dtypes is not installed: the fp8 specs' GPU tests need it (pip install ml_dtypes)"
 # one build process per spec, side by side (the binary cache's file locks make that safe): on the 16-core H200 machine
 # the six shipped specs build in ~35 s this way, several minutes one variant after another
