@@ -44,7 +44,8 @@ for arch in ${PASSES:-${DDTREE_GEN_ARCH:-auto}}; do
   pids=()
   for j in $(seq 0 $((jobs - 1))); do
     awk -v n="$jobs" -v j="$j" 'NR % n == j' "$ids" > "$ids.$j"
-    DDTREE_GEN_ARCH="$arch" xargs -r -a "$ids.$j" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
+    # (-s: one pytest command line for all ids; xargs' default 128 KB buffer split JOBS=1's ~180 KB of ids in two runs)
+    DDTREE_GEN_ARCH="$arch" xargs -r -s $(( $(getconf ARG_MAX) / 2 )) -a "$ids.$j" -d '\n' python3 -m pytest -q -ra -p no:cacheprovider \
       --durations=15 --junitxml="$out/gpu-junit$tag-$j.xml" > "$out/gpu-tests$tag-$j.log" 2>&1 & pids+=("$!")
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
