@@ -54,6 +54,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["8,4096", "32,4096", "1,4096"], help="B,L pairs")
     args = ap.parse_args()
+    shapes = []
+    for shape in args.shapes:
+        try:
+            b, l = map(int, shape.split(","))
+        except ValueError:
+            ap.error(f"--shapes: {shape!r}, expected B,L (two integers)")
+        if b < 1 or l < 0:
+            ap.error(f"--shapes: {shape!r}, expected B >= 1 and L >= 0")
+        shapes.append((b, l))
+    from ddtree_gen.errors import DdtreeError
+    from ddtree_gen.needs import require
+    try:   # (the fp8 cache's inputs are made through torch)
+        require("probe_overlap_dequant.py", gpu=True, torch=True)
+    except DdtreeError as e:
+        print(e)
+        return 2
     import cupy
     from ddtree_gen.bench.specs import VERIFY_KERNELS
     from ddtree_gen.inputs import verify_inputs
@@ -67,8 +83,7 @@ def main() -> None:
                                                   "tree_verify_wgmma_dequant_parts"])
     lo, hi = 0, -5   # stream priorities: lower is more urgent; CUDA clamps a value outside the device's range
     nq, rows = 65, []
-    for shape in args.shapes:
-        b, l = map(int, shape.split(","))
+    for b, l in shapes:
         lens = np.full(b, l)
         x16, x8 = verify_inputs(s16, b, lens, nq, seed=1), verify_inputs(s8, b, lens, nq, seed=2)
         x8b = verify_inputs(s8, b, lens, nq, seed=3)   # the "next layer's" cache the concurrent pre-pass converts
@@ -131,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
