@@ -58,11 +58,12 @@ def test_gpu_tests_dealt_to_processes_and_summed(tmp_path):
     assert [p.name for p in logs] == ["gpu-tests-0.log", "gpu-tests-1.log", "gpu-tests-2.log"]
     for j in range(3):
         assert f"--- process {j} (gpu-tests-{j}.log)" in r.stdout
-    # round-robin: 7 ids over 3 processes run 3, 2 and 2 tests, never the test without the gpu marker
+    # round-robin (id n, from 1, to process n mod 3): 7 ids over 3 processes run 2, 3 and 2 tests, never the test
+    # without the gpu marker
     runs = [p.read_text().strip().splitlines()[-1] for p in logs]
     counted = [sum(int(w) for w, nxt in zip(line.split(), line.split()[1:]) if nxt.rstrip(",") in ("passed", "skipped"))
                for line in runs]
-    assert counted == [3, 2, 2], runs
+    assert counted == [2, 3, 2], runs
     assert "     2  a stand-in skip reason" in r.stdout, r.stdout
     assert "test_not_gpu_marked" not in "".join(p.read_text() for p in logs)
     assert all((tmp_path / "out" / f"gpu-junit-{j}.xml").exists() for j in range(3))
