@@ -1,7 +1,8 @@
-"""scripts/gpu_matrix.sh, the device's matrix runner, on stand-in test files (CPU; BUILD=0: no kernel is built).
+"""The device-run scripts of this session on the CPU: scripts/gpu_matrix.sh, the matrix runner, on stand-in test files
+(BUILD=0: no kernel is built), and scripts/probe_overlap_dequant.py's refusals without a GPU.
 
-It collects the gpu-marked tests, deals them to JOBS pytest processes, and must fail where a test fails, where a
-test module does not import, and on a bad JOBS; the summary names every process and sums the skips by reason.
+gpu_matrix.sh collects the gpu-marked tests, deals them to JOBS pytest processes, and must fail where a test fails,
+where a test module does not import, and on a bad JOBS; the summary names every process and sums the skips by reason.
 """
 from __future__ import annotations
 
