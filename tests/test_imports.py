@@ -122,7 +122,8 @@ def test_layers_import_downwards():
 
 
 # bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`
-BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs"}
+BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs",
+                "ddtree_gen.bench.shapes"}
 
 
 def test_benches_do_not_import_each_other():
