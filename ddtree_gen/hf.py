@@ -51,7 +51,7 @@ from .trees import pack_tree_mask
 from .types import TreeBuildOutput
 
 __all__ = ["rope_parameters", "yarn_mscale", "softmax_scale", "spec_for", "MlaAdapter", "write_kv", "TreeTarget",
-           "tree_record", "tree_depths"]
+           "tree_record", "tree_depths", "additive_tree_mask", "tiny_config", "tiny_model"]
 
 
 # ---------------------------------------------------------------------------------------------------------- config
@@ -359,6 +359,60 @@ def tree_record(parents, tokens, prefix_lens, words: int | None = None) -> TreeB
                            np.where(live, prefix + depths, -1).astype(np.int32),
                            np.where(live, 0.0, -np.inf).astype(np.float32),
                            pack_tree_mask(par, words, num_nodes), first_child, next_sibling)
+
+
+def additive_tree_mask(prefix_len: int, parents, dtype=torch.float32):
+    """transformers' view of one tree step: the 4-D additive mask [1, 1, L + n, L + n] of a causal prefix of L tokens
+    followed by the n tree nodes of `parents` (each sees the prefix, its ancestors and itself), 0 where visible and
+    dtype's lowest value elsewhere; with position ids [0..L) then L + depth it makes the model's own forward compute
+    exactly what TreeTarget.verify computes for the tree rows."""
+    par = np.asarray(parents)
+    n = par.shape[0]
+    t = prefix_len + n
+    vis = np.tril(np.ones((t, t), bool))
+    vis[prefix_len:, prefix_len:] = False
+    anc = pack_tree_mask(par)
+    j = np.arange(n)
+    vis[prefix_len:, prefix_len:] = (anc[:, j // 32] >> (j % 32).astype(np.uint32)) & 1 == 1
+    m = torch.zeros((1, 1, t, t), dtype=dtype)
+    m[0, 0][torch.from_numpy(~vis)] = torch.finfo(dtype).min
+    return m
+
+
+def tiny_config(**overrides):
+    """A small random DeepseekV3Config (transformers; 2 layers, the second MoE; H = 8, R = 64, P = 16, yarn rope with
+    interleaved weights, eager attention): the tests' and examples/hf_ddtree.py's default. Keywords override fields;
+    `yarn=False` gives the default rope."""
+    from transformers import DeepseekV3Config
+    yarn = overrides.pop("yarn", True)
+    rp = ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 128,
+           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0} if yarn
+          else {"rope_type": "default", "rope_theta": 10000.0})
+    rp.update(overrides.pop("rope", {}))
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=4,
+              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=64,
+              q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+              max_position_embeddings=int(rp.get("factor", 1.0) * rp.get("original_max_position_embeddings", 4096)),
+              rope_parameters=rp, rope_interleave=True, attn_implementation="eager", tie_word_embeddings=False,
+              initializer_range=0.1)
+    kw.update(overrides)
+    cfg = DeepseekV3Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_model(config=None, seed: int = 0, dtype=torch.float32):
+    """A random DeepseekV3ForCausalLM of `config` (tiny_config() by default), in eval mode: weights of std
+    config.initializer_range, every RMSNorm weight uniform in [0.5, 2] (so that a missing or misplaced norm shows)."""
+    from transformers import DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config if config is not None else tiny_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 2.0)
+    return model.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------- whole models
