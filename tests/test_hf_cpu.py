@@ -269,3 +269,4 @@ def test_write_kv_layout(kind):
     written = {(table[b, p // 8], p % 8) for b in range(2) for p in pos[b] if p >= 0}
     others = [vals[pg, sl] for pg in range(4) for sl in range(8) if (pg, sl) not in written]
     assert not np.any(others)
+
