@@ -270,3 +270,26 @@ def test_write_kv_layout(kind):
     others = [vals[pg, sl] for pg in range(4) for sl in range(8) if (pg, sl) not in written]
     assert not np.any(others)
 
+
+
+def test_which_kernel_reports_the_launchers_choice():
+    """kernels.which.which_kernel on stand-in kernel sets (every kernel 'runs': the sm_90a view of a Hopper GPU)."""
+    from ddtree_gen import kernel_set
+    from ddtree_gen.kernels.which import which_kernel
+    from ddtree_gen.spec import find_spec
+    ks = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8"))
+    assert which_kernel(ks, 1, 65, 2)[:4] == ("tree_verify", "wgmma", "tree_verify_wgmma", "seesaw")
+    assert which_kernel(ks, 8, 65, 64).kernel == "tree_verify_wgmma_parts"          # B >= 8, >= 2048 keys, H <= 8
+    assert which_kernel(ks, 8, 65, 64, num_splits=4).kernel == "tree_verify_wgmma"
+    assert which_kernel(ks, 1, 65, 2, impl="simple")[1:3] == ("simple", "tree_verify")
+    assert which_kernel(ks, 1, 65, 2, impl="mma")[1:4] == ("mma", "tree_verify_mma", None)
+    assert which_kernel(ks, 1, 65, 2, name="tree_verify_tail").kernel == "tree_verify_tail_wgmma"
+    ks8 = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8-fp8"))
+    c = which_kernel(ks8, 1, 65, 2)
+    assert (c.kernel, c.fp8_path) == ("tree_verify_wgmma_dequant", "dequant") and "KV_WORKSPACE_LIMIT" in c.reason
+    assert which_kernel(ks8, 1, 65, 2, fp8_path="fused")[1:3] + (which_kernel(ks8, 1, 65, 2, fp8_path="fused").fp8_path,) \
+        == ("wgmma", "tree_verify_wgmma", "fused")
+    with pytest.raises(ddtree_gen.ArgumentError, match="impl"):
+        which_kernel(ks8, 1, 65, 2, impl="mma")
+    lock = kernel_set.StandInKernelSet(ddtree_gen.make_spec("r256", 8, 256, 32))
+    assert which_kernel(lock, 1, 65, 2).schedule == "lockstep"                        # the seesaw needs R = 512, P = 64
