@@ -281,9 +281,8 @@ def write_kv(kv_cache, block_table, positions, ckv, kpe, kv_scale=None) -> None:
         p = pos[b_idx, t_idx]
         pages, slots = table[b_idx, p // page], p % page
         vals = entry[b_idx, t_idx]
-        if kind == "fp8":
-            q = (vals / kv_scale).to(torch.float8_e4m3fn)
-            kv_cache[pages, slots] = q if kv_cache.dtype == torch.float8_e4m3fn else q.view(torch.uint8)
+        if kind == "fp8":   # through uint8 views: index_put of float8 is not implemented on every device
+            kv_cache.view(torch.uint8)[pages, slots] = (vals / kv_scale).to(torch.float8_e4m3fn).view(torch.uint8)
         elif kv_cache.dtype == torch.uint16:
             kv_cache[pages, slots] = vals.to(torch.bfloat16).view(torch.uint16)
         else:
@@ -510,6 +509,7 @@ class TreeTarget:
         table, pl, ql = (self._table(block_table, "int32"), self._table(prefix_lens, "int32"),
                          self._table(q_lens, "int32"))
         mask = self._table(tree_mask, "uint32")
+        live = torch.as_tensor(cache_pos >= 0, device=dev)[:, :, None, None]
         inner = self.model.model
         h = inner.embed_tokens(tok.clamp(min=0))
         attns = []
@@ -521,6 +521,7 @@ class TreeTarget:
             write_kv(cache, wtab, wpos, ckv, kpe, kv_scale=self.kv_scale)
             q_nope, q_pe = mla.queries(x, pos, dtype=torch.float32 if self.kernels is None else torch.bfloat16)
             out = self._attend(mla, q_nope, q_pe, cache, table, pl, ql, mask)
+            out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))   # rows >= q_len: 0
             a = mla.output(out).to(h.dtype)
             attns.append(a)
             h = h + a
