@@ -5,10 +5,13 @@
     tree = ks.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget=64)
 
 `ddtree_gen.reference` holds the numpy reference of every kernel; `ddtree_gen.bf16` and `ddtree_gen.fp8`
-convert bf16 bits and e4m3 bytes on the numpy side. They are imported on first use (`import ddtree_gen`
+convert bf16 bits and e4m3 bytes on the numpy side; `ddtree_gen.trees.pack_tree_mask` packs tree masks from parent
+arrays; `ddtree_gen.make_spec` builds a spec in code; `ddtree_gen.hf` maps a transformers DeepSeek-V3 / Kimi-K2 model
+onto the kernels (torch and transformers needed there only). They are imported on first use (`import ddtree_gen`
 stays light), as attributes or by `import ddtree_gen.reference`.
 """
 from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
+from .spec import make_spec
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __version__ = "0.1.0"
@@ -23,7 +26,7 @@ def load(spec, *, kernels=None, arch=None):
 
 
 # submodules reachable as attributes after `import ddtree_gen`, imported on first use (PEP 562)
-_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs")
+_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs", "trees", "hf")
 
 
 def __getattr__(name):
@@ -33,5 +36,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["load", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",
+__all__ = ["load", "make_spec", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",
            "AttentionOutput", "TreeAcceptOutput", "TreeBuildOutput", "__version__"]

@@ -25,7 +25,7 @@ LAYERS = [
     ["kernels"],                                                         # launchers
     ["registry"],                                                        # the declarations' strings resolved
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "sanitize",                         # users of kernel sets (bench/: a package)
+    ["torch_ops", "model", "bench", "sanitize", "hf",                   # users of kernel sets (bench/: a package; hf: transformers)
      "bundles"],                                                         # and of the declarations (bundles: refs/)
     ["cli", "__main__", "__init__"],
 ]
