@@ -62,9 +62,9 @@ class KernelSet:
 
     def tree_verify_schedule(self, b: int, nq: int, max_pages: int, **kw):
         """What tree_verify (name="tree_verify_tail": the tail) runs for B requests of Nq rows over a block table of
-        max_pages columns: the kernel, grid, pieces, blocks, combine and workspace (kernels.tree_verify.schedule;
+        max_pages columns: the kernel, grid, pieces, blocks, combine and workspace (kernels.which.schedule;
         keywords device, impl, num_splits, fp8_path, kv_workspace as the call's)."""
-        from .kernels.tree_verify import schedule
+        from .kernels.which import schedule
         return schedule(self, b, nq, max_pages, **kw)
 
     @property

@@ -27,7 +27,7 @@ CASES = {
 def test_graph_replays_new_lengths(spec, case):
     import cupy
     from ddtree_gen.kernel_set import load
-    from ddtree_gen.kernels.tree_verify import schedule
+    from ddtree_gen.kernels.which import schedule
     from ddtree_gen.plans import split_kv
     if spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r}: an fp8 spec's default path is covered by test_gpu_kv_dequant."

@@ -279,7 +279,7 @@ def test_which_kernel_reports_the_launchers_choice():
     from ddtree_gen.spec import find_spec
     ks = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8"))
     assert which_kernel(ks, 1, 65, 2)[:4] == ("tree_verify", "wgmma", "tree_verify_wgmma", "seesaw")
-    assert which_kernel(ks, 8, 65, 64).kernel == "tree_verify_wgmma_parts"          # B >= 8, >= 2048 keys, H <= 8
+    assert which_kernel(ks, 8, 65, 64).kernel == "tree_verify_wgmma_parts"          # B >= 2, the parts pay (parts_pay)
     assert which_kernel(ks, 8, 65, 64, num_splits=4).kernel == "tree_verify_wgmma"
     assert which_kernel(ks, 1, 65, 2, impl="simple")[1:3] == ("simple", "tree_verify")
     assert which_kernel(ks, 1, 65, 2, impl="mma")[1:4] == ("mma", "tree_verify_mma", None)
@@ -293,3 +293,25 @@ def test_which_kernel_reports_the_launchers_choice():
         which_kernel(ks8, 1, 65, 2, impl="mma")
     lock = kernel_set.StandInKernelSet(ddtree_gen.make_spec("r256", 8, 256, 32))
     assert which_kernel(lock, 1, 65, 2).schedule == "lockstep"                        # the seesaw needs R = 512, P = 64
+
+
+def test_schedule_reports_grid_pieces_and_workspace():
+    """kernels.which.schedule (ks.tree_verify_schedule) on stand-in kernel sets: the launchers' grid and count rules
+    (plans/tree_verify_wgmma.parts_for, plans/split_kv.choose_splits), the blocks and the workspace they need."""
+    from ddtree_gen import kernel_set
+    from ddtree_gen.kernels.which import schedule
+    from ddtree_gen.plans import split_kv
+    from ddtree_gen.spec import find_spec
+    spec = find_spec("kimi-k2.6-tp8")
+    ks = kernel_set.StandInKernelSet(spec)
+    one = schedule(ks, 1, 65, 1026)                 # B = 1, 64k keys: 14 chunks, one wave of 126 blocks
+    assert (one.kernel, one.grid, one.pieces, one.blocks, one.combine) == ("tree_verify_wgmma", "chunks", 14, 126, True)
+    assert one.workspace_elems == split_kv.workspace_elems(spec, 1, 65, 14)
+    rag = schedule(ks, 8, 65, 2050)                 # B = 8, 128k keys: the parts grid, one wave
+    assert (rag.kernel, rag.grid, rag.pieces, rag.blocks) == ("tree_verify_wgmma_parts", "parts", 14, 126)
+    assert rag.workspace_elems == split_kv.parts_workspace_elems(spec, 8, 65, 14)
+    assert schedule(ks, 8, 65, 2050, num_splits=3).grid == "chunks"   # num_splits: the chunks grid's count
+    short = schedule(ks, 2, 65, 65)                 # B = 2, 4096 keys: the chunks grid (parts_pay)
+    assert short.grid == "chunks" and short.blocks == 2 * 9 * short.pieces
+    simple = schedule(ks, 2, 65, 65, impl="simple")
+    assert (simple.grid, simple.combine, simple.workspace_elems) == ("rows", False, 0)

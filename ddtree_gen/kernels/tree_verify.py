@@ -45,11 +45,10 @@ from .. import arrays as ar
 from ..errors import ArgumentError
 from ..plans import by_name, declarations
 from ..plans.tree_verify import MERGE_WARPS
-from ..plans.split_kv import BM, COMBINE, parts_workspace_elems, workspace_elems as split_workspace_elems
+from ..plans.split_kv import COMBINE
 from ..runtime import Prepared, Step, run_call
-from ..types import AttentionOutput, Schedule
-from .tensor_core import (KV_DEQUANT, KVW, WS, attention, attention_dequant, available, grid_kernel, pieces,
-                          prepare_attention)
+from ..types import AttentionOutput
+from .tensor_core import KV_DEQUANT, KVW, WS, attention, attention_dequant, available, prepare_attention
 from ..plans.kv_dequant import workspace_elems
 from ..plans.tree_verify_wgmma import DEQUANT
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
@@ -365,35 +364,6 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     return _dispatch(kset, "tree_verify", False,
                      (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
                      out, lse, validate, impl, workspace, num_splits, kv_scale)
-
-
-def schedule(kset, b: int, nq: int, max_pages: int, *, device: int = 0, impl="auto", num_splits=None,
-             fp8_path=None, kv_workspace: bool = False, name: str = "tree_verify") -> Schedule:
-    """What a call of launcher `name` (tree_verify or tree_verify_tail) with these shapes runs on `device`: its kernel,
-    grid, piece count, blocks, whether the combine follows and the float32 workspace it needs (ddtree_gen.types.Schedule).
-    The launcher's own rule, from shapes only, as it decides once per call signature: an engine may ask once per step
-    (B, Nq and max_pages are the step's) and size one workspace for every layer. The cuts of the parts grid come from
-    prefix_lens and q_lens on the device, in the kernel (docs/engine.md "The schedule"). kv_workspace: whether the
-    call gives one (an fp8 spec's default path)."""
-    spec = kset.spec
-    path = None
-    if spec.kv_fp8 and name == "tree_verify":
-        path = fp8_path or fp8_default(kset, impl, device, b, max_pages, kv_workspace)[0]
-    if path == "dequant":
-        kernel = DEQUANT
-    else:
-        kind = _first_that_runs(kset, name, _pick_impl(kset, name, impl, None, num_splits), device)
-        if kind == "simple":
-            groups = kset.constants(name, device)["HEAD_GROUPS"]
-            return Schedule(name, "rows", 1, groups * nq * b, False, 0, path)
-        kernel = _kernel(name, kind)
-    kernel = grid_kernel(kset, kernel, b, nq, max_pages, num_splits, None, device)
-    parts, count = pieces(kset, kernel, name == "tree_verify_tail", b, nq, max_pages, num_splits, device,
-                          kset.require(kernel, device))
-    row_tiles = -(-nq * spec.num_heads // BM)
-    blocks = count * row_tiles if parts else b * count * row_tiles
-    need = parts_workspace_elems(spec, b, nq, count) if parts else split_workspace_elems(spec, b, nq, count)
-    return Schedule(kernel, "parts" if parts else "chunks", count, blocks if b else 0, count > 1 and b > 0, need, path)
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
