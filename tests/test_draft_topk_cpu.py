@@ -356,6 +356,9 @@ def test_argument_errors_name_the_argument(spec, fake_alloc):
     _expect(spec, r"out: has no field 'topk_ids'", _logits(1, 2, 100), 3, out=object())
     _expect(spec, r"workspace: 3 int32 elements", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((3,), np.int32))
     _expect(spec, r"workspace: dtype float32", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((10**6,), np.float32))
+    # also where the call needs no workspace (one chunk a row: V = 100), and on the rows schedule's path (none used)
+    _expect(spec, r"workspace: dtype float32", _logits(1, 2, 100), 3, workspace=FakeCudaArray((10**6,), np.float32))
+    _expect(spec, r"workspace: dtype int64", _logits(1, 2, 100), 3, workspace=FakeCudaArray((4,), np.int64))
     _expect(spec, r"out.topk_ids: on device 1", _logits(1, 2, 100), 3,
             out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32, ptr=1 << 41), FakeCudaArray((1, 2, 3), np.float32)))
 
@@ -433,6 +436,14 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
         assert len(ks.seen) == 1 and ks.seen[0][1]["grid"] == (rows,)
         assert int(ks.seen[0][1]["args"][-1]) == 2
         assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace
+        # a workspace the call does not use: still refused for its dtype, before anything is launched
+        ks2 = Recorder(spec)
+        monkeypatch.setattr(ks2, "constants", lambda name, device=None: consts)
+        with pytest.raises(ArgumentError, match=r"workspace: dtype float32"):
+            draft_topk(ks2, _logits(rows_b, dp, v), k, workspace=FakeCudaArray((10**6,), np.float32))
+        assert ks2.seen == []
+        draft_topk(ks2, _logits(rows_b, dp, v), k, workspace=FakeCudaArray((1,), np.int32))   # int32: unused, fine
+        assert len(ks2.seen) == 1 and int(ks2.seen[0][1]["args"][8]) == 0
     else:
         assert ks.seen[0][1]["grid"] == (rows * c,) and int(ks.seen[0][1]["args"][-1]) == 0
         assert len(ks.seen) == 1 + (c > 1)
