@@ -288,16 +288,34 @@ def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(REPO / argv[0])], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr   # needs.EXIT_MISSING, for all of them
     assert r.stderr.strip().splitlines() == [f"error: {argv[0]} needs a CUDA GPU: {_no_gpu()}"], r.stderr
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "scripts").glob("*.py")))
+def _repo_files() -> str:
+    """Every path git sees in the checkout, ignored ones included (what a script may have written there)."""
+    return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh")))
 def test_every_script_answers_help(script, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
-                       env=env, cwd=tmp_path, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+    """Every script of scripts/ (Python and shell) answers --help: exit 0, its usage on stdout, and nothing
+    written, neither where it runs nor in the checkout (gpu_matrix.sh used to build every spec into gpu-out/)."""
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("OUT", None)
+    cmd = ["bash"] if script.endswith(".sh") else [sys.executable]
+    before = _repo_files()
+    r = subprocess.run(cmd + [str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
+                       env=env, cwd=run_dir, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if script.endswith(".py"):
+        assert r.stdout.startswith("usage:"), r.stdout
+    assert "usage" in r.stdout.lower() or "run:" in r.stdout.lower(), r.stdout
+    assert list(run_dir.iterdir()) == [] and not (tmp_path / "cache").exists(), list(run_dir.iterdir())
+    assert _repo_files() == before, "--help wrote into the checkout"
 
 
 def test_refs_without_ml_dtypes_refuses_in_one_line(monkeypatch, capsys):
