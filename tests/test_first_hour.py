@@ -357,3 +357,110 @@ def test_out_that_is_a_file_is_refused(root, tmp_path, capsys):
     for args in (["build", SHIPPED, "--out", str(tmp_path / "f")], ["build", "--check", "--out", str(tmp_path / "f")]):
         rc, out = _run(capsys, *args)
         assert rc == 2 and f"--out {tmp_path / 'f'}: not a folder" in out, out
+
+
+# ------------------------------------------------------------------ issue 37: the first hour, again
+
+SMALL_KERNELS = ["--kernel", "tree_build", "--kernel", "merge_states", "--kernel", "tree_accept"]
+
+
+def _no_times(text: str) -> str:
+    import re
+    return re.sub(r" in [0-9.]+s", "", text)
+
+
+def test_parallel_build_is_the_sequential_build_with_progress_on_stderr(tmp_path, monkeypatch, capsys):
+    """--jobs 2 and --jobs 1 into fresh caches: the same stdout (build order, whatever order the compiles end
+    in) and the same cache entries, byte for byte; progress on stderr, one line per variant; --jobs 0 refused."""
+    outs, caches = [], []
+    for jobs in ("2", "1"):
+        cache = tmp_path / f"cache-{jobs}"
+        monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+        capsys.readouterr()
+        assert cli.main(["build", SHIPPED, *SMALL_KERNELS, "--jobs", jobs]) == 0
+        out = capsys.readouterr()
+        progress = [ln for ln in out.err.splitlines() if "done]" in ln]
+        assert len(progress) == 6 and all("compiled in" in ln for ln in progress), out.err
+        assert f"{'2' if jobs == '2' else '1'} at a time" in out.err, out.err
+        outs.append(_no_times(out.out))
+        caches.append({p.name: p.read_bytes() for p in cache.iterdir() if p.suffix in (".cubin", ".ptx")})
+    assert outs[0] == outs[1]
+    assert caches[0] == caches[1] and len(caches[0]) == 6
+    rc, out = _run(capsys, "build", SHIPPED, "--jobs", "0")
+    assert rc == 2 and "--jobs 0: expected a number >= 1" in out, out
+
+
+def test_a_failed_variant_in_a_parallel_build_leaves_the_others_and_generated(root, monkeypatch, capsys):
+    """One variant that fails to compile, among others compiled on 2 threads: the others are built and cached,
+    the run exits 1 naming the failed one, and generated/ is left as it was (only a complete set is written)."""
+    from ddtree_gen import compile as compile_mod
+    before = _tree(root / "generated")
+    real = artifacts.compile_source
+
+    def failing(source, name, entries, opts):
+        if "merge_states" in name and "sm_80" in name:
+            raise compile_mod.BuildError("planted NVRTC failure")
+        return real(source, name, entries, opts)
+
+    monkeypatch.setattr(artifacts, "compile_source", failing)
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(root.parent / "fresh-cache"))
+    rc, out = _run(capsys, "build", SHIPPED, "--jobs", "2")
+    assert rc == 1 and "build of kimi-k2.6-tp8/merge_states (sm_80) failed" in out and "planted" in out, out
+    assert _tree(root / "generated") == before
+    assert any("tree_build" in ln and "compiled" in ln for ln in out.splitlines()), out
+
+
+def test_load_says_what_it_compiles(tmp_path, monkeypatch):
+    """ensure_built (load's build) says, before compiling, how many variants and which, and one line per variant
+    compiled; from a warm cache it says nothing."""
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(tmp_path / "cache"))
+    said = []
+    artifacts.ensure_built(find_spec(SHIPPED), kernels=["tree_build", "merge_states"], say=said.append)
+    assert said[0].startswith(f"ddtree_gen: {SHIPPED}: compiling 4 of 4 variants not in the cache"), said
+    assert "tree_build (sm_90a)" in said[0] and "merge_states (sm_80)" in said[0]
+    assert sorted(s.split("compiled ")[1].split(" in ")[0] for s in said[1:]) == sorted(
+        ["tree_build (sm_90a)", "tree_build (sm_80)", "merge_states (sm_90a)", "merge_states (sm_80)"]), said
+    again = []
+    artifacts.ensure_built(find_spec(SHIPPED), kernels=["tree_build", "merge_states"], say=again.append)
+    assert again == []
+
+
+def test_load_prints_on_stderr_unless_quiet(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    code = f"import ddtree_gen; ddtree_gen.load({SHIPPED!r}, kernels=['merge_states'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "compiling 2 of 2 variants" in r.stderr and r.stdout == "", r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr      # warm: silent
+    (tmp_path / "cache").rename(tmp_path / "old")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(env, DDTREE_GEN_QUIET="1"))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("above", [False, True], ids=["the-cache", "a-folder-above"])
+def test_a_cache_that_is_a_file_is_a_clear_error(above, tmp_path, monkeypatch, capsys):
+    (tmp_path / "f").write_text("")
+    cache = tmp_path / "f" / "sub" if above else tmp_path / "f"
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+    rc, out = _run(capsys, "build", SHIPPED, "--kernel", "tree_build")
+    assert rc == 2 and f"DDTREE_GEN_CACHE={cache}:" in out and "is a file, not a folder" in out, out
+    assert "Traceback" not in out and "FileExistsError" not in out
+    import ddtree_gen
+    from ddtree_gen.errors import DdtreeError
+    with pytest.raises(DdtreeError, match="is a file, not a folder"):
+        ddtree_gen.load(SHIPPED, kernels=["tree_build"], arch="sm_80")
+
+
+def test_an_unknown_arch_is_refused_by_build_as_by_load(tmp_path, monkeypatch, capsys):
+    """DDTREE_GEN_ARCH=sm_70: `build` refuses it with load()'s message (it used to build every target)."""
+    import ddtree_gen
+    from ddtree_gen.errors import DdtreeError
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DDTREE_GEN_ARCH", "sm_70")
+    with pytest.raises(DdtreeError) as e:
+        ddtree_gen.load(SHIPPED, kernels=["tree_build"])
+    for args in (["build", SHIPPED, "--kernel", "tree_build"], ["build", "--check", SHIPPED]):
+        rc, out = _run(capsys, *args)
+        assert rc == 2 and str(e.value) in out, (args, out)
+    assert not (tmp_path / "cache").exists()
