@@ -26,8 +26,11 @@ SHIPPED = "kimi-k2.6-tp8"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(concurrent_build, session_cache) -> Path:
+    """The session's cache, which holds every shipped variant (tests/conftest.py: compiled once, by the
+    concurrent build): a build of a shipped spec here compiles nothing (test_another_nvrtc_... built one
+    cold before); the specs of one's own these tests make add entries of their own."""
+    return session_cache
 
 
 @pytest.fixture
@@ -390,7 +393,7 @@ def test_parallel_build_is_the_sequential_build_with_progress_on_stderr(tmp_path
     assert rc == 2 and "--jobs 0: expected a number >= 1" in out, out
 
 
-def test_a_failed_variant_in_a_parallel_build_leaves_the_others_and_generated(root, monkeypatch, capsys):
+def test_a_failed_variant_in_a_parallel_build_leaves_the_others_and_generated(root, cache, monkeypatch, capsys):
     """One variant that fails to compile, among others compiled on 2 threads: the others are built and cached,
     the run exits 1 naming the failed one, and generated/ is left as it was (only a complete set is written)."""
     from ddtree_gen import compile as compile_mod
@@ -402,12 +405,20 @@ def test_a_failed_variant_in_a_parallel_build_leaves_the_others_and_generated(ro
             raise compile_mod.BuildError("planted NVRTC failure")
         return real(source, name, entries, opts)
 
+    # the session's cache (every shipped variant) less tree_build's and merge_states' entries: three compiles
+    fresh = root.parent / "fresh-cache"
+    keys = {(v.kernel.name, v.target): artifacts.cache_key(artifacts.render(v), v, artifacts.nvrtc_version())
+            for v in artifacts.variants(find_spec(SHIPPED), artifacts.select_kernels(["tree_build", "merge_states"]))}
+    gone = set(keys.values())
+    shutil.copytree(cache, fresh, ignore=lambda d, names: [n for n in names if n.split(".")[0] in gone])
     monkeypatch.setattr(artifacts, "compile_source", failing)
-    monkeypatch.setenv("DDTREE_GEN_CACHE", str(root.parent / "fresh-cache"))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(fresh))
     rc, out = _run(capsys, "build", SHIPPED, "--jobs", "2")
     assert rc == 1 and "build of kimi-k2.6-tp8/merge_states (sm_80) failed" in out and "planted" in out, out
     assert _tree(root / "generated") == before
-    assert any("tree_build" in ln and "compiled" in ln for ln in out.splitlines()), out
+    assert sum("tree_build" in ln and "compiled" in ln for ln in out.splitlines() if ln.startswith("[")) == 2, out
+    now = {p.name.split(".")[0] for p in fresh.iterdir()}   # the three that compiled are cached, the failed one not
+    assert {k for kv, k in keys.items() if kv != ("merge_states", "sm_80")} <= now and keys["merge_states", "sm_80"] not in now
 
 
 def test_load_says_what_it_compiles(tmp_path, monkeypatch):
