@@ -76,3 +76,32 @@ def script_requires(script_file: str, *, gpu: bool = True, torch: bool = False) 
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_MISSING) from None
 
+
+
+# FlashMLA: a peer of the benchmarks and of the pairing test, never a dependency
+FLASHMLA_ENV = "DDTREE_GEN_FLASHMLA"
+FLASHMLA_HINT = ("FlashMLA is github.com/deepseek-ai/FlashMLA (a Hopper GPU, torch with CUDA and the CUDA toolkit "
+                 "to build it): git clone https://github.com/deepseek-ai/FlashMLA && cd FlashMLA && "
+                 "git submodule update --init --recursive && python setup.py install; or set "
+                 f"{FLASHMLA_ENV} (or PYTHONPATH) to a folder that holds its built flash_mla package")
+
+
+def import_flash_mla():
+    """The flash_mla module: importable as it is, or from the folder ${FLASHMLA_ENV} names (put first on sys.path).
+    ImportError, its message saying how to get FlashMLA, where neither finds it."""
+    import os
+    import sys
+    try:
+        import flash_mla
+        return flash_mla
+    except ImportError as first:
+        folder = os.environ.get(FLASHMLA_ENV, "")
+        if folder and folder not in sys.path:
+            sys.path.insert(0, folder)
+            try:
+                import flash_mla
+                return flash_mla
+            except ImportError as e:
+                first = e
+        where = f" (not in {FLASHMLA_ENV}={folder} either)" if folder else ""
+        raise ImportError(f"flash_mla is not importable ({first}){where}. {FLASHMLA_HINT}") from None

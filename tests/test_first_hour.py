@@ -475,3 +475,23 @@ def test_an_unknown_arch_is_refused_by_build_as_by_load(tmp_path, monkeypatch, c
         rc, out = _run(capsys, *args)
         assert rc == 2 and str(e.value) in out, (args, out)
     assert not (tmp_path / "cache").exists()
+
+
+def test_flashmla_is_found_by_its_folder_or_said_how_to_get(tmp_path, monkeypatch):
+    """needs.import_flash_mla: a folder named by DDTREE_GEN_FLASHMLA is searched; without FlashMLA the error says
+    where it comes from and how to build it (the product used to point at ../shared/peers, which users lack)."""
+    from ddtree_gen import needs
+    monkeypatch.delitem(sys.modules, "flash_mla", raising=False)
+    monkeypatch.setenv("DDTREE_GEN_FLASHMLA", str(tmp_path / "nothing"))
+    with pytest.raises(ImportError) as e:
+        needs.import_flash_mla()
+    assert "github.com/deepseek-ai/FlashMLA" in str(e.value) and "python setup.py install" in str(e.value)
+    assert f"DDTREE_GEN_FLASHMLA={tmp_path / 'nothing'}" in str(e.value)
+    (tmp_path / "pkg" / "flash_mla").mkdir(parents=True)
+    (tmp_path / "pkg" / "flash_mla" / "__init__.py").write_text("MARK = 'found'\n")
+    monkeypatch.setenv("DDTREE_GEN_FLASHMLA", str(tmp_path / "pkg"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert needs.import_flash_mla().MARK == "found"
+    monkeypatch.delitem(sys.modules, "flash_mla")
+    for f in (REPO / "ddtree_gen" / "bench" / "peers.py", REPO / "tests" / "test_gpu_flashmla_pairing.py"):
+        assert "shared/peers" not in f.read_text(), f
