@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import archs, paths
 from .archs import PRIMARY
 from .compile import compile_source, nvrtc_version, options
-from .errors import BuildError, SpecError
+from .errors import BuildError, DdtreeError, SpecError
 from .fileio import atomic_write, file_lock
 from .plans import KernelDef, all_kernels
 from .plans.variant import Variant, default_variants, variant
@@ -147,14 +149,77 @@ def compile_variant(v: Variant, source: str | None = None) -> Built:
     return Built(v, source, key, binary, report, "compiled", seconds)
 
 
-def ensure_built(spec: Spec, kernels=None, arch: str | None = None) -> dict:
-    """Compiled binaries of a spec's kernels (from the cache, compiling what is missing):
+def is_cached(v: Variant) -> bool:
+    """Whether the default-source build of `v` is in the binary cache (and intact)."""
+    return _read_cache(cache_key(render(v), v, nvrtc_version()), v.kernel.entry, v.target) is not None
+
+
+def default_jobs() -> int:
+    """Compile threads by default: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def build_variants(vs, jobs: int | None = None, progress=None) -> list:
+    """compile_variant of each variant of `vs` on `jobs` threads (default: default_jobs(); NVRTC runs without
+    the GIL, so the compiles overlap). Returns, in the order of `vs` (not of completion: the result does not
+    depend on `jobs`), a Built or the DdtreeError of each; any other exception is raised. progress(done,
+    total, variant, result) is called in this thread as each one finishes. Each entry is written to the cache
+    atomically, under its own file lock, as compile_variant does alone."""
+    vs = list(vs)
+    jobs = default_jobs() if jobs is None else int(jobs)
+    if jobs < 1:
+        raise BuildError(f"jobs: {jobs}, expected >= 1")
+    out = [None] * len(vs)
+
+    def one(i):
+        try:
+            return i, compile_variant(vs[i])
+        except DdtreeError as e:
+            return i, e
+
+    if jobs == 1 or len(vs) <= 1:
+        done = map(one, range(len(vs)))
+        pool = None
+    else:
+        pool = ThreadPoolExecutor(max_workers=min(jobs, len(vs)), thread_name_prefix="ddtree-gen-build")
+        done = (f.result() for f in as_completed([pool.submit(one, i) for i in range(len(vs))]))
+    try:
+        for k, (i, result) in enumerate(done, 1):
+            out[i] = result
+            if progress is not None:
+                progress(k, len(vs), vs[i], result)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return out
+
+
+def ensure_built(spec: Spec, kernels=None, arch: str | None = None, *, jobs: int | None = None,
+                 say=None) -> dict:
+    """Compiled binaries of a spec's kernels (from the cache, compiling what is missing, on `jobs` threads):
     kernel name -> {target: Built}, for every target of the kernel in the spec (only `arch` when given;
-    a kernel with no such target maps to {})."""
+    a kernel with no such target maps to {}). say(line), if given, hears what is compiled: one line before
+    (how many variants, which, where) and one per compiled variant; nothing when everything is cached."""
     kdefs = select_kernels(kernels)
     built = {k.name: {} for k in kdefs}
-    for v in variants(spec, kdefs, arch):
-        built[v.kernel.name][v.target] = compile_variant(v)
+    vs = variants(spec, kdefs, arch)
+    missing = [v for v in vs if not is_cached(v)] if say is not None else []
+    if missing:
+        say(f"ddtree_gen: {spec.name}: compiling {len(missing)} of {len(vs)} variants not in the cache "
+            f"({paths.cache_dir()}) with NVRTC, {min(len(missing), jobs or default_jobs())} at a time; "
+            f"later loads read them from the cache: " + ", ".join(f"{v.name} ({v.target})" for v in missing))
+
+    def progress(k, total, v, result):
+        if say is not None and not isinstance(result, DdtreeError) and result.status == "compiled":
+            say(f"ddtree_gen: {spec.name}: compiled {v.name} ({v.target}) in {result.seconds:.1f}s")
+
+    for v, result in zip(vs, build_variants(vs, jobs=jobs, progress=progress)):
+        if isinstance(result, DdtreeError):
+            raise result
+        built[v.kernel.name][v.target] = result
     return built
 
 

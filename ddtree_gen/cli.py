@@ -36,16 +36,30 @@ def _destination(spec, out):
     return paths.generated_dir(), f"generated/{spec.name}/"
 
 
+def _progress(done, total, v, result) -> None:
+    """One stderr line per variant as it finishes (in completion order; stdout keeps the build order)."""
+    what = ("FAILED" if isinstance(result, DdtreeError) else
+            f"compiled in {result.seconds:.1f}s" if result.status == "compiled" else result.status)
+    print(f"  [{done}/{total} done] {v.spec.name} {v.name} ({v.target}) {what}", file=sys.stderr, flush=True)
+
+
 def cmd_build(args) -> int:
-    from . import artifacts
+    from . import archs, artifacts, paths
     specs = _specs(args.specs)
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise DdtreeError(f"--out {args.out}: not a folder")
+    archs.forced()   # an invalid $DDTREE_GEN_ARCH is refused here as load() refuses it (a valid one: see --help)
     if args.check:
         return _check(args, specs)
+    jobs = artifacts.default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise DdtreeError(f"--jobs {jobs}: expected a number >= 1")
     kdefs = artifacts.select_kernels(args.kernel)
     plan = [(spec, artifacts.variants(spec, kdefs)) for spec in specs]
     total = sum(len(v) for _, v in plan)
+    print(f"building {total} variants of {len(specs)} spec(s), {min(jobs, max(total, 1))} at a time, into the cache "
+          f"{paths.cache_dir()}", file=sys.stderr, flush=True)
+    results = iter(artifacts.build_variants([v for _, vs in plan for v in vs], jobs=jobs, progress=_progress))
     rows, failed, notes, compiled, n = [], [], [], 0, 0
     for spec, variants in plan:
         built = []
@@ -54,9 +68,9 @@ def cmd_build(args) -> int:
         for v in variants:
             n += 1
             kdef, arch = v.kernel, v.target
-            try:
-                b = artifacts.compile_variant(v)
-            except DdtreeError as e:
+            b = next(results)
+            if isinstance(b, DdtreeError):
+                e = b
                 failed.append((spec.name, kdef.name, arch, str(e)))
                 print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} FAILED", flush=True)
                 continue
@@ -232,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "for a spec of your own")
     b.add_argument("--refresh", action="store_true", help="rewrite generated/<spec>/ even when its sources are "
                                                           "up to date (records this NVRTC's binaries)")
+    b.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="variants compiled at a time (default: the CPUs this process may use); progress on stderr")
     b.set_defaults(func=cmd_build)
     ls = sub.add_parser("list", help="specs, kernels and their build state")
     ls.add_argument("specs", nargs="*")

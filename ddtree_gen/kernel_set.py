@@ -211,11 +211,22 @@ _LOADED: dict = {}
 _LOCK = threading.Lock()
 
 
+def _say(line: str) -> None:
+    """What load() compiles, on stderr (a cold cache costs tens of seconds of NVRTC; a warm one says nothing).
+    DDTREE_GEN_QUIET=1 silences it."""
+    import os
+    import sys
+    if os.environ.get("DDTREE_GEN_QUIET", "") in ("", "0"):
+        print(line, file=sys.stderr, flush=True)
+
+
 def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
     """The compiled kernel set of a spec (a name from specs/, a path, or a Spec), building it if needed.
     Loading touches no GPU: modules are loaded on each device at its first launch, each kernel as the
     build of its targets that runs there (archs.py). `arch` ("sm_90a" / "sm_80"; default
-    $DDTREE_GEN_ARCH, else none) forces one target on every device: only that one is built and loaded."""
+    $DDTREE_GEN_ARCH, else none) forces one target on every device: only that one is built and loaded.
+    What is not in the binary cache is compiled on one thread per CPU, and said on stderr (one line first,
+    naming the variants, then one per variant compiled; DDTREE_GEN_QUIET=1: silent)."""
     spec = spec if isinstance(spec, Spec) else find_spec(spec)
     forced = archs.forced(arch)
     if forced is not None and forced not in spec.archs:
@@ -224,7 +235,8 @@ def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
     key = (spec, tuple(kernels) if kernels else None, forced)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = KernelSet(spec, artifacts.ensure_built(spec, kernels=kernels, arch=forced), arch=forced)
+            built = artifacts.ensure_built(spec, kernels=kernels, arch=forced, say=_say)
+            _LOADED[key] = KernelSet(spec, built, arch=forced)
         return _LOADED[key]
 
 

@@ -49,6 +49,21 @@ def cache_dir() -> Path:
     """Compiled binaries live outside git, keyed by the hash of what produced them."""
     env = os.environ.get("DDTREE_GEN_CACHE")
     if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ddtree-gen"
+        return _folder(Path(env), "DDTREE_GEN_CACHE")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
+    return _folder(Path(base) / "ddtree-gen", "XDG_CACHE_HOME" if xdg else "the binary cache")
+
+
+def _folder(path: Path, what: str) -> Path:
+    """`path`, unless it or a folder above it exists and is not a folder: then a DdtreeError naming `what`
+    (a raw FileExistsError from deep inside a build before issue 37)."""
+    from .errors import DdtreeError
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "it" if p == path else f"{p}, a folder above it,"
+                raise DdtreeError(f"{what}={path}: {where} is a file, not a folder; point {what} at a folder "
+                                  f"(created if missing) for the compiled binaries")
+            break
+    return path

@@ -11,6 +11,7 @@
 # PASSES="auto sm_80" runs both passes, one after the other (logs gpu-tests-J.log, gpu-tests-sm_80-J.log).
 # BUILD=0 skips the build (the tests then build what the cache lacks: a rerun on a machine that built already).
 set -uo pipefail
+case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac   # before anything is built or written
 jobs="${JOBS:-4}"
 if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then echo "gpu_matrix.sh: JOBS=$jobs, expected a positive integer" >&2; exit 2; fi
 out="${OUT:-gpu-out}"; mkdir -p "$out"

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddtree_gen.kernel_set import StandInKernelSet
-from ddtree_gen.spec import all_specs
+from ddtree_gen.spec import all_specs, spec_paths
 
 
 def pytest_configure(config):
@@ -36,6 +42,65 @@ def pytest_collection_modifyitems(config, items):
 
 
 SPECS = all_specs()
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------- the session's one build of every shipped variant
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> Path:
+    """The session's binary cache: empty until `concurrent_build` fills it with every shipped variant."""
+    return tmp_path_factory.mktemp("ddtree-cache")
+
+
+@pytest.fixture(scope="session")
+def session_root(tmp_path_factory) -> Path:
+    """specs/ and templates/ of the repository, copied (a snapshot: other work may edit them), as a
+    DDTREE_GEN_ROOT whose generated/ the concurrent build writes."""
+    dest = tmp_path_factory.mktemp("ddtree-root") / "project"
+    dest.mkdir(parents=True)
+    for sub in ("specs", "templates"):
+        shutil.copytree(REPO / sub, dest / sub)
+    return dest
+
+
+def _overlapping_pairs(names: list[str]) -> list[list[str]]:
+    """Four processes, each building ceil(2n / 4) consecutive specs (wrapping around), starting n / 4 apart:
+    every spec is built by two processes at once (the same cache keys, the same generated/<spec>/), and the
+    four start on four different specs (both cores busy). With four specs, process i builds specs i, i+1."""
+    n = len(names)
+    per = -(-2 * n // 4)
+    return [[names[(i * n // 4 + j) % n] for j in range(per)] for i in range(4)]
+
+
+@pytest.fixture(scope="session")
+def concurrent_build(session_root, session_cache):
+    """Four `build` processes started at once on one (empty) cache and one generated/ tree (each compiling on
+    its default threads): (root, [(exit, stdout, stderr)], seconds, the cache's file names right after).
+    This is the session's only compile of every shipped variant (~130 variants: most of the CPU suite's
+    time); `shipped_cache` hands that cache to the tests of other files."""
+    names = [p.stem for p in spec_paths(REPO / "specs")]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               DDTREE_GEN_CACHE=str(session_cache), DDTREE_GEN_ROOT=str(session_root))
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "ddtree_gen", "build", *group], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+             for group in _overlapping_pairs(names)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        results.append((p.returncode, out, err))
+    seconds = time.perf_counter() - t0
+    return session_root, results, seconds, sorted(p.name for p in session_cache.iterdir())
+
+
+@pytest.fixture
+def shipped_cache(concurrent_build, session_cache, monkeypatch) -> Path:
+    """DDTREE_GEN_CACHE set to the session cache, which holds every shipped variant (the concurrent build's):
+    compile_variant of a shipped default variant is a cache hit there. Tests may add entries to it."""
+    assert all(rc == 0 for rc, _, _ in concurrent_build[1]), "the session's build failed (test_builds.py says why)"
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(session_cache))
+    return session_cache
 
 
 def pytest_generate_tests(metafunc):

@@ -75,10 +75,10 @@ def _temp_leftovers(*folders: Path) -> list[str]:
     return [str(p) for f in folders for p in f.rglob("*") if p.name.endswith(".tmp")]
 
 
-def _check_cache(cache: Path) -> int:
+def _check_cache(cache: Path, names=None) -> int:
     """Every cache entry's binary (an sm_90a cubin or sm_80 PTX) matches the SHA-256 in its json;
-    returns the number of entries."""
-    metas = sorted(cache.glob("*.json"))
+    returns the number of entries (of those among `names`, file names in `cache`, when given)."""
+    metas = sorted(cache.glob("*.json")) if names is None else [cache / n for n in sorted(names) if n.endswith(".json")]
     for meta_path in metas:
         meta = json.loads(meta_path.read_text())
         assert meta["binary"] == {"sm_90a": "cubin", "sm_80": "ptx"}[meta["arch"]], meta_path
@@ -89,7 +89,8 @@ def _check_cache(cache: Path) -> int:
             assert binary[:4] == b"\x7fELF", meta_path
         else:
             assert b"\n.target sm_80\n" in binary[:1024], meta_path
-    assert len(list(cache.glob("*.cubin"))) + len(list(cache.glob("*.ptx"))) == len(metas)
+    binaries = [p.name for p in cache.iterdir()] if names is None else names
+    assert sum(n.endswith((".cubin", ".ptx")) for n in binaries) == len(metas)
     return len(metas)
 
 
@@ -105,37 +106,8 @@ def _cli_inproc(monkeypatch, capsys, root: Path, cache: Path, *args: str) -> tup
 
 # --------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="session")
-def session_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ddtree-cache")
-
-
-@pytest.fixture(scope="session")
-def session_root(tmp_path_factory) -> Path:
-    return _fresh_root(tmp_path_factory.mktemp("ddtree-root") / "project")
-
-
-def _overlapping_pairs(names: list[str]) -> list[list[str]]:
-    """Four processes, each building ceil(2n / 4) consecutive specs (wrapping around), starting n / 4 apart:
-    every spec is built by two processes at once (the same cache keys, the same generated/<spec>/), and the
-    four start on four different specs (both cores busy). With four specs, process i builds specs i, i+1."""
-    n = len(names)
-    per = -(-2 * n // 4)
-    return [[names[(i * n // 4 + j) % n] for j in range(per)] for i in range(4)]
-
-
-@pytest.fixture(scope="session")
-def concurrent_build(session_root, session_cache):
-    """Four `build` processes started at once on one (empty) cache and one generated/ tree."""
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-m", "ddtree_gen", "build", *names], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env(session_root, session_cache), cwd=REPO)
-             for names in _overlapping_pairs(SPEC_NAMES)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        results.append((p.returncode, out, err))
-    return session_root, results, time.perf_counter() - t0
+# session_cache, session_root, concurrent_build: tests/conftest.py (shared: every shipped variant is compiled once
+# per session, by the concurrent build, and other test files read that cache through `shipped_cache`)
 
 
 @pytest.fixture
@@ -147,7 +119,7 @@ def in_session(monkeypatch, session_root, session_cache):
 # ------------------------------------------------------------------ (a) concurrency
 
 def test_concurrent_builds(concurrent_build, session_cache):
-    root, results, seconds = concurrent_build
+    root, results, seconds, after = concurrent_build   # after: the cache's file names right after the build
     for rc, out, err in results:
         assert rc == 0, f"exit {rc}\n{out}\n{err}"
         assert "Traceback" not in err
@@ -168,10 +140,11 @@ def test_concurrent_builds(concurrent_build, session_cache):
             for arch, b in entry["builds"].items():
                 assert (root / "generated" / name / b["source"]).is_file()
                 assert (session_cache / f"{b['cache_key']}.{b['binary']}").is_file(), (name, kname, arch)
-    assert _check_cache(session_cache) == total
-    assert _temp_leftovers(root, session_cache) == []
+    # (as the four processes left it: later tests add entries of their own to this shared cache)
+    assert _check_cache(session_cache, after) == total
+    assert [n for n in after if n.endswith(".tmp")] == _temp_leftovers(root) == []
     # a lock is removed when released: none is left beside the cache entries or in generated/
-    assert sorted(session_cache.glob("*.lock")) + sorted((root / "generated").glob(".lock")) == []
+    assert [n for n in after if n.endswith(".lock")] + sorted((root / "generated").glob(".lock")) == []
     r = _cli(root, session_cache, "build", "--check")
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"4 concurrent builds of {total} variants: {seconds:.1f} s")

@@ -1,8 +1,9 @@
 """The FlashMLA pairing recipe of docs/engine.md ("Pairing with FlashMLA") on the GPU: FlashMLA's dense decode
 over the prefix (cache_seqlens = prefix_lens), our tree_verify_tail over the tree, merge_states of the two
 (FlashMLA's [B, H, Nq] natural-log lse transposed to [B, Nq, H]), held to the bar of tree_verify against the
-float64 reference. FlashMLA is a peer, not a dependency: the test skips, saying why, where flash_mla (the package
-in ../shared/peers, built for the H200 machine) or torch with CUDA is missing, and for specs FlashMLA's kernel
+float64 reference. FlashMLA is a peer, not a dependency: the test skips, saying why and how to get FlashMLA
+(ddtree_gen.needs.FLASHMLA_HINT: github.com/deepseek-ai/FlashMLA, built with `python setup.py install`; or
+$DDTREE_GEN_FLASHMLA / PYTHONPATH naming a folder with its built package), where flash_mla or torch with CUDA is missing, and for specs FlashMLA's kernel
 cannot read (an fp8 cache, pages other than 64 tokens, R + P other than 512 + 64)."""
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ def test_flashmla_prefix_plus_tail(spec):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
+    from ddtree_gen.needs import import_flash_mla
     try:
-        import flash_mla
+        flash_mla = import_flash_mla()
     except ImportError as e:
-        pytest.skip(f"flash_mla is not importable ({e}): the pairing recipe needs FlashMLA's package on PYTHONPATH")
+        pytest.skip(str(e))
     import ddtree_gen
     ks = ddtree_gen.load(spec)
     seed = fresh_seed()

@@ -69,3 +69,62 @@ def test_gpu_block_calls_what_exists(path, line, code):
             assert hasattr(reference, name), f"{path.name}:{line + node.lineno - 1}: reference.{name}"
         elif isinstance(owner, ast.Name) and owner.id == "ddtree_gen":
             assert hasattr(ddtree_gen, name), f"{path.name}:{line + node.lineno - 1}: ddtree_gen.{name}"
+
+
+CONTINUES = "# after the GPU block above"   # a block that starts so runs after the last GPU block before it
+
+
+def _runnable(path: Path) -> list[tuple[int, str]]:
+    """(line, code) of each block of `path` as it runs: a continuation block joined to the GPU block it continues."""
+    out, last_gpu = [], None
+    for line, code in _blocks(path):
+        if code.startswith(CONTINUES) and last_gpu is not None:
+            code = last_gpu + "\n" + code
+        if GPU_ONLY.search(code):
+            last_gpu = code
+        out.append((line, code))
+    return out
+
+
+def _undefined(code: str) -> set:
+    """Names a block reads that nothing in it defines (an import, an assignment, a def, a loop or lambda
+    variable) and that are no builtins: what would be a NameError when it is pasted."""
+    import builtins
+    tree = ast.parse(code)
+    defined, used = set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return used - defined
+
+
+@pytest.mark.parametrize("line,code", _runnable(REPO / "README.md"), ids=lambda x: str(x)[:12])
+def test_every_readme_block_defines_what_it_uses(line, code):
+    """Every README block, GPU ones included, runs as pasted (a continuation after the block it names): no
+    name it reads is left for the reader to supply (the GPU block's `topk_ids` was a NameError)."""
+    assert not _undefined(code), f"README.md:{line}: undefined {sorted(_undefined(code))}"
+
+
+def test_undefined_names_are_found():
+    assert _undefined("import numpy as np\nx = np.zeros(3)\nprint(x, y)\nf = lambda a: a + z") == {"y", "z"}
+    assert _undefined("for i in range(3):\n    print(i)\n[j for j in range(2)]") == set()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("line,code", [(ln, c) for ln, c in _runnable(REPO / "README.md") if GPU_ONLY.search(c)],
+                         ids=lambda x: str(x)[:12])
+def test_gpu_block_runs_on_a_gpu(line, code, tmp_path):
+    """On a GPU: each README block that needs one runs as pasted, in a fresh interpreter (a torch block: where
+    torch is installed)."""
+    if "import torch" in code:
+        pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, f"README.md:{line}:\n{r.stderr}"

@@ -81,15 +81,16 @@ def torch_peers(x):
 
 
 def flashmla_peers(ks, x):
-    """FlashMLA's dense decode on the same inputs, when `flash_mla` is importable (../shared/peers: not a
-    dependency): "FlashMLA dense" (cache_seqlens = L + Nq, no tree mask: our FLOPs without the mask) and
+    """FlashMLA's dense decode on the same inputs, when `flash_mla` is importable (needs.import_flash_mla: installed,
+    or in the folder $DDTREE_GEN_FLASHMLA names; not a dependency; needs.FLASHMLA_HINT says how to get it): "FlashMLA dense" (cache_seqlens = L + Nq, no tree mask: our FLOPs without the mask) and
     "split: FlashMLA + tail + merge" (FlashMLA over the prefix, our tree_verify_tail, merge_states: the split
     path an engine can run today, with FlashMLA's [B, H, Nq] lse transposed for merge_states). {} without it.
     Returns {name: fn}; fn() returns (out, lse) in our layouts."""
+    from ..needs import import_flash_mla
     try:
-        import flash_mla
+        flash_mla = import_flash_mla()
     except ImportError as e:
-        print(f"FlashMLA peers skipped: flash_mla is not importable ({e}); put ../shared/peers' package on PYTHONPATH")
+        print(f"FlashMLA peers skipped: {e}")
         return {}
     import torch
     dl = torch.utils.dlpack.from_dlpack

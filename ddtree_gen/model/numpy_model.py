@@ -57,12 +57,17 @@ class NumpyMLA:
         return [np.zeros((num_pages, c.page_size, c.kv_lora_rank + c.qk_rope_head_dim), np.uint16)
                 for _ in range(c.num_layers)]
 
-    def forward(self, kv, block_table, tokens, rope_pos, slot_pos, prefix_lens, q_lens, tree_mask):
+    def forward(self, kv, block_table, tokens, rope_pos, slot_pos, prefix_lens, q_lens, tree_mask, *,
+                smooth: bool = False, hook=None):
         """logits [B, Nq, V] float64.
 
         tokens, rope_pos, slot_pos [B, Nq]: token ids, RoPE positions (prefix_len + depth) and
         cache positions the rows' KV is written to (-1: not written); prefix_lens, q_lens [B] and
         tree_mask [B, Nq, W] go to tree_verify. kv: the per-layer caches (written in place).
+
+        smooth=True: no bf16 rounding of this call's cache rows, queries and attention outputs (kv must then
+        be float64 caches): a differentiable function, for the near-tie sensitivity (model.near_tie).
+        hook(layer, att [B, Nq, H, R], o_proj [B, Nq, d]) -> o_proj, if given, replaces each layer's o_proj.
         """
         c, w = self.cfg, self.w
         h_, r, p, dn, dv = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
@@ -72,6 +77,7 @@ class NumpyMLA:
         rows_b, rows_j = np.nonzero(slot_pos >= 0)
         slots = slot_pos[rows_b, rows_j]
         pages = block_table[rows_b, slots // c.page_size]
+        rnd = (lambda a: np.asarray(a, np.float64)) if smooth else _bf16_bits  # noqa: E731
         x_h = w["embed"][np.maximum(tokens, 0)]                                  # [B, Nq, d]
         for layer, lw in enumerate(w["layers"]):
             x = _rmsnorm(x_h, lw["attn_norm"], c.rms_eps)
@@ -81,14 +87,16 @@ class NumpyMLA:
             kva = _mm(x, lw["wkv_a"])
             row = np.concatenate([_rmsnorm(kva[..., :r], lw["kv_norm"], c.rms_eps),
                                   _rope(kva[..., r:], rope_pos, inv_freq)], axis=-1)
-            kv[layer][pages, slots % c.page_size] = _bf16_bits(row[rows_b, rows_j])
+            kv[layer][pages, slots % c.page_size] = rnd(row[rows_b, rows_j])
             # attention in float64 (the reference), its output kept as the kernel's: float32 -> bf16
-            att = reference.tree_verify(_bf16_bits(q_abs), _bf16_bits(q_pe), kv[layer], block_table,
+            att = reference.tree_verify(rnd(q_abs), rnd(q_pe), kv[layer], block_table,
                                         prefix_lens, q_lens, tree_mask, c.softmax_scale,
-                                        out=np.zeros((b, nq, h_, r), np.float32)).out
-            att = bf16.from_bits(_bf16_bits(att)).astype(np.float64)
+                                        out=np.zeros((b, nq, h_, r), np.float64 if smooth else np.float32)).out
+            att = np.asarray(att, np.float64) if smooth else bf16.from_bits(_bf16_bits(att)).astype(np.float64)
             o = np.einsum("bnhr,hrv->bnhv", att, lw["w_uv"]).reshape(b, nq, h_ * dv)
             o_proj = _mm(o, lw["wo"])
+            if hook is not None:
+                o_proj = hook(layer, att, o_proj)
             if self.all_reduce is not None:   # tensor parallel: sum the heads of every rank
                 o_proj = self.all_reduce(o_proj)
             x_h = x_h + o_proj

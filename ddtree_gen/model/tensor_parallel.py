@@ -111,6 +111,13 @@ class Comparison:
     def describe(self) -> str:
         if self.identical:
             return "identical"
+        if any(not isinstance(x, tuple) for x in self.near_ties + self.violations):   # TieCheck entries
+            parts = []
+            if self.near_ties:
+                parts.append("near-tie divergence " + ", ".join(map(str, self.near_ties)))
+            if self.violations:
+                parts.append("DIVERGENCE outside the bar's bound " + ", ".join(map(str, self.violations)))
+            return "; ".join(parts)
         parts = []
         if self.near_ties:
             parts.append("near-tie divergence (request, token, margin) " +
@@ -143,4 +150,22 @@ def compare_tokens(reference: np.ndarray, tokens: np.ndarray, margins, near_tie:
         else:
             m = float(np.asarray(margins)[b, i])
         (out.near_ties if m < near_tie else out.violations).append((b, i, m))
+    return out
+
+
+def judge_tokens(reference: np.ndarray, tokens: np.ndarray, judge) -> Comparison:
+    """`tokens` against `reference` under the float64 near-tie rule (model.near_tie): per request, the
+    sequences must be equal, except that they may part at the first token i where judge(b, i, a, c) (a the
+    reference's token there, c the other's; a near_tie.TieCheck) says near_tie; after it the continuations
+    differ and are not compared. Comparison's lists then hold the TieChecks."""
+    reference, tokens = np.asarray(reference), np.asarray(tokens)
+    if reference.shape != tokens.shape:
+        raise ValueError(f"token shapes differ: {reference.shape} vs {tokens.shape}")
+    out = Comparison(identical=bool(np.array_equal(reference, tokens)))
+    for b in range(reference.shape[0]):
+        diff = np.flatnonzero(reference[b] != tokens[b])
+        if diff.size:
+            i = int(diff[0])
+            check = judge(b, i, int(reference[b, i]), int(tokens[b, i]))
+            (out.near_ties if check.near_tie else out.violations).append(check)
     return out
