@@ -7,6 +7,12 @@
 `ddtree_gen.reference` holds the numpy reference of every kernel; `ddtree_gen.bf16` and `ddtree_gen.fp8`
 convert bf16 bits and e4m3 bytes on the numpy side. They are imported on first use (`import ddtree_gen`
 stays light), as attributes or by `import ddtree_gen.reference`.
+
+Errors (ddtree_gen.errors), all raised on purpose with a message naming the wrong thing: DdtreeError, the
+base of SpecError (a spec file), ArgumentError (a launch's arguments, before any launch), BuildError
+(rendering or NVRTC) and KdtrError (a KDTR bundle). Records (ddtree_gen.types, namedtuples of the launchers'
+outputs): TreeBuildOutput, AttentionOutput, TreeAcceptOutput. The command line: `ddtree-gen --help`.
+Contract: docs/contract.md of the repository.
 """
 from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
@@ -33,5 +39,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["load", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",
-           "AttentionOutput", "TreeAcceptOutput", "TreeBuildOutput", "__version__"]
+# what help(ddtree_gen) documents (pydoc follows __all__): load and the version. The errors and records above
+# stay importable from here (`from ddtree_gen import ArgumentError`); the docstring names them, and their own
+# modules document them, without Exception's and tuple's inherited methods filling help() (841 lines before).
+__all__ = ["load", "__version__"]
