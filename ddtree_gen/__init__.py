@@ -5,7 +5,9 @@
     tree = ks.tree_build(topk_ids, topk_logprobs, root_tokens, prefix_lens, budget=64)
 
 `ddtree_gen.reference` holds the numpy reference of every kernel; `ddtree_gen.bf16` and `ddtree_gen.fp8`
-convert bf16 bits and e4m3 bytes on the numpy side. They are imported on first use (`import ddtree_gen`
+convert bf16 bits and e4m3 bytes on the numpy side; `ddtree_gen.trees.pack_tree_mask` packs tree masks from parent
+arrays; `ddtree_gen.make_spec` builds a spec in code; `ddtree_gen.hf` maps a transformers DeepSeek-V3 / Kimi-K2 model
+onto the kernels (torch and transformers needed there only). They are imported on first use (`import ddtree_gen`
 stays light), as attributes or by `import ddtree_gen.reference`.
 
 Errors (ddtree_gen.errors), all raised on purpose with a message naming the wrong thing: DdtreeError, the
@@ -15,6 +17,7 @@ outputs): TreeBuildOutput, AttentionOutput, TreeAcceptOutput. The command line: 
 Contract: docs/contract.md of the repository.
 """
 from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
+from .spec import make_spec
 from .types import AttentionOutput, TreeAcceptOutput, TreeBuildOutput
 
 __version__ = "0.1.0"
@@ -29,7 +32,7 @@ def load(spec, *, kernels=None, arch=None):
 
 
 # submodules reachable as attributes after `import ddtree_gen`, imported on first use (PEP 562)
-_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs")
+_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs", "trees", "hf")
 
 
 def __getattr__(name):
@@ -39,7 +42,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# what help(ddtree_gen) documents (pydoc follows __all__): load and the version. The errors and records above
-# stay importable from here (`from ddtree_gen import ArgumentError`); the docstring names them, and their own
+# what help(ddtree_gen) documents (pydoc follows __all__): load, make_spec and the version. The errors and records
+# above stay importable from here (`from ddtree_gen import ArgumentError`); the docstring names them, and their own
 # modules document them, without Exception's and tuple's inherited methods filling help() (841 lines before).
-__all__ = ["load", "__version__"]
+__all__ = ["load", "make_spec", "__version__"]

@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("kernels", nargs="+", help=f"what to bench: {', '.join(BENCHES)}")
     be.add_argument("--spec", action="append", help="spec(s) to bench (default: per benchmark)")
     be.add_argument("--out", help="write the table (and plot) to this folder")
+    be.add_argument("--sweep", action="store_true", help="tree_verify: shapes drawn from the classes of served "
+                    "traffic (ragged, long, small batches: ddtree_gen/bench/shapes.py) instead of the fixed table")
+    be.add_argument("--seed", type=int, default=1, help="--sweep: the draw's seed (default 1)")
+    be.add_argument("--count", type=int, default=24, help="--sweep: how many shapes (default 24)")
     be.set_defaults(func=cmd_bench)
     from . import sanitize
     sanitize.register(sub)

@@ -60,6 +60,13 @@ class KernelSet:
         self._modules = DeviceModules(modules, forced=arch)
         self.prepared_calls: dict = {}   # call signature -> runtime.Prepared (see runtime.run_call)
 
+    def tree_verify_schedule(self, b: int, nq: int, max_pages: int, **kw):
+        """What tree_verify (name="tree_verify_tail": the tail) runs for B requests of Nq rows over a block table of
+        max_pages columns: the kernel, grid, pieces, blocks, combine and workspace (kernels.which.schedule;
+        keywords device, impl, num_splits, fp8_path, kv_workspace as the call's)."""
+        from .kernels.which import schedule
+        return schedule(self, b, nq, max_pages, **kw)
+
     @property
     def kernels(self) -> list[str]:
         """The kernels with a build in this set (on a given device: kernels_on(device))."""

@@ -551,6 +551,7 @@ def kv_commit(accepted, prefix_lens, kv_caches, block_table):
 # ----------------------------------------------------------------------------- draft_topk
 
 MAX_VOCAB = 262144   # draft_topk: the largest vocabulary (the last dimension of logits)
+FLT32_MAX = float(np.finfo(np.float32).max)   # draft_topk: -FLT32_MAX is the floor of a finite logit's log-prob
 
 
 class DraftTopkOutput(NamedTuple):
@@ -583,7 +584,9 @@ def draft_topk(logits, k, temperature=1.0):
     uint16 bf16 bits) -> DraftTopkOutput(topk_ids [B, D', k] int32, topk_logprobs [B, D', k] float64).
 
     Order: descending logit, equal logits lowest token id first (+0 and -0 equal); a NaN logit counts
-    as -inf. The log-probs are log_softmax(logits / temperature) over the whole row in float64. A row
+    as -inf. The log-probs are log_softmax(logits / temperature) over the whole row in float64, as
+    (x - M) / T - log(sum exp((x_i - M) / T)) with M the row's maximum; a finite logit's log-prob is at least
+    -FLT32_MAX (the most negative float32: a log-prob below the float32 range is that, not -inf). A row
     whose largest logit is -inf (all -inf / NaN) gives -inf log-probs; a row with +inf logits gives each
     +inf entry -log(count of +inf) and every other entry -inf (the limit of a large finite logit)."""
     x = _float_array(logits, "logits", 3)
@@ -595,15 +598,18 @@ def draft_topk(logits, k, temperature=1.0):
     x = np.where(np.isnan(x), -np.inf, x)
     order = np.argsort(-x, axis=-1, kind="stable")[..., :k]          # stable: equal logits by ascending id
     top = np.take_along_axis(x, order, axis=-1)
-    y = x / t
-    m = y.max(axis=-1, keepdims=True)
+    m = x.max(axis=-1, keepdims=True)
     lp = np.full((bsz, dp, k), -np.inf)
     finite = np.isfinite(m[..., 0])
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
         if finite.any():
-            ym = y[finite]
-            lse = m[finite] + np.log(np.exp(ym - m[finite]).sum(axis=-1, keepdims=True))
-            lp[finite] = top[finite] / t - lse
+            # the gap to the maximum first, in the logit domain (x - M of float32 / bf16 values is exact or one
+            # float64 rounding), then / T: x / T - max(x / T) loses the gap against a huge x / T (T = 1e-12)
+            mf = m[finite]
+            lse = np.log(np.exp((x[finite] - mf) / t).sum(axis=-1, keepdims=True))
+            lp[finite] = (top[finite] - mf) / t - lse
+            # a finite logit's log-prob below the float32 range is the most negative float32 (contract 5a)
+            lp[finite] = np.where(np.isfinite(top[finite]), np.maximum(lp[finite], -FLT32_MAX), -np.inf)
         plus = m[..., 0] == np.inf
         if plus.any():
             count = (x[plus] == np.inf).sum(axis=-1, keepdims=True)

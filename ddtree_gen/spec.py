@@ -202,6 +202,21 @@ def parse_spec(data: dict, source: str) -> Spec:
     return Spec(**values)
 
 
+def make_spec(name: str, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, *, page_size: int = 64,
+              max_tree_size: int = 65, max_depth: int = 15, kv_dtype: str = "bf16", archs=None) -> Spec:
+    """A spec built in code (no file): the same fields and the same checks as a specs/<name>.toml (SpecError naming
+    the field). `ddtree_gen.load(make_spec(...))` renders, builds and caches its kernels like a shipped spec's;
+    the torch ops (torch_ops) find specs by file name, so a spec made here is used through `ddtree_gen.load`.
+
+        spec = make_spec("my-model-tp8", num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+    """
+    data = {"name": name, "num_heads": num_heads, "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim,
+            "page_size": page_size, "max_tree_size": max_tree_size, "max_depth": max_depth, "kv_dtype": kv_dtype}
+    if archs is not None:
+        data["archs"] = list(archs)
+    return parse_spec(data, f"make_spec({name!r})")
+
+
 def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     try:

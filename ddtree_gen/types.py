@@ -24,3 +24,15 @@ class TreeAcceptOutput(NamedTuple):
     accepted_nodes: Any   # [B, D+1] int32, -1 padded
     out_tokens: Any       # [B, D+1] int32, -1 padded
     new_prefix_lens: Any  # [B] int32
+
+
+class Schedule(NamedTuple):
+    """What a tree_verify call of given shapes runs (kernels.tree_verify.schedule; ks.tree_verify_schedule)."""
+    kernel: str            # the attention kernel launched (e.g. tree_verify_wgmma_parts, tree_verify_wgmma)
+    grid: str              # "parts" (the batch's work cut into balanced parts on the device), "chunks" (each request
+                           # cut into `pieces` chunks) or "rows" (the CUDA-core kernel: a block per row and head group)
+    pieces: int            # parts or chunks (1: none)
+    blocks: int            # blocks of the attention launch
+    combine: bool          # whether tree_verify_mma_combine merges the pieces after it
+    workspace_elems: int   # float32 elements of workspace= the call needs (0: none)
+    fp8_path: str | None   # an fp8 spec's path ("dequant": kv_dequant runs first; "fused"), None for bf16

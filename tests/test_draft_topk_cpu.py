@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -14,8 +15,13 @@ from ddtree_gen.errors import ArgumentError
 from ddtree_gen.reference import DraftTopkOutput
 
 
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
 def _row_oracle(row, k, t):
-    """One row the slow way: python floats, heapq on (-value, id), math.fsum for the normaliser."""
+    """One row the slow way: python floats, heapq on (-value, id), each gap to the maximum and its quotient by
+    T as exact rationals (Fraction) rounded once, math.fsum for the normaliser; a finite logit's log-prob
+    floored at -FLT_MAX (contract 5a)."""
     vals = [(-math.inf if math.isnan(v) else float(v)) for v in row]
     best = heapq.nsmallest(k, ((-v, i) for i, v in enumerate(vals)))
     ids = [i for _, i in best]
@@ -25,8 +31,10 @@ def _row_oracle(row, k, t):
     if m == math.inf:
         n = sum(v == math.inf for v in vals)
         return ids, [-math.log(n) if vals[i] == math.inf else -math.inf for i in ids]
-    lse = m / t + math.log(math.fsum(math.exp(v / t - m / t) for v in vals))
-    return ids, [vals[i] / t - lse for i in ids]
+    ft, fm = Fraction(t), Fraction(m)
+    a = [-math.inf if v == -math.inf else float((Fraction(v) - fm) / ft) for v in vals]   # (x - M) / T, <= 0
+    lse = math.log(math.fsum(math.exp(q) for q in a))                                  # >= log 1: one term is 1
+    return ids, [a[i] if a[i] == -math.inf else max(a[i] - lse, -FLT_MAX) for i in ids]
 
 
 def _check(logits, k, t=1.0):
@@ -117,6 +125,85 @@ def test_temperature(t):
     assert np.array_equal(got.topk_ids, base.topk_ids)             # the order does not depend on it
     if t == 1.0:
         np.testing.assert_array_equal(got.topk_logprobs, base.topk_logprobs)
+
+
+# the smallest and the largest temperature the contract accepts (fl32(log2(e) / T) finite; fl32(1 / T) normal)
+T_MIN, T_MAX = 4.25e-39, 2.0**126
+EXTREME_T = [1.0, 1e-9, 1e-12, 1e-20, 1e-37, T_MIN, 1e30, T_MAX]
+
+
+def _extreme_rows():
+    """float32 rows over the whole range: the issue's maxima (1e10, 1e30, 3.0), both ends of float32, subnormals,
+    near-ties one unit apart, two tied maxima, and a tiny row."""
+    f = np.float32
+    big = float(np.finfo(f).max)
+    sub = float(np.finfo(f).smallest_subnormal)
+    rows = [
+        [1e10, 1e10 * (1 - 2**-23), 9e9, -1e10, 0.0, 3.0, -big, 1e9],
+        [1e30, 1e30 * (1 - 2**-23), -1e30, 1e29, 0.0, -big, 5e29, 1.0],
+        [3.0, 3.0 - 2**-22, 2.5, -3.0, 0.0, 1e-30, -1e30, 2.9],
+        [big, -big, big / 2, 0.0, -big / 2, big * (1 - 2**-23), 1.0, -1.0],
+        [-big, -big, -big * (1 - 2**-23), -1e38, -big, -big, -big, -big],
+        [7.5, 7.5, -2.0, 7.5 - 2**-21, -big, big / 1e30, 1e-3, 7.0],
+        [sub, 0.0, -sub, 2 * sub, -0.0, 3 * sub, -2 * sub, sub],
+        [1e-38, 2e-38, -1e-38, 0.0, 1.5e-38, 2e-38, -3e-38, 1e-39],
+    ]
+    return np.array(rows, f).reshape(2, 4, 8)
+
+
+@pytest.mark.parametrize("t", EXTREME_T)
+def test_finite_logits_give_finite_logprobs(t):
+    """Contract 5a: finite logits and any accepted temperature give finite log-probs (below the float32 range:
+    -FLT_MAX), within 1e-12 relative of the exact-gap oracle; the issue's cases (max 1e10 / 1e30 at T = 1, max 3.0
+    at T = 1e-9, T = 1e-20 and 1e-37) among them."""
+    reference.temperature_arg(t)                                       # accepted
+    x = _extreme_rows()
+    got = _check(x, 8, t)
+    lp = got.topk_logprobs
+    assert np.all(np.isfinite(lp)) and np.all(lp >= -FLT_MAX) and np.all(lp <= 0.0)
+    assert np.all(lp[..., 0] >= -math.log(8) - 1e-12)                # the maximum: at least -log(V)
+
+
+@pytest.mark.parametrize("t", [1e-12, 1e-20, 1e-37, T_MIN])
+def test_tied_maxima_at_tiny_temperatures(t):
+    """Two tied maxima share the probability, -log 2 each, whatever the temperature; the next logit, one unit
+    below, is a finite log-prob (x - M) / T - log 2, floored at -FLT_MAX (the old x / T - (max(x / T) + log S)
+    gave 0.0 at T = 1e-20 and missed the gap by 3e-5 at T = 1e-12)."""
+    below = np.nextafter(np.float32(3.0), np.float32(0.0))
+    x = np.array([[[2.0, 3.0, -1.0, 3.0, below]]], np.float32)
+    got = _check(x, 4, t)
+    assert got.topk_ids[0, 0].tolist() == [1, 3, 4, 0]
+    np.testing.assert_allclose(got.topk_logprobs[0, 0, :2], -math.log(2), rtol=1e-15)
+    gap = (float(below) - 3.0) / t - math.log(2)
+    assert got.topk_logprobs[0, 0, 2] == pytest.approx(max(gap, -FLT_MAX), rel=1e-15)
+
+
+def test_gap_at_a_tiny_temperature_is_exact_enough():
+    """The issue's T = 1e-12 loss: a maximum of 2.7 at T = 7e-13 (x / T = 3.9e12, whose float64 unit is 4.9e-4): the
+    log-prob of the logit one float32 unit below is the gap / T minus log S to 1e-14 relative (the old
+    x / T - max(x / T) was 4.2e-4 off here, 1.2e-9 relative: the rounding of x / T, not of the gap)."""
+    top = np.float32(2.7)
+    below = np.nextafter(top, np.float32(0.0))
+    x = np.array([[[top, below, 0.0]]], np.float32)
+    t = 7e-13
+    got = reference.draft_topk(x, 3, t)
+    d = float((Fraction(float(below)) - Fraction(float(top))) / Fraction(t))   # the exact gap / T: -340597.97015
+    assert got.topk_logprobs[0, 0, 0] == -math.log1p(math.exp(d))           # -0.0: exp(d) underflows
+    assert got.topk_logprobs[0, 0, 1] == pytest.approx(d, rel=1e-14)
+
+
+def test_logprob_floor_is_the_most_negative_float32():
+    """A finite logit whose log-prob is below the float32 range gets -FLT_MAX, a -inf / NaN logit -inf."""
+    big = float(np.finfo(np.float32).max)
+    x = np.array([[[big, -big, np.nan, -np.inf, 0.0]]], np.float32)
+    got = reference.draft_topk(x, 5, 1.0)
+    assert got.topk_ids[0, 0].tolist() == [0, 4, 1, 2, 3]
+    assert got.topk_logprobs[0, 0].tolist() == [0.0, -FLT_MAX, -FLT_MAX, -math.inf, -math.inf]
+    # at the largest temperature the same gap (2 FLT_MAX, above the float32 range itself) is a moderate log-prob
+    got = reference.draft_topk(x, 5, T_MAX)
+    lp = got.topk_logprobs[0, 0]
+    assert lp[2] == pytest.approx(-2 * big / T_MAX + lp[0], rel=1e-12)   # (x - M) / T - log S, log S = -lp[0]
+    assert -10 < lp[2] < -7 and np.isneginf(lp[3]) and np.isneginf(lp[4])
 
 
 def test_bf16_forms_agree():
@@ -258,6 +345,9 @@ def test_argument_errors_name_the_argument(spec, fake_alloc):
     _expect(spec, r"out: has no field 'topk_ids'", _logits(1, 2, 100), 3, out=object())
     _expect(spec, r"workspace: 3 int32 elements", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((3,), np.int32))
     _expect(spec, r"workspace: dtype float32", _logits(1, 2, 100000), 3, workspace=FakeCudaArray((10**6,), np.float32))
+    # also where the call needs no workspace (one chunk a row: V = 100), and on the rows schedule's path (none used)
+    _expect(spec, r"workspace: dtype float32", _logits(1, 2, 100), 3, workspace=FakeCudaArray((10**6,), np.float32))
+    _expect(spec, r"workspace: dtype int64", _logits(1, 2, 100), 3, workspace=FakeCudaArray((4,), np.int64))
     _expect(spec, r"out.topk_ids: on device 1", _logits(1, 2, 100), 3,
             out=DraftTopkOutput(FakeCudaArray((1, 2, 3), np.int32, ptr=1 << 41), FakeCudaArray((1, 2, 3), np.float32)))
 
@@ -335,6 +425,14 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
         assert len(ks.seen) == 1 and ks.seen[0][1]["grid"] == (rows,)
         assert int(ks.seen[0][1]["args"][-1]) == 2
         assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace
+        # a workspace the call does not use: still refused for its dtype, before anything is launched
+        ks2 = Recorder(spec)
+        monkeypatch.setattr(ks2, "constants", lambda name, device=None: consts)
+        with pytest.raises(ArgumentError, match=r"workspace: dtype float32"):
+            draft_topk(ks2, _logits(rows_b, dp, v), k, workspace=FakeCudaArray((10**6,), np.float32))
+        assert ks2.seen == []
+        draft_topk(ks2, _logits(rows_b, dp, v), k, workspace=FakeCudaArray((1,), np.int32))   # int32: unused, fine
+        assert len(ks2.seen) == 1 and int(ks2.seen[0][1]["args"][8]) == 0
     else:
         assert ks.seen[0][1]["grid"] == (rows * c,) and int(ks.seen[0][1]["args"][-1]) == 0
         assert len(ks.seen) == 1 + (c > 1)

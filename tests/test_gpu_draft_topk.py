@@ -104,7 +104,10 @@ def check(got_ids, got_lps, logits, k, temperature, msg):
                            f"want {want.topk_ids[tuple(bad[0])]}")
     w = want.topk_logprobs
     assert not np.isnan(got_lps).any(), f"{msg}: NaN log-probs (unwritten: {np.isnan(got_lps).sum()})"
-    neg = np.isneginf(w) | (w < -FLT_MAX)
+    # -inf exactly where the reference is -inf (a -inf / NaN logit, or a finite one beside +inf); a finite logit's
+    # log-prob is finite, at least -FLT_MAX (contract 5a), in the reference and in the kernel
+    neg = np.isneginf(w)
+    assert np.all(w[~neg] >= -FLT_MAX), f"{msg}: the reference below -FLT_MAX"
     assert np.array_equal(np.isneginf(got_lps), neg), f"{msg}: -inf where the reference is not, or not where it is"
     fin = ~neg
     err = np.abs(got_lps[fin].astype(np.float64) - w[fin])
@@ -228,6 +231,56 @@ def test_temperatures(ks, spec, seed):
         for t in (0.01, 0.2, 5.0, 100.0):
             ids, lps = run(ks, xs, 16, t)
             check(ids, lps, xs, 16, t, f"{spec.name} {dtype} T={t}, {where(seed)}")
+
+
+# the smallest and the largest temperature the contract accepts (fl32(log2(e) / T) finite; fl32(1 / T) normal)
+T_MIN, T_MAX = 4.25e-39, 2.0**126
+EXTREME_T = (1.0, 1e-9, 1e-12, 1e-20, 1e-37, T_MIN, 1e30, T_MAX)
+
+
+def extreme_rows(rng, v, dtype):
+    """[1, 6, v] finite rows over float32's range (issue 37): the maximum 1e10 / 1e30 among near-ties, both ends of
+    the range (-FLT_MAX against +FLT_MAX: x - M overflows float32), an ascending run of float32 units below 3.0 (a rise
+    of every lane's maximum every round, in the plain form at tiny T), two tied maxima, and subnormals."""
+    big = 3.3e38 if dtype == "bf16" else FLT_MAX   # bf16's largest finite is 3.39e38
+    rows = []
+    for top in (1e10, 1e30):
+        r = rng.standard_normal(v) * top / 10
+        r[rng.choice(v, 5, replace=False)] = top * (1 - rng.integers(0, 3, 5) * 2.0**-20)
+        rows.append(r)
+    r = rng.uniform(-big, big, v)
+    r[rng.choice(v, 4, replace=False)] = [big, -big, big, -big]
+    rows.append(r)
+    f = np.float32(3.0)
+    steps = np.arange(v)[::-1] % 4096                                          # 3.0 less 0..4095 float32 units
+    r = np.array([np.float64(f) - s * 2.0**-22 for s in steps])                # ascending in each run of 4096
+    rows.append(r)
+    r = rng.standard_normal(v)
+    i, j = rng.choice(v, 2, replace=False)
+    r[i] = r[j] = 7.5
+    rows.append(r)
+    sub = float(np.finfo(np.float32).smallest_subnormal)
+    rows.append(rng.integers(-4, 5, v) * sub)                                  # float32 subnormals (bf16: ties of 0)
+    return as_dtype(np.stack(rows)[None], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+@pytest.mark.parametrize("v", [40000, 3000])
+def test_extreme_finite_rows(ks, spec, seed, dtype, v):
+    """Finite logits give finite log-probs within the bar at every accepted temperature (contract 5a; issue 37: NaN
+    at a maximum of 1e10 / 1e30 at T = 1, 3.0 at T = 1e-9, T = 1e-20 and 1e-37): V = 40000 (several chunks: the
+    merge, and the rows path in the streaming runs) and 3000 (one chunk)."""
+    rng = np.random.default_rng(seed)
+    x = extreme_rows(rng, v, dtype)
+    k = min(16, spec.max_tree_size - 1)
+    for t in EXTREME_T:
+        ids, lps = run(ks, x, k, t)
+        msg = f"{spec.name} {dtype} V={v} extreme rows T={t:g}, {where(seed)}"
+        assert np.all(np.isfinite(lps)), f"{msg}: non-finite log-probs at rows {np.argwhere(~np.isfinite(lps))[:4]}"
+        check(ids, lps, x, k, t, msg)
+    if dtype == "float32":   # the tied maxima share: -log 2 each at a tiny temperature
+        ids, lps = run(ks, x, k, 1e-20)
+        assert abs(float(lps[0, 4, 0]) + np.log(2)) <= 1e-5 and abs(float(lps[0, 4, 1]) + np.log(2)) <= 1e-5
 
 
 def test_allocates_outputs_and_empty_batch(ks, spec, seed):

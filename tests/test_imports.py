@@ -25,7 +25,7 @@ LAYERS = [
     ["kernels"],                                                         # launchers
     ["registry"],                                                        # the declarations' strings resolved
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "sanitize",                         # users of kernel sets (bench/: a package)
+    ["torch_ops", "model", "bench", "sanitize", "hf",                   # users of kernel sets (bench/: a package; hf: transformers)
      "bundles"],                                                         # and of the declarations (bundles: refs/)
     ["cli", "__main__", "__init__"],
 ]
@@ -122,7 +122,8 @@ def test_layers_import_downwards():
 
 
 # bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`
-BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs"}
+BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs",
+                "ddtree_gen.bench.shapes"}
 
 
 def test_benches_do_not_import_each_other():

@@ -26,7 +26,7 @@ from ddtree_gen.kernels import tree_verify_mma as mma
 from ddtree_gen.plans import tree_verify as verify_plans
 from ddtree_gen.plans import split_kv
 from ddtree_gen.plans import tree_verify_mma as mma_plans
-from ddtree_gen.plans.tree_verify_wgmma import PARTS_MAX_HEADS, PARTS_MIN_B
+from ddtree_gen.plans.tree_verify_wgmma import PARTS_MIN_B
 from ddtree_gen.types import AttentionOutput
 
 B, PAGES, MAX_PAGES = 2, 10, 4
@@ -611,8 +611,9 @@ def test_impl_device_errors_name_the_argument(spec, fake_device):
 # ------------------------------------------------------------------ split-KV tables per family
 
 def test_split_table_per_family(monkeypatch):
-    """choose_splits reads the wgmma family's own table ("wgmma" -> "splits") for the wgmma kernels and the
-    mma.sync table for the mma.sync ones; no table: the wave model; never past the useful chunks."""
+    """choose_splits reads the mma.sync table for the mma.sync kernels; the wgmma ones take the makespan model at every
+    length (their table was fitted at L = 4096 only: at 64k keys its 16 chunks took two waves); never past the useful
+    chunks."""
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     base = 32 * -(-65 * spec.num_heads // split_kv.BM)          # 288 blocks: shape class "512"
@@ -621,15 +622,16 @@ def test_split_table_per_family(monkeypatch):
     split_kv.choose_splits.cache_clear()
     try:
         assert split_kv.shape_class(base) == "512"
-        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == 5
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.best_count(base, 132, 66, 32)
         assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
         # no table off sm_90a: the wave model
-        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == split_kv.wave_splits(base, 132, 32)
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == split_kv.best_count(base, 132, 66, 32)
         # a short context (fewer than LONG_TILES key tiles): the fixed-cost model, whatever the table
         assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 1
         assert split_kv.choose_splits(spec, 1, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
         assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "mma") == 2   # the mma.sync table
-        assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.wave_splits(9, 132, 32)
+        assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.best_count(9, 132, 66, 32)
+        assert split_kv.choose_splits(spec, 1, 65, 65600, 64, 132, "sm_90a", "wgmma") == 14   # one wave (was 16: two)
     finally:
         split_kv.choose_splits.cache_clear()
 
@@ -666,14 +668,30 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
 
 
 def test_parts_for():
-    """The seesaw kernel's parts: one wave of row tiles x parts, at most the batch's key tiles, at most MAX_SPLITS."""
+    """The seesaw kernel's parts: the makespan model's count (one wave where the row tiles leave room, more where they
+    fill the SMs alone), never more parts than the batch's units, at most MAX_PARTS."""
     from ddtree_gen.plans.tree_verify_wgmma import parts_for
     from ddtree_gen.spec import find_spec
     kimi8, ds128 = find_spec("kimi-k2.6-tp8"), find_spec("deepseek-v3")
-    assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks
+    assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks: one wave
+    assert parts_for(kimi8, 1, 65, 65600, 132) == 14         # the same at 64k keys (16: two waves)
     assert parts_for(ds128, 8, 65, 4224, 132) == 1           # 130 row tiles: one wave already
-    assert parts_for(kimi8, 1, 65, 64, 132) == 1             # one key tile in the batch
-    assert parts_for(kimi8, 64, 1, 4224, 132) == split_kv.MAX_SPLITS   # 1 row tile: capped
+    assert parts_for(ds128, 1, 35, 85824, 132) == 9          # 70 row tiles (53 % of the SMs): 5 waves beat 1
+    assert parts_for(kimi8, 1, 65, 64, 132, seg_cost=0) == 1   # one key tile in the batch
+    assert parts_for(kimi8, 64, 1, 4224, 132) == 132         # 1 row tile: one wave of 132 parts
+    for b, nq, keys in ((1, 16, 1024), (3, 40, 9000), (64, 65, 131072)):   # never past the cap, never 0
+        for spec in (kimi8, ds128):
+            assert 1 <= parts_for(spec, b, nq, keys, 132) <= split_kv.MAX_PARTS
+
+
+def test_makespan_model():
+    """The makespan model that picks both grids' counts: waves x (the piece's tiles + the fixed cost), plus the combine
+    of several pieces; the fewest pieces on a tie."""
+    assert split_kv.makespan(9, 14, 132, 1026) == 1 * (74 + split_kv.BLOCK_FIXED_TILES) + split_kv.COMBINE_TILES
+    assert split_kv.makespan(9, 16, 132, 1026) == 2 * (65 + split_kv.BLOCK_FIXED_TILES) + split_kv.COMBINE_TILES * 144 / 132
+    assert split_kv.best_count(9, 132, 1026, 32) == 14       # B = 1, H = 8, Nq = 65, 64k keys
+    assert split_kv.best_count(9, 132, 1, 32) == 1           # one tile: nothing to split
+    assert split_kv.best_count(200, 132, 1000, 32) >= 1
 
 
 def test_short_context_splits():
@@ -710,7 +728,7 @@ def test_wave_model_of_untuned_shapes():
     ids=["B=min", "B=64 wgmma", "B=min-1", "num_splits given", "not loaded", "a workspace sized for the chunks",
          "a block table of fewer than PARTS_MIN_KEYS keys"])
 def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device):
-    """tree_verify on a spec with the parts build (H <= PARTS_MAX_HEADS, bf16): the parts grid at B >= PARTS_MIN_B
+    """tree_verify on a spec with the parts build (bf16): the parts grid at B >= PARTS_MIN_B
     and a block table of at least PARTS_MIN_KEYS keys a request, with the launcher's own part count (one block per
     (row tile, part): parts_for), else the chunks grid; an explicit num_splits keeps the chunks grid (its meaning
     there); not loaded: the chunks grid; a caller's workspace too small for the parts (sized for the chunks grid's
@@ -718,15 +736,15 @@ def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device
     from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL, PARTS_MIN_KEYS, parts_for
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
-    assert spec.num_heads <= PARTS_MAX_HEADS
     names = ("tree_verify", "tree_verify_tail", "merge_states", *WGMMA_NAMES, "tree_verify_mma_combine",
              *((PARTS_KERNEL,) if loaded else ()))
     new, n = Arrays(), spec.max_tree_size
     ws = new((max(split_kv.workspace_elems(spec, b, n, split_kv.MAX_SPLITS),
-                  split_kv.parts_workspace_elems(spec, b, n, split_kv.MAX_SPLITS)),), np.float32)
+                  split_kv.parts_workspace_elems(spec, b, n, split_kv.MAX_PARTS)),), np.float32)
     if kw.get("workspace") == "chunks-sized":
         kw = dict(kw, workspace=new((1,), np.float32))
-    pages = PARTS_MIN_KEYS // spec.page_size - (1 if kw.pop("short", False) else 0)
+    # "short": 4096 keys, where the makespan model keeps the chunks grid at B = 2 (parts_pay)
+    pages = 4096 // spec.page_size if kw.pop("short", False) else PARTS_MIN_KEYS // spec.page_size
     got, k = launched(tv.tree_verify, MmaKernelSet(spec, names), **verify_args(spec, new, b, pages),
                       **{"workspace": ws, **kw})
     row_tiles = -(-spec.max_tree_size * spec.num_heads // split_kv.BM)
@@ -738,13 +756,10 @@ def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device
 
 
 def test_parts_grid_built_where_it_serves():
-    """The parts build exists for the bf16 seesaw specs with H <= PARTS_MAX_HEADS only; elsewhere its reason names H."""
+    """The parts build exists for every bf16 seesaw spec (any H), for no fp8 one (its dequantize path has its own)."""
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL
     from ddtree_gen.spec import all_specs
     k = by_name(PARTS_KERNEL)
     for spec in all_specs():
-        want = not spec.kv_fp8 and spec.num_heads <= PARTS_MAX_HEADS
-        assert k.builds_for(spec) == want, spec.name
-        if not want and not spec.kv_fp8:
-            assert f"H <= {PARTS_MAX_HEADS}" in k.why_not_built(spec) and str(spec.num_heads) in k.why_not_built(spec)
+        assert k.builds_for(spec) == (not spec.kv_fp8), spec.name

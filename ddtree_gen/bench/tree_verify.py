@@ -19,6 +19,8 @@ VERIFY_CONFIGS = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (1, 16, 4096), (64,
 
 
 def run(args) -> None:
+    if getattr(args, "sweep", False):
+        return sweep(args)
     from ..spec import find_spec
     from ..kernel_set import load
     peak = measured_peak_tflops()
@@ -69,6 +71,55 @@ def run(args) -> None:
                 "bench_tree_verify")
     if args.out:
         _plot(plot, peak, Path(args.out) / "bench_tree_verify.png")
+
+
+def sweep(args) -> None:
+    """`bench tree_verify --sweep`: per drawn shape (bench/shapes.draw(seed, count)), ours (the default call: impl auto,
+    its own schedule) next to FlashMLA's dense decode and the split path in the same process: time, % of the peak
+    measured in the run, ours / FlashMLA, the schedule ours ran; then the worst and the median ratio."""
+    import statistics
+    from ..kernel_set import load
+    from ..spec import find_spec
+    from . import shapes
+    from ..runtime import sm_count
+    if args.count < 1:
+        raise SystemExit("error: --count must be at least 1")
+    peak = measured_peak_tflops()
+    draw = shapes.draw(args.seed, args.count, heads=tuple(h for h in shapes.HEADS
+                                                          if not args.spec or SPEC_BY_HEADS[h] in args.spec))
+    rows, ratios, sets = [], [], {}
+    for shp in draw:
+        spec = find_spec(SPEC_BY_HEADS[shp.h])
+        ks = sets.setdefault(spec.name, load(spec))
+        lens = np.asarray(shp.lens)
+        x = verify_inputs(spec, shp.b, lens, shp.nq, seed=args.seed)
+        flops = shapes.flops(shp.h, shp.nq, shp.lens, spec.kv_lora_rank, spec.qk_rope_head_dim)
+        floor_ms = flops / (peak * 1e12) * 1e3
+        plan = ks.tree_verify_schedule(shp.b, shp.nq, x["block_table"].shape[1], device=x["q_nope"].device.id)
+        out = ks.tree_verify(**x)
+        times = {"ours": checked_graph_time_ms(lambda out=out: ks.tree_verify(**x, out=out.out, lse=out.lse),
+                                               f"ours at {shp.label()}", floor_ms)}
+        for name, fn in flashmla_peers(ks, x).items():
+            times["FlashMLA" if name.startswith("FlashMLA") else "split"] = checked_graph_time_ms(
+                fn, f"{name} at {shp.label()}", floor_ms)
+        fm = times.get("FlashMLA")
+        pct = {k: 100 * floor_ms / t for k, t in times.items()}
+        if fm:
+            ratios.append(times["ours"] / fm)
+        rows.append([shp.label(), f"{plan.grid} x{plan.pieces} ({plan.blocks} blocks)",
+                     *(f"{1e3 * times[k]:.1f}" if k in times else "-" for k in ("ours", "FlashMLA", "split")),
+                     f"{pct['ours']:.0f}%", f"{pct['FlashMLA']:.0f}%" if fm else "-",
+                     f"{times['ours'] / fm:.2f}" if fm else "-"])
+    print_table(f"tree_verify --sweep (seed {args.seed}, {len(draw)} shapes drawn from {', '.join(shapes.CLASSES)}; "
+                f"{sm_count(0)} SMs); CUDA-graph replay medians in us; % of the bf16 matmul peak measured in this run "
+                f"({peak:.0f} TFLOP/s) for the contract's FLOPs; ours = the default call (impl auto)",
+                ["shape", "ours: schedule", "ours us", "FlashMLA us", "split us", "ours %", "FlashMLA %",
+                 "ours / FlashMLA"], rows, args.out, f"bench_tree_verify_sweep_seed{args.seed}")
+    if ratios:
+        print(f"ours / FlashMLA over {len(ratios)} shapes: worst {max(ratios):.2f}, median "
+              f"{statistics.median(ratios):.2f}, at most 1.05 on {sum(r <= 1.05 for r in ratios)}")
+    else:
+        print("FlashMLA not importable: no ratios (see docs/perf.md for how to get it)")
 
 
 def _plot(points, peak, path) -> None:

@@ -86,8 +86,10 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
                  and ch >= ROWS_MIN_CHUNKS)
     need = 0 if rows_path else workspace_elems(b, dp, v, k, dtype)
     aligned = []
-    if need and arrays[WS] is not None:
-        wa = ar.device_array(arrays[WS], "workspace", dtype="int32", ndim=None)
+    # a given workspace is checked (kind, int32) also where this call does not use it (contract 5a's errors): a wrong
+    # dtype is the caller's mistake whatever the launch, not one that shows up only at another batch or V
+    wa = ar.device_array(arrays[WS], "workspace", dtype="int32", ndim=None) if arrays[WS] is not None else None
+    if need and wa is not None:
         size = int(np.prod(wa.shape))
         if size < need:
             raise ArgumentError(f"workspace: {size} int32 elements, this call needs {need} "

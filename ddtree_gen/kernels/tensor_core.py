@@ -33,10 +33,11 @@ import numpy as np
 from .. import arrays as ar
 from ..errors import ArgumentError
 from ..plans import by_name, declaration
-from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_SPLITS, choose_splits
+from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import DEQUANT, WORKSPACE_READERS, PARTS_MIN_B, PARTS_MIN_KEYS, PARTS_OF, parts_for
+from ..plans.tree_verify_wgmma import (DEQUANT, WORKSPACE_READERS, PARTS_MIN_B, PARTS_MIN_KEYS, PARTS_OF, parts_for,
+                                       parts_pay)
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
@@ -119,11 +120,13 @@ def _holds_parts(spec, workspace, b: int, nq: int, max_keys: int, device: int) -
 
 def grid_kernel(kset, name: str, b: int, nq: int, max_pages: int, num_splits, workspace, device: int) -> str:
     """The kernel a call of `name` runs: its parts-grid build (plans/tree_verify_wgmma.PARTS_OF) where that is loaded
-    and runs, num_splits is not given, B >= PARTS_MIN_B, the block table spans at least PARTS_MIN_KEYS keys and a
-    caller's workspace holds the parts' partials (measured faster there); else `name`."""
+    and runs, num_splits is not given, B >= PARTS_MIN_B, the block table spans at least PARTS_MIN_KEYS keys (or fewer
+    and the makespan model says the parts pay: parts_pay) and a caller's workspace holds the parts' partials; else
+    `name` (the chunks grid)."""
     grid = PARTS_OF.get(name)
     keys = max_pages * kset.spec.page_size
-    if (grid and num_splits is None and b >= PARTS_MIN_B and grid in kset.kernels and keys >= PARTS_MIN_KEYS
+    if (grid and num_splits is None and b >= PARTS_MIN_B and grid in kset.kernels
+            and (keys >= PARTS_MIN_KEYS or parts_pay(kset.spec, b, nq, keys, sm_count(device)))
             and available(kset, grid, device) and _holds_parts(kset.spec, workspace, b, nq, keys, device)):
         return grid
     return name
@@ -132,6 +135,25 @@ def grid_kernel(kset, name: str, b: int, nq: int, max_pages: int, num_splits, wo
 def available(kset, name: str, device: int) -> bool:
     """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
     return kset.unavailable(name, device) is None
+
+
+def pieces(kset, name: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, device: int, arch: str):
+    """(parts, count) of a call of kernel `name` (grid_kernel's choice already): parts True for a build on the "parts"
+    grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts
+    on the device, one block per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a
+    request. From shapes only (num_splits: the caller's count, checked)."""
+    spec = kset.spec
+    consts = kset.constants(name, device)
+    parts = bool(consts.get("PARTS"))
+    if num_splits is not None:
+        return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
+    max_keys = nq if tail else max_pages * spec.page_size
+    sms = sm_count(device) if b else DEFAULT_SMS
+    if parts:
+        return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
+    # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
+    family = "wgmma" if name in WORKSPACE_READERS else declaration(name).serves[1]
+    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
 
 
 def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
@@ -157,22 +179,12 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
         kset.require(KV_DEQUANT, qn.device)
     bn = consts["BN"]
-    # a seesaw build with the "parts" grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS) cuts the batch's key tiles into
-    # `splits` balanced parts on the device, per row tile: one block per (row tile, part); every other build one
-    # per (request, chunk, row tile)
-    parts = bool(consts.get("PARTS"))
+    parts, splits = pieces(kset, name, tail, b, nq, max_pages, num_splits, qn.device, arch)
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(qn.device) if b else DEFAULT_SMS
-    if num_splits is None:
-        # the dequantize path's kernel takes the fused wgmma kernel's split count (the same table): the same bits
-        splits = (parts_for(spec, b, nq, max_keys, sms) if parts else
-                  choose_splits(spec, b, nq, max_keys, bn, sms, arch,
-                                "wgmma" if dequant else declaration(name).serves[1]))
-    else:
-        splits = ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_SPLITS)
-    if parts and b * -(-max_keys // bn) > INT32_MAX:
+    if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
     if splits > 1 and COMBINE not in kset.kernels:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "

@@ -37,7 +37,8 @@ COMBINE = "tree_verify_mma_combine"   # the split-KV combine of both tensor-core
 BM = 64                 # query rows per block (4 row groups of 16), both families
 WARPS = 8               # both families: 8 warps (the wgmma kernels: two warpgroups)
 MAX_SPLITS = 32
-COMBINE_ROWS_PER_BLOCK = 8
+MAX_PARTS = 264         # the parts grid's part count: two waves of one-row-tile blocks on a 132-SM GPU
+COMBINE_ROWS_PER_BLOCK = 4   # (4 rather than 8: twice the blocks for a small batch's few rows)
 DEFAULT_SMS = 132       # H100 / H200 SXM, used when the device cannot be asked
 O_REGS = BM * R / (32 * WARPS)                   # fp32 output accumulators per thread (R / 4)
 
@@ -102,8 +103,12 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
     table = _SPLIT_TABLES[family](spec, arch)
     useful = max(1, -(-int(max_keys) // (2 * bn)))
     tiles = max(1, -(-int(max_keys) // bn))
-    if family == "wgmma" and tiles < LONG_TILES:   # a short context: the tables were fitted at L = 4096
-        return short_splits(base, sms, tiles, min(MAX_SPLITS, useful))
+    if family == "wgmma":   # the makespan model at every length (the table was fitted at L = 4096 only)
+        most = min(MAX_SPLITS, useful)
+        if tiles < LONG_TILES:
+            return short_splits(base, sms, tiles, most)
+        # at WAVE_SPLIT_BASE waves of blocks or more, splitting gains less than the combine costs (the wave model's rule)
+        return 1 if base >= WAVE_SPLIT_BASE * sms else best_count(base, sms, tiles, most)
     s = table.get(shape_class(base)) if isinstance(table, dict) else None
     if not isinstance(s, int) or s < 1:
         s = wave_splits(base, sms, min(MAX_SPLITS, useful))
@@ -140,6 +145,24 @@ def short_splits(base: int, sms: int, tiles: int, most: int) -> int:
         waves = -(-base * s // sms)
         return waves * (BLOCK_FIXED_TILES + tiles / s) + (COMBINE_TILES * max(1.0, base * s / sms) if s > 1 else 0.0)
     return min(range(1, max(1, most) + 1), key=lambda s: (cost(s), s))
+
+
+def makespan(blocks_per_piece: int, pieces: int, sms: int, units: int, fixed: float = BLOCK_FIXED_TILES) -> float:
+    """The makespan model, in key-tile times: `blocks_per_piece` x `pieces` blocks, one per SM at a time, each doing
+    1 / pieces of `units` key tiles plus a fixed cost, wave after wave; then the combine of the pieces' partials
+    (COMBINE_TILES a wave of partial blocks) when there are several."""
+    blocks = blocks_per_piece * pieces
+    waves = -(-blocks // sms)
+    return (waves * (-(-units // pieces) + fixed)
+            + (COMBINE_TILES * max(1.0, blocks / sms) if pieces > 1 else 0.0))
+
+
+def best_count(blocks_per_piece: int, sms: int, units: int, most: int, fixed: float = BLOCK_FIXED_TILES) -> int:
+    """The piece count (chunks of each request, or parts of the batch) of `units` key tiles that the makespan model
+    predicts fastest, 1..most (the fewest on a tie): at H = 8, Nq = 65 (9 row tiles a request) and 64k keys, 14 pieces
+    (one wave of 126 blocks) against the 16 of the L = 4096 table (144 blocks: two waves, 236 against 139 us at B = 1
+    on the H200)."""
+    return min(range(1, max(1, most) + 1), key=lambda s: (makespan(blocks_per_piece, s, sms, units, fixed), s))
 
 
 def wave_splits(base: int, sms: int, most: int) -> int:

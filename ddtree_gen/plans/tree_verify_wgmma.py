@@ -29,7 +29,7 @@ from ..resources import P, R, Plan
 from . import split_kv
 from .declaration import Declaration
 from .kernel_def import KernelDef
-from .split_kv import BM, MAX_SPLITS, check_spec, tensor_core_declaration
+from .split_kv import BM, MAX_PARTS, check_spec, tensor_core_declaration
 
 BN = 64
 STAGES = 2
@@ -57,16 +57,23 @@ V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 # spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (plans/kv_dequant.py)
 DEQUANT = "tree_verify_wgmma_dequant"
 # The seesaw on the balanced parts grid (grid "parts"), a build of its own that tree_verify's launcher takes instead of
-# tree_verify_wgmma's chunks grid where it was measured faster (docs/perf.md, "The parts grid again"): a bf16 cache,
-# H <= PARTS_MAX_HEADS (9 row tiles a request: 14 parts fill 126 of 132 SMs; at H = 16 the 17 row tiles leave 13 idle
-# and the chunks grid was faster), B >= PARTS_MIN_B, the launcher's own part count (num_splits not given)
+# tree_verify_wgmma's chunks grid: a bf16 cache, any H, B >= PARTS_MIN_B (a batch of several requests, whose lengths
+# the host does not know: the parts are cut on the device from them, balanced whatever they are; one request is the
+# chunks grid's, whose blocks skip the parts' scan), the launcher's own part count (num_splits not given; parts_for).
+# docs/perf.md "tree_verify on real traffic"
 PARTS_KERNEL = "tree_verify_wgmma_parts"
-PARTS_MAX_HEADS = 8
-PARTS_MIN_B = 8
-# ... and a block table of at least PARTS_MIN_KEYS keys a request: below, the chunks grid with the short-context split
-# count is 1.03-1.48x faster (B = 8..64, L = 64..960; docs/perf.md "Short contexts"); at B = 8 L = 1984 the parts grid wins
-PARTS_MIN_KEYS = 2048
-# The dequantize path's kernel on the parts grid: an fp8 spec with H <= PARTS_MAX_HEADS, where its calls take the parts
+PARTS_MIN_B = 2
+# ... and, below a block table of PARTS_MIN_KEYS keys a request (no request long enough to set the pace of the chunks
+# grid alone), only where the makespan model says the parts pay (parts_pay): the chunks grid's blocks skip the parts'
+# scan and segment loop (~4 us a block): at B = 2, H = 8, L = 4096 the chunks grid 37.0 us against the parts' 44.7, at
+# B = 8, Nq = 16 38.0 against 41.9; but at B = 8, H = 64, Nq = 21, L = 3229 the chunks grid's 4 waves took 185.6 us
+# where FlashMLA's one balanced wave took 133 (docs/perf.md "tree_verify on real traffic")
+PARTS_MIN_KEYS = 8192
+# the parts count's fixed cost of a wave of blocks in key tiles (the makespan model, split_kv.best_count): a second
+# wave of parts measured dearer than a block's prologue alone (B = 4, H = 8, 64k keys: 14 parts 493 us, 29 parts 541)
+PARTS_WAVE_TILES = 12
+ONE_WAVE_FILL = 0.95
+# The dequantize path's kernel on the parts grid: an fp8 spec's, where its calls take the parts
 # grid by the rule of PARTS_KERNEL (docs/perf.md "The dequantize path on the bf16 default's build": 0.76 -> 0.83x of
 # bf16 at B = 8 H = 8). The bits of the bf16 parts build in the fused build's slab order on the dequantized cache
 DEQUANT_PARTS = "tree_verify_wgmma_dequant_parts"
@@ -152,7 +159,10 @@ def schedule_for(spec, kernel: str) -> str:
 # "prepass" or "inline" (measured slower: docs/perf.md "The converter inside the parts kernel, built")
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
          "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "fp8_mma": None,
-         "vt_stages": 2, "convert": "prepass"}
+         "vt_stages": 2, "convert": "prepass", "seg_cost": 6}
+# seg_cost (the parts grid): a segment's fixed cost in key tiles when the batch's work is cut into parts (SEG_COST of
+# templates/tree_verify_seesaw.cu.j2: each request costs seg_cost + its tiles; 0 with convert "inline"); docs/perf.md
+# "tree_verify on real traffic"
 # DEQUANT_PARTS's convert: "prepass" (kv_dequant's launch converts the pages, then this kernel reads them) or "inline"
 # (a converter warpgroup of this kernel converts them while the others compute: templates/tree_verify_seesaw.cu.j2
 # INLINE; the same workspace bytes, so the same bits; 0.77x of bf16 against the prepass path's 0.84x at B = 8, H = 8)
@@ -200,7 +210,7 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages", "convert"):
+    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages", "convert", "seg_cost"):
         if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("rope_early"):
@@ -213,9 +223,9 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if kernel in WORKSPACE_READERS and not spec.kv_fp8:
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path is an fp8 spec's (kv_dtype "
                         f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    if kernel in (PARTS_KERNEL, DEQUANT_PARTS) and (spec.num_heads > PARTS_MAX_HEADS or not seesaw_fits(spec, kernel)):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the seesaw with H <= "
-                        f"{PARTS_MAX_HEADS} (num_heads is {spec.num_heads}; at H = 16 the chunks grid measured faster)")
+    if kernel in (PARTS_KERNEL, DEQUANT_PARTS) and not seesaw_fits(spec, kernel):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the seesaw (page_size % {BN} "
+                        f"== 0, R = 512, P = 64)")
     if config is None:
         config = {DEQUANT: dequant_config, PARTS_KERNEL: parts_config,
                   DEQUANT_PARTS: dequant_parts_config}.get(kernel, functools.partial(variant_config, kernel=kernel))(spec)
@@ -236,6 +246,11 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     if convert not in CONVERTS:
         raise SpecError(f"convert {convert!r}: one of {', '.join(CONVERTS)}")
     inline = convert == "inline"
+    seg_cost = config.get("seg_cost", KNOBS["seg_cost"])
+    if not isinstance(seg_cost, int) or isinstance(seg_cost, bool) or not 0 <= seg_cost <= 64:
+        raise SpecError(f"seg_cost {seg_cost!r}: a whole number of key tiles, 0..64")
+    # the parts grid only (and not the inline converter's, which walks the parts in tiles)
+    seg_cost = seg_cost if sched == "seesaw" and config.get("grid") == "parts" and not inline else 0
     if not fp8 and (convert_sync != KNOBS["convert_sync"] or (int(config.get("ablate", 0)) & 28 and not inline)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
@@ -280,6 +295,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "L2_EVICT_FIRST": sympy.Integer(1 if config.get("l2_hint") == "evict_first" else 0),
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
                         "INLINE": sympy.Integer(1 if inline else 0),
+                        "SEG_COST": sympy.Integer(seg_cost),
                         "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
@@ -320,24 +336,44 @@ KERNELS = [
     KernelDef(name=DEQUANT, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant",
               plan=dequant_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
               policy=dequant_config, spell=spell),
-    # a bf16 spec with H <= PARTS_MAX_HEADS only: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
+    # a bf16 spec's: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
     KernelDef(name=PARTS_KERNEL, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_parts",
               plan=parts_plan, context={"tail": False}, archs=ARCHS, kv_dtypes=("bf16",), policy=parts_config,
               spell=spell),
-    # an fp8 spec with H <= PARTS_MAX_HEADS only: DEQUANT on the parts grid, which the dequantize path takes at B >= PARTS_MIN_B
+    # an fp8 spec's: DEQUANT on the parts grid, which the dequantize path takes at B >= PARTS_MIN_B
     KernelDef(name=DEQUANT_PARTS, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant_parts",
               plan=dequant_parts_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
               policy=dequant_parts_config, spell=spell),
 ]
 
 
-def parts_for(spec, b: int, nq: int, max_keys: int, sms: int) -> int:
-    """The seesaw kernel's part count, from shapes only (the parts' boundaries come from the lengths, on the
-    device): as many parts of the batch's key tiles per row tile as one wave of blocks holds (row tiles x parts
-    <= SMs), never more than the batch's most key tiles (B x max_keys / BN) nor split_kv.MAX_SPLITS."""
+def parts_for(spec, b: int, nq: int, max_keys: int, sms: int, seg_cost: int = KNOBS["seg_cost"]) -> int:
+    """The parts grid's part count, from shapes only (the parts' boundaries come from the lengths, on the device): one
+    wave of row_tiles x parts blocks where it fills at least ONE_WAVE_FILL of the SMs (H = 8, Nq = 65: 9 row tiles x 14
+    parts = 126 blocks; measured faster than two waves at B = 4..8, H = 8); else the count the makespan model
+    (split_kv.best_count) predicts fastest over the batch's work at its largest (B requests of max_keys keys, seg_cost +
+    tiles units each): several waves where one leaves SMs idle (H = 128, Nq = 35: 70 row tiles, 9 parts). Never more
+    parts than units, nor split_kv.MAX_PARTS."""
     row_tiles = -(-nq * spec.num_heads // BM)
-    most = max(1, b * -(-int(max_keys) // BN))
-    return max(1, min(sms // max(1, row_tiles), most, MAX_SPLITS))
+    units = max(1, b) * (max(1, -(-int(max_keys) // BN)) + seg_cost)
+    most = min(MAX_PARTS, units)
+    one_wave = sms // row_tiles
+    if one_wave >= 1 and row_tiles * one_wave >= ONE_WAVE_FILL * sms:
+        return max(1, min(one_wave, most))
+    return split_kv.best_count(row_tiles, sms, units, most, PARTS_WAVE_TILES)
+
+
+def parts_pay(spec, b: int, nq: int, max_keys: int, sms: int, seg_cost: int = KNOBS["seg_cost"]) -> bool:
+    """Whether the parts grid is predicted faster than the chunks grid for these shapes with every request at max_keys
+    (the makespan model of each at its own count; the parts' waves at PARTS_WAVE_TILES): the rule below PARTS_MIN_KEYS."""
+    row_tiles = -(-nq * spec.num_heads // BM)
+    tiles = max(1, -(-int(max_keys) // BN))
+    base = b * row_tiles
+    s = split_kv.choose_splits(spec, b, nq, max_keys, BN, sms, PRIMARY, "wgmma")
+    p = parts_for(spec, b, nq, max_keys, sms, seg_cost)
+    chunks = split_kv.makespan(base, s, sms, tiles)
+    parts = split_kv.makespan(row_tiles, p, sms, b * (tiles + seg_cost), PARTS_WAVE_TILES)
+    return parts < chunks
 
 
 def split_table(spec, arch: str = PRIMARY) -> dict:

@@ -132,6 +132,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // the lockstep kernel; "parts" (PARTS 1): a block per (row tile, part) that walks the requests of its part of the
 // batch's key tiles (cut on the device from the lengths), one segment per request.
 #define PARTS 0
+// The parts grid's fixed cost of a segment, in key tiles (the config's "seg_cost"; 0 with INLINE, whose converter and
+// producer walk the parts in tiles)
+#define SEG_COST 0
 // The config's "convert" (the dequantize path's parts build only, INLINE 1: "inline"): no kv_dequant pre-pass; a third,
 // converter warpgroup converts the call's e4m3 pages into the bf16 workspace itself, global to global, while the other
 // two compute. Block (row tile r, part p): its warps 0-2 convert slice r (of row_tiles) of every page of part p, in the
@@ -197,6 +200,7 @@ static_assert(THREADS == CONSUMERS + (FP8 || INLINE ? 128 : 0) && BM == 64 && BN
               "two warpgroups (+ FP8's or INLINE's converter), 64 x 64 tiles");
 static_assert(!INLINE || (PARTS && !FP8 && PAGE == BN), "the inline converter: the parts grid over a bf16 workspace, a tile a page");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
+static_assert(!INLINE || SEG_COST == 0, "the inline converter walks the parts in tiles: seg_cost 0");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 

@@ -54,7 +54,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // tree_verify_mma_combine: the split-KV combine of the tensor-core tree_verify kernels (their chunks, or the parts of the
 // seesaw kernel: `spans`).
 // Spec deepseek-v3-tp8: H = 16, R = 512. One warp per (request, node, head) row,
-// 8 rows per block. Chunk c of a row left (o_c normalised, lse_c in base 2; an empty
+// 4 rows per block. Chunk c of a row left (o_c normalised, lse_c in base 2; an empty
 // chunk has lse_c = -inf and its o_c is never read):
 //   M = max_c lse_c; w_c = 2^(lse_c - M); out = sum_c w_c o_c / sum_c w_c; lse = ln 2 (M + log2 sum_c w_c)
 // Rows i >= q_len, and every row of a request with a bad q_len / prefix_len, are not written
@@ -62,8 +62,8 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 
 #define NUM_HEADS 16
 #define RANK 512
-#define THREADS 256
-#define ROWS_PER_BLOCK 8
+#define THREADS 128
+#define ROWS_PER_BLOCK 4
 #define C4 4                  // float4 per lane: ceil(R / 128)
 #define LN2 0.6931471805599453f
 
@@ -115,36 +115,46 @@ ddtree_tree_verify_mma_combine(const float* __restrict__ part_o,      // [splits
     auto slot_row = [&](int c) -> long long {
         return spans == nullptr ? (long long)c * rows_total + row : (long long)(b + c) * per_request + (row - (long long)b * per_request);
     };
+    // every part in [c_first, c_last] holds some of the request's tiles when no part is empty (T >= splits)
+    const bool every = spans == nullptr || T >= splits;
     auto holds = [&](int c) {
-        if (spans == nullptr) return true;
+        if (every) return true;
         const long long lo = (long long)c * T / splits, hi = (long long)(c + 1) * T / splits;
         return (lo > S ? lo : S) < (hi < E ? hi : E);
     };
-    // (the chunk loops are unrolled so that several chunks' loads are in flight: L2 latency, not bandwidth)
+    // lane j holds the lse of chunk c0 + j of each group of 32: the weights come by shuffle, so that the partial
+    // rows' loads of a group do not wait on their lse loads (L2 latency, twice a chunk, was most of the time)
     float big = DDT_NEG_INF;
-    #pragma unroll 4
-    for (int c = c_first; c <= c_last; ++c)
-        if (holds(c)) big = fmaxf(big, part_lse[slot_row(c)]);
+    for (int c0 = c_first; c0 <= c_last; c0 += 32) {
+        const int c = c0 + lane;
+        if (c <= c_last && holds(c)) big = fmaxf(big, part_lse[slot_row(c)]);
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, d));
     float acc[C4][4];
     #pragma unroll
     for (int k = 0; k < C4; ++k) { acc[k][0] = 0.0f; acc[k][1] = 0.0f; acc[k][2] = 0.0f; acc[k][3] = 0.0f; }
     float total = 0.0f;
     if (big != DDT_NEG_INF) {
-        #pragma unroll 4
-        for (int c = c_first; c <= c_last; ++c) {
-            if (!holds(c)) continue;
-            const float l = part_lse[slot_row(c)];
-            if (l == DDT_NEG_INF) continue;                          // empty chunk: o never read
-            const float w = ex2(l - big);
-            total += w;
-            const float4* src = reinterpret_cast<const float4*>(part_o + slot_row(c) * RANK);
-            #pragma unroll
-            for (int k = 0; k < C4; ++k) {
-                const int f = lane + 32 * k;
-                if (RANK % 128 == 0 || f < RANK / 4) {
-                    const float4 v = src[f];
-                    acc[k][0] = fmaf(w, v.x, acc[k][0]); acc[k][1] = fmaf(w, v.y, acc[k][1]);
-                    acc[k][2] = fmaf(w, v.z, acc[k][2]); acc[k][3] = fmaf(w, v.w, acc[k][3]);
+        for (int c0 = c_first; c0 <= c_last; c0 += 32) {
+            const int c = c0 + lane;
+            const float l = c <= c_last && holds(c) ? part_lse[slot_row(c)] : DDT_NEG_INF;
+            const float w_lane = l == DDT_NEG_INF ? 0.0f : ex2(l - big);   // 0: an empty chunk, its o never used
+            const int n = min(32, c_last - c0 + 1);
+            #pragma unroll 4
+            for (int j = 0; j < n; ++j) {
+                const float w = __shfl_sync(0xffffffffu, w_lane, j);
+                total += w;                                              // in chunk order, as a sequential sum
+                const float4* src = reinterpret_cast<const float4*>(part_o + slot_row(c0 + j) * RANK);
+                #pragma unroll
+                for (int k = 0; k < C4; ++k) {
+                    const int f = lane + 32 * k;
+                    if (RANK % 128 == 0 || f < RANK / 4) {
+                        float4 v = src[f];                               // an empty chunk's row: read, not used
+                        if (w == 0.0f) v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        acc[k][0] = fmaf(w, v.x, acc[k][0]); acc[k][1] = fmaf(w, v.y, acc[k][1]);
+                        acc[k][2] = fmaf(w, v.z, acc[k][2]); acc[k][3] = fmaf(w, v.w, acc[k][3]);
+                    }
                 }
             }
         }

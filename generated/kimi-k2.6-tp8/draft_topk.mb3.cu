@@ -72,7 +72,10 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //           and (m, s) go to the workspace.
 //  stage 1: one block per row merges the chunks' lists (a tree of bitonic top-k merges) and their
 //           (m, s) pairs, and writes the row.
-// Log-probs: (x - M) * (1/T) - log(S) in one fma; S's error analysis is in the contract.
+// Log-probs: (x - M) * (1/T) - log(S) in float64 (x - M of two float32 is exact there and cannot overflow), floored at
+// -FLT_MAX for a finite logit; S's error analysis is in the contract. The terms of S: 2^(fma(x, c, -fl(M c))) while
+// |fl(M c)| < FAST_MC = 2^27 (the fma's offset e = M c - fl(M c) is then at most 4), else 2^(fl(x - M) c): the offset
+// grows with M c (2^e overflows once |M c| nears 2^31; M c itself overflows at M = 1e30, T = 1e-9).
 //
 // Schedules (plans/draft_topk.py, build option `schedule`; STREAM below):
 //  "chunks" (STREAM 0): as above, one block per chunk, its 16-byte loads issued at the block's start.
@@ -120,6 +123,12 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 
 typedef unsigned long long u64;
 
+// The fma form of a term, 2^(fma(x, c, -R)) against R ~ m c, while |R| < 2^27: the offset m c - R is then at most 4
+// (half a unit of R) plus 1 (a ceiling); at and above it the plain form, where float32 logits near the maximum are
+// at least 4 apart in the exponent ((x - m) c >= 2^-25 |m| c): a rise of the maximum there shrinks a sum 16-fold
+#define FAST_MC 134217728.0f
+#define FLT_MAX_F 3.402823466e38f
+
 // The order of logits as an unsigned key (x NaN-free; +0 and -0 the same key).
 __device__ __forceinline__ unsigned okey(float f) {
     const unsigned u = f == 0.0f ? 0u : __float_as_uint(f);
@@ -138,6 +147,21 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+// 2^x in float64 (x <= 2 here) to about 1e-15 relative, 0 below 2^-1022 (-inf too; x is never NaN), lighter than
+// exp2() (whose registers spill the streaming loop): 2^n (n = rint(x), by its bits) times a degree-12 Taylor
+// polynomial of e^(f ln 2), |f| <= 1/2 (remainder < (ln 2 / 2)^13 / 13! = 2.0e-16). For the (m, s) shares and the
+// rare rescales, not per logit.
+__device__ __forceinline__ double exp2_d(double x) {
+    if (!(x >= -1022.0)) return 0.0;
+    const double n = rint(x);
+    const double y = (x - n) * 0.6931471805599453;
+    double p = 1.0 / 479001600.0;                    // 1 / 12!
+    p = fma(p, y, 1.0 / 39916800.0);  p = fma(p, y, 1.0 / 3628800.0);  p = fma(p, y, 1.0 / 362880.0);
+    p = fma(p, y, 1.0 / 40320.0);     p = fma(p, y, 1.0 / 5040.0);     p = fma(p, y, 1.0 / 720.0);
+    p = fma(p, y, 1.0 / 120.0);       p = fma(p, y, 1.0 / 24.0);       p = fma(p, y, 1.0 / 6.0);
+    p = fma(p, y, 0.5);               p = fma(p, y, 1.0);              p = fma(p, y, 1.0);
+    return p * __longlong_as_double((long long)(1023 + (int)n) << 52);
 }
 __device__ __forceinline__ uint32_t bmax2(uint32_t a, uint32_t b) {   // bf16x2 max; a NaN half gives the other
     uint32_t y;
@@ -196,22 +220,32 @@ __device__ __forceinline__ float clean_vector(uint32_t (&w)[N], int j) {
     return fmaxf(fmaxf(__uint_as_float(w[4 * j]), __uint_as_float(w[4 * j + 1])),
                  fmaxf(__uint_as_float(w[4 * j + 2]), __uint_as_float(w[4 * j + 3])));
 }
-// One (maximum m, sum s) pair's share of a sum against the larger maximum M: s 2^((m - M) c); M = +inf: the sums
-// count +inf logits (only those with m = +inf count), M = -inf: nothing.
-__device__ __forceinline__ float ms_share(float m, float s, float M, float c) {
-    if (M == DDT_NEG_INF) return 0.0f;
-    if (M == DDT_POS_INF) return m == DDT_POS_INF ? s : 0.0f;
-    return s * ex2(__fmul_rn(__fsub_rn(m, M), c));
+// One (maximum m, sum s) pair's share of a sum against the larger maximum M: s 2^((m - M) c), in float64 (m - M
+// exact, no overflow: m = -3e38 against M = 3e38 at T = 1e37 is a share of 2^-10; once per pair, not per logit);
+// M = +inf: the sums count +inf logits (only those with m = +inf count), M = -inf: nothing.
+__device__ __forceinline__ double ms_share(float m, double s, float M, float c) {
+    if (M == DDT_NEG_INF) return 0.0;
+    if (M == DDT_POS_INF) return m == DDT_POS_INF ? s : 0.0;
+    if (m == DDT_NEG_INF) return 0.0;
+    return s * exp2_d(((double)m - (double)M) * (double)c);
 }
-// A warp's (M, S) from its lanes' (m, s) pairs: the largest m, and the shares against it summed.
-__device__ __forceinline__ float2 warp_ms(float m, float s, float c) {
+// A warp's (M, S) from its lanes' (m, s) pairs: the largest m, and the shares against it summed (float64).
+__device__ __forceinline__ float2 warp_ms(float m, double s, float c) {
     float M = m;
     #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
-    float part = ms_share(m, s, M, c);
+    double part = ms_share(m, s, M, c);
     #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) part += __shfl_xor_sync(FULL, part, o);
-    return make_float2(M, part);
+    return make_float2(M, (float)part);
+}
+// A finite logit v's log-prob (v - M) / T - L against the row's finite maximum M, in float64 (v - M of two float32
+// is exact or one float64 rounding and cannot overflow; (v - M) / T cannot either), floored at -FLT_MAX (contract
+// 5a: finite logits give finite log-probs); a -inf logit -inf.
+__device__ __forceinline__ float finite_lp(float v, float M, float inv_t, double L) {
+    if (v == DDT_NEG_INF) return DDT_NEG_INF;
+    const double lp = ((double)v - (double)M) * (double)inv_t - L;
+    return lp < -(double)FLT_MAX_F ? -FLT_MAX_F : (float)lp;
 }
 
 // Logit e of a row for the rare paths, read again from memory (L2) rather than kept live in registers:
@@ -262,16 +296,16 @@ __device__ __forceinline__ int block_scan(int v, int (*buf)[WARPS], int& round, 
 }
 
 // Write one row's k outputs from its best list (descending composite keys), its maximum M and sum S.
-__device__ __forceinline__ void write_row(const u64* list, int k, float M, float S, float inv_t, long long row,
+__device__ __forceinline__ void write_row(const u64* list, int k, float M, double S, float inv_t, long long row,
                                           float* __restrict__ out_lp, int* __restrict__ out_id) {
-    const float L = logf(S);
+    const double L = log(S);
     for (int i = threadIdx.x; i < k; i += THREADS) {
         const u64 key = list[i];
         const float v = key_float((unsigned)(key >> 32));
         float lp;
         if (M == DDT_NEG_INF) lp = DDT_NEG_INF;                                   // an all -inf row
-        else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? -L : DDT_NEG_INF;      // +inf logits share
-        else lp = fmaf(__fsub_rn(v, M), inv_t, -L);                             // (x - M) / T - log S
+        else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? (float)-L : DDT_NEG_INF;   // +inf logits share
+        else lp = finite_lp(v, M, inv_t, L);                                      // (x - M) / T - log S
         out_lp[row * k + i] = lp;
         out_id[row * k + i] = (int)~(unsigned)key;
     }
@@ -459,9 +493,9 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
     // ---- the chunk's sum of 2^((x - M) c), and the fast-path candidates (x >= tau)
     float sum;
     const float mc = M * c;
-    if (M != DDT_NEG_INF && M != DDT_POS_INF && fabsf(mc) < 3.0e38f) {
+    if (M != DDT_NEG_INF && M != DDT_POS_INF && fabsf(mc) < FAST_MC) {
         // fma(x, c, -fl(M c)) = (x - M) c + e exactly before its rounding, e = M c - fl(M c) for every
-        // term: the sum is scaled by 2^-e once
+        // term (|e| <= 4 below FAST_MC): the sum is scaled by 2^-e once
         const float nmc = -mc;
         const float e = fmaf(M, c, nmc);
         float acc = 0.0f;
@@ -483,7 +517,7 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
         sum = acc;
     } else if (M == DDT_NEG_INF) {
         sum = 0.0f;
-    } else {   // |M c| beyond float32: the plain (x - M) c
+    } else {   // |M c| >= 2^27: the plain (x - M) c (x - M overflows only where the term is 0 anyway: c >= 2^27 / |M|)
         float acc = 0.0f;
         #pragma unroll
         for (int i = 0; i < E; ++i) acc += ex2(__fmul_rn(__fsub_rn(elem<BF16>(w, i), M), c));
@@ -702,7 +736,8 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
         if (lane == 0) { s.ms[0] = MS.x; s.ms[1] = MS.y; }
     }
     __syncthreads();
-    const float M = s.ms[0], L = logf(s.ms[1]);
+    const float M = s.ms[0];
+    const double L = log((double)s.ms[1]);
     for (int idx = tid; idx < chunks * KP; idx += THREADS) {
         const u64 key = s.buf[idx];
         const int ch = idx / KP;
@@ -717,8 +752,8 @@ __device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int 
             const float v = key_float((unsigned)(key >> 32));
             float lp;
             if (M == DDT_NEG_INF) lp = DDT_NEG_INF;                                   // an all -inf row
-            else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? -L : DDT_NEG_INF;      // +inf logits share
-            else lp = fmaf(__fsub_rn(v, M), inv_t, -L);                             // (x - M) / T - log S
+            else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? (float)-L : DDT_NEG_INF;   // +inf logits share
+            else lp = finite_lp(v, M, inv_t, L);                                      // (x - M) / T - log S
             out_lp[row * k + r] = lp;
             out_id[row * k + r] = (int)~(unsigned)key;
         }
@@ -765,32 +800,36 @@ __device__ __forceinline__ float next_up(float v) {
 }
 
 // A lane's running maximum m and sum s of its logits so far, s in one of four forms by m: "fast" (m finite and
-// |m c| < 3e38: s = sum 2^(fl(x c - R)), the fma's terms, against R = ceil(fl(m c)), an integer: a rise of R
-// rescales s by an exact power of two, so the rescales add no rounding), "plain" (|m c| beyond float32:
-// s = sum 2^((x - m) c)), m = +inf (s = the count of +inf logits), m = -inf (s = 0).
-struct Run { float m, s, R; };
+// |fl(m c)| < FAST_MC: s = sum 2^(fl(x c - R)), the fma's terms, against R = ceil(fl(m c)), an integer: a rise of R
+// rescales s by an exact power of two, so those rescales add no rounding), "plain" (|fl(m c)| >= 2^27: s = sum
+// 2^((x - m) c)), m = +inf (s = the count of +inf logits), m = -inf (s = 0).
+struct Run { float m; float s; float R; };
 
 // 2^d for an integer-valued float d <= 0, exactly (0 below the least normal: the terms there are flushed anyway)
 __device__ __forceinline__ float exp2_int(float d) {
     return d < -126.0f ? 0.0f : __int_as_float((127 + (int)d) << 23);
 }
-// s as sum 2^((x - m) c): the fast form is 2^(R - m c) times too small, R - m c = -fl(m c - R) (one rounding)
-__device__ __forceinline__ float run_exact(const Run& r, float c) {
-    if (r.m != DDT_NEG_INF && r.m != DDT_POS_INF && fabsf(r.R) < 3.0e38f) return r.s * ex2(-fmaf(r.m, c, -r.R));
+// s as sum 2^((x - m) c), in float64 (once a lane's row is done): the fast form is 2^(R - m c) times too small,
+// R - m c = -fl(m c - R) (one rounding, |.| <= 5)
+__device__ __forceinline__ double run_exact(const Run& r, float c) {
+    if (r.m != DDT_NEG_INF && r.m != DDT_POS_INF && fabsf(r.R) < FAST_MC) return r.s * exp2_d(-(double)fmaf(r.m, c, -r.R));
     return r.s;
 }
 // Raise the maximum to nm (> r.m, not NaN), s turned into nm's form.
 __device__ __forceinline__ void run_raise(Run& r, float nm, float c) {
     if (nm == DDT_POS_INF) { r.m = nm; r.s = 0.0f; r.R = DDT_POS_INF; return; }   // the +inf are counted from here
     const float nmc = nm * c;
-    const bool nfast = fabsf(nmc) < 3.0e38f;
+    const bool nfast = fabsf(nmc) < FAST_MC;
     const float nR = nfast ? ceilf(nmc) : nmc;
     if (r.m == DDT_NEG_INF) {
         r.s = 0.0f;
-    } else if (nfast && fabsf(r.R) < 3.0e38f) {
+    } else if (nfast && fabsf(r.R) < FAST_MC) {
         if (nR != r.R) r.s *= exp2_int(r.R - nR);                              // fast to fast: exact
-    } else {
-        const float ex = run_exact(r, c) * ex2(__fmul_rn(__fsub_rn(r.m, nm), c));   // through the exact form
+    } else {   // through the exact form; rare: a change of form, or a rise of the plain form (by at least 4 in the
+               // exponent: FAST_MC). Float32 factors: float64 arithmetic here, even on this rare path, makes the
+               // build's registers spill (so does a Kahan compensation of the rounds' sum); m - nm overflows only
+               // where the factor is 0 anyway
+        const float ex = r.s * ((r.m != DDT_NEG_INF && fabsf(r.R) < FAST_MC) ? ex2(-fmaf(r.m, c, -r.R)) : 1.0f) * ex2(__fmul_rn(__fsub_rn(r.m, nm), c));
         r.s = nfast ? ex * ex2(fmaf(nm, c, -nR)) : ex;
     }
     r.m = nm;
@@ -802,7 +841,7 @@ __device__ __forceinline__ float round_sum(const uint32_t (&w)[NV * 4], const Ru
     typedef Layout<BF16> Lay;
     const int VEC = Lay::VEC;
     float acc = 0.0f;
-    if (fabsf(r.R) < 3.0e38f) {   // fast (r.m is finite here: +-inf give R = +-inf)
+    if (fabsf(r.R) < FAST_MC) {   // fast (r.m is finite here: +-inf give R = +-inf)
         const float nmc = -r.R;
         #pragma unroll
         for (int j = 0; j < NV; ++j) {
@@ -1275,7 +1314,8 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     }
 #endif
     // ---- the block's (M, S) from the warps'; the row written
-    float M = DDT_NEG_INF, S = 0.0f;
+    float M = DDT_NEG_INF;
+    double S = 0.0;   // float64: the warps' shares (contract 5a's error analysis)
     #pragma unroll
     for (int i = 0; i < WARPS; ++i) M = fmaxf(M, s.wms[i].x);
     #pragma unroll

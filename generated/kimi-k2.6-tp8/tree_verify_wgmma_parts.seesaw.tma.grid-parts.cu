@@ -132,6 +132,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // the lockstep kernel; "parts" (PARTS 1): a block per (row tile, part) that walks the requests of its part of the
 // batch's key tiles (cut on the device from the lengths), one segment per request.
 #define PARTS 1
+// The parts grid's fixed cost of a segment, in key tiles (the config's "seg_cost"; 0 with INLINE, whose converter and
+// producer walk the parts in tiles)
+#define SEG_COST 6
 // The config's "convert" (the dequantize path's parts build only, INLINE 1: "inline"): no kv_dequant pre-pass; a third,
 // converter warpgroup converts the call's e4m3 pages into the bf16 workspace itself, global to global, while the other
 // two compute. Block (row tile r, part p): its warps 0-2 convert slice r (of row_tiles) of every page of part p, in the
@@ -197,6 +200,7 @@ static_assert(THREADS == CONSUMERS + (FP8 || INLINE ? 128 : 0) && BM == 64 && BN
               "two warpgroups (+ FP8's or INLINE's converter), 64 x 64 tiles");
 static_assert(!INLINE || (PARTS && !FP8 && PAGE == BN), "the inline converter: the parts grid over a bf16 workspace, a tile a page");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
+static_assert(!INLINE || SEG_COST == 0, "the inline converter walks the parts in tiles: seg_cost 0");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 
@@ -484,9 +488,12 @@ ddtree_tree_verify_wgmma_parts(const bf16_t* __restrict__ q_nope,       // [B, N
     const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
     const uint32_t rdy0 = FP8 && !F8M ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
 
-    // ---- the block's work: row tile `tile` of part `part` of the batch's key tiles. Request r has W_r key tiles
-    // (its keys [0, min(prefix + q_len, max_pages PAGE)), at least one; none for a request with bad lengths); the
-    // batch's T = sum W_r tiles, in request order, are cut into `splits` parts [p T / splits, (p + 1) T / splits).
+    // ---- the block's work: row tile `tile` of part `part` of the batch's work. Request r has W_r key tiles
+    // (its keys [0, min(prefix + q_len, max_pages PAGE)), at least one; none for a request with bad lengths) and
+    // costs SEG_COST + W_r units (work(r)): a segment's fixed cost (Q, the pipeline's fill, the epilogue) in tiles,
+    // then its tiles (FlashMLA's scheduler counts the same), so that a part of many short requests is not the last
+    // to finish. The batch's T = sum of the costs, in request order, is cut into `splits` parts
+    // [p T / splits, (p + 1) T / splits); request r's tile j is unit s_r + SEG_COST + j (s_r: its first unit).
     // A request inside one part is written (out, lse) by that part's blocks; the parts of a request cut by
     // part boundaries write partials (slot p of the workspace) that the combine merges. From device values,
     // on the device: graph-safe, and balanced over the blocks whatever the lengths.
@@ -495,11 +502,15 @@ ddtree_tree_verify_wgmma_parts(const bf16_t* __restrict__ q_nope,       // [B, N
     const int part = blockIdx.x / row_tiles;
     const int B = (int)(rows_total / ((long long)Nq * NUM_HEADS));
     const long long t_cap = (long long)max_pages * PAGE;
-    auto work = [&](int r) -> int {
+    auto tiles = [&](int r) -> int {
         const int ql = q_lens[r], pf = prefix_lens[r];
         if (ql < 1 || ql > Nq || pf < 0) return 0;                  // a bad request writes nothing
-        const long long end = min((long long)pf + ql, t_cap);      // the launcher checks B max_pages PAGE / BN < 2^31
+        const long long end = min((long long)pf + ql, t_cap);      // the launcher checks B (max_pages PAGE / BN + SEG_COST) < 2^31
         return max(1, (int)((end + BN - 1) / BN));
+    };
+    auto work = [&](int r) -> int {                               // its units: 0 for a bad request
+        const int w = tiles(r);
+        return w ? SEG_COST + w : 0;
     };
     if (tid == 0) {
         #pragma unroll
@@ -541,8 +552,8 @@ ddtree_tree_verify_wgmma_parts(const bf16_t* __restrict__ q_nope,       // [B, N
     if (blockIdx.x == 0 && splits > 1) {                 // each request's tile range, for the combine
         int s = start;
         for (int r = rb; r < re; ++r) {
-            const int w = work(r);
-            spans[2 * r] = s;
+            const int w = work(r);                   // its tiles: units [s + SEG_COST, s + w)
+            spans[2 * r] = w ? s + SEG_COST : s;
             spans[2 * r + 1] = s + w;
             s += w;
         }
@@ -570,13 +581,14 @@ ddtree_tree_verify_wgmma_parts(const bf16_t* __restrict__ q_nope,       // [B, N
     consumers_sync();                                  // seg as thread 0 left it; the scratch read before P overwrites it
     const int b = seg[SEG_R], s_at = seg[SEG_S], hi_ = seg[SEG_HI];
     if (b >= seg[SEG_B] || s_at >= hi_) break;         // block-uniform
-    const int w_b = work(b);
-    const int k0 = max(seg[SEG_LO] - s_at, 0), k1 = min(hi_ - s_at, w_b);
+    const int c_b = work(b), w_b = tiles(b);
+    const int t_at = s_at + SEG_COST;                  // the unit of its first tile
+    const int k0 = max(seg[SEG_LO] - t_at, 0), k1 = min(hi_ - t_at, w_b);
     const int ubits = seg[SEG_USES];
     consumers_sync();                                  // every thread has read seg before thread 0 moves it on
     if (tid == 0) {
         seg[SEG_R] = b + 1;
-        seg[SEG_S] = s_at + w_b;
+        seg[SEG_S] = s_at + c_b;
         seg[SEG_CUR] = b;
         seg[SEG_WHOLE] = k0 == 0 && k1 == w_b;
     }
