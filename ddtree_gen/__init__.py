@@ -9,6 +9,12 @@ convert bf16 bits and e4m3 bytes on the numpy side; `ddtree_gen.trees.pack_tree_
 arrays; `ddtree_gen.make_spec` builds a spec in code; `ddtree_gen.hf` maps a transformers DeepSeek-V3 / Kimi-K2 model
 onto the kernels (torch and transformers needed there only). They are imported on first use (`import ddtree_gen`
 stays light), as attributes or by `import ddtree_gen.reference`.
+
+Errors (ddtree_gen.errors), all raised on purpose with a message naming the wrong thing: DdtreeError, the
+base of SpecError (a spec file), ArgumentError (a launch's arguments, before any launch), BuildError
+(rendering or NVRTC) and KdtrError (a KDTR bundle). Records (ddtree_gen.types, namedtuples of the launchers'
+outputs): TreeBuildOutput, AttentionOutput, TreeAcceptOutput. The command line: `ddtree-gen --help`.
+Contract: docs/contract.md of the repository.
 """
 from .errors import ArgumentError, BuildError, DdtreeError, KdtrError, SpecError
 from .spec import make_spec
@@ -36,5 +42,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["load", "make_spec", "ArgumentError", "BuildError", "DdtreeError", "KdtrError", "SpecError",
-           "AttentionOutput", "TreeAcceptOutput", "TreeBuildOutput", "__version__"]
+# what help(ddtree_gen) documents (pydoc follows __all__): load, make_spec and the version. The errors and records
+# above stay importable from here (`from ddtree_gen import ArgumentError`); the docstring names them, and their own
+# modules document them, without Exception's and tuple's inherited methods filling help() (841 lines before).
+__all__ = ["load", "make_spec", "__version__"]

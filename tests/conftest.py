@@ -190,3 +190,20 @@ def fake_device(monkeypatch):
     from ddtree_gen import arrays, callplan
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
     monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)
+
+
+@pytest.fixture
+def fake_alloc(monkeypatch, fake_device):
+    """A launcher's own allocations (outputs not given, a workspace) as fake arrays at distinct addresses on
+    device 0, and pointer_of reading a fake's address: the list of (shape, dtype) it allocated, in order. What a
+    CPU test of a launcher that allocates needs (docs/adding-a-kernel.md, step 5)."""
+    from ddtree_gen import runtime
+    made = []
+
+    def allocate(kind, device, shape, dtype):
+        a = FakeCudaArray(shape, {"bf16": np.uint16}.get(dtype, dtype), ptr=(1 << 36) + (len(made) << 28))
+        made.append((shape, dtype))
+        return a
+    monkeypatch.setattr(runtime, "allocate", allocate)
+    monkeypatch.setattr(runtime, "pointer_of", lambda a: a.__cuda_array_interface__["data"][0])
+    return made

@@ -729,10 +729,19 @@ def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
         pytest.skip(by_name(kernel).why_not_built(spec))
     fake_cupy, Kset = _fake_gpu(monkeypatch)
     cases = list(registry.sanitizer_cases()[kernel](spec, np.random.default_rng(0)))
-    assert len(cases) >= 3
+    names = [case for case, _ in cases]
+    # the rules (docs/adding-a-kernel.md): at least 3 cases, distinct names, each one reaching a launch
+    assert len(cases) >= 3, f"{kernel}: {len(cases)} sanitizer case(s) {names}; at least 3 are needed"
+    assert len(set(names)) == len(names), f"{kernel}: sanitizer case names repeat: {names}"
     for case, inputs in cases:
-        with pytest.raises(LaunchReached):
+        try:
             sanitize._run_case(Kset(spec), kernel, inputs, fake_cupy)
+        except LaunchReached:
+            continue
+        except Exception as e:  # noqa: BLE001 - reported with the case's name
+            pytest.fail(f"{kernel} sanitizer case {case!r} on {spec.name}: refused before its launch: "
+                        f"{type(e).__name__}: {e}")
+        pytest.fail(f"{kernel} sanitizer case {case!r} on {spec.name}: returned without reaching a launch")
 
 
 def test_sanitize_worker_loop(monkeypatch, capsys, in_session):

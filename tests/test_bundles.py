@@ -53,3 +53,33 @@ def test_regenerating_keeps_a_bundle_that_still_holds(spec, tmp_path):
     kdtr.write(path, spec=spec.name, kernel=kernel, case=case, seed=made["seed"], arrays={**arrays, key: changed})
     assert not bundles.still_holds(spec, kernel, case, made, path)
     assert not bundles.still_holds(spec, kernel, case, made, tmp_path / "missing.kdtr")
+
+
+def test_check_calls_a_bundle_not_made_yet_missing(tmp_path, monkeypatch, capsys):
+    """`refs --check` on a case declared but never generated (a new kernel before `ddtree-gen refs`) says
+    MISSING and how to make it, not DIFFERS; a bundle that is there and wrong still DIFFERS; exit 1 for both."""
+    import shutil
+    from pathlib import Path
+
+    from ddtree_gen import cli
+    repo = Path(__file__).resolve().parent.parent
+    name = "kimi-k2.6-tp8"
+    shutil.copytree(repo / "specs", tmp_path / "specs")
+    (tmp_path / "refs" / name).mkdir(parents=True)
+    only = {"tree_build": registry.bundle_cases()["tree_build"]}
+    monkeypatch.setattr(registry, "bundle_cases", lambda: only)
+    monkeypatch.setenv("DDTREE_GEN_ROOT", str(tmp_path))
+    cases = only["tree_build"].cases
+    assert len(cases) >= 2
+    for case in cases[1:]:
+        shutil.copy(repo / "refs" / name / f"tree_build-{case}.kdtr", tmp_path / "refs" / name)
+    capsys.readouterr()
+    assert cli.main(["refs", "--check", name]) == 1
+    out = capsys.readouterr().out
+    assert f"tree_build         {cases[0]:<12} MISSING" in out and "`ddtree-gen refs` writes it" in out, out
+    assert all(f"{case:<12} ok" in out for case in cases[1:]) and "DIFFERS" not in out, out
+    assert "0 bundle(s) differ, 1 missing" in out, out
+    (tmp_path / "refs" / name / f"tree_build-{cases[0]}.kdtr").write_bytes(b"not a bundle")
+    assert cli.main(["refs", "--check", name]) == 1
+    out = capsys.readouterr().out
+    assert f"{cases[0]:<12} DIFFERS" in out and "MISSING" not in out, out

@@ -266,18 +266,7 @@ class Recorder(FakeKernelSet):
         self.seen.append((name, kw))
 
 
-@pytest.fixture
-def fake_alloc(monkeypatch, fake_device):
-    from ddtree_gen import runtime
-    made = []
-
-    def allocate(kind, device, shape, dtype):
-        a = FakeCudaArray(shape, {"bf16": np.uint16}.get(dtype, dtype), ptr=(1 << 36) + (len(made) << 28))
-        made.append((shape, dtype))
-        return a
-    monkeypatch.setattr(runtime, "allocate", allocate)
-    monkeypatch.setattr(runtime, "pointer_of", lambda a: a.__cuda_array_interface__["data"][0])
-    return made
+# fake_alloc (a launcher's own allocations, as fake arrays): tests/conftest.py
 
 
 def _logits(b, dp, v, dtype=np.uint16, **kw):

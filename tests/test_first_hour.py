@@ -495,3 +495,34 @@ def test_flashmla_is_found_by_its_folder_or_said_how_to_get(tmp_path, monkeypatc
     monkeypatch.delitem(sys.modules, "flash_mla")
     for f in (REPO / "ddtree_gen" / "bench" / "peers.py", REPO / "tests" / "test_gpu_flashmla_pairing.py"):
         assert "shared/peers" not in f.read_text(), f
+
+
+def test_help_of_the_package_is_short():
+    """help(ddtree_gen): load, the version and a docstring that names the errors and records (841 lines of
+    inherited Exception and tuple methods before)."""
+    import pydoc
+    import ddtree_gen
+    text = pydoc.render_doc(ddtree_gen, renderer=pydoc.plaintext)
+    assert len(text.splitlines()) < 100, text
+    assert "load(spec" in text and "ArgumentError" in text and "with_traceback" not in text
+    from ddtree_gen import ArgumentError, TreeBuildOutput  # noqa: F401  (still importable from the package)
+
+
+def test_the_wheel_metadata_has_license_and_authors():
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] and project["license-files"] == ["LICENSE"] and (REPO / "LICENSE").is_file()
+    assert project["authors"] and all(a.get("name") for a in project["authors"])
+
+
+def test_tree_verify_plot_redraws_from_its_table(monkeypatch):
+    """bench tree_verify's chart can be redrawn from the committed table without a GPU (replot); every row of
+    the table is a bar, grouped by config."""
+    from ddtree_gen.bench import tree_verify as bench
+    got = {}
+    monkeypatch.setattr(bench, "_plot", lambda points, peak, path: got.update(points=points, peak=peak))
+    bench.replot(REPO / "docs" / "bench" / "bench_tree_verify.txt", "unused.png")
+    rows = [ln for ln in (REPO / "docs" / "bench" / "bench_tree_verify.txt").read_text().splitlines()[2:]
+            if ln.strip().startswith("B=")]
+    assert got["peak"] == 744 and len(got["points"]) == len(rows) > 20
+    assert got["points"][0] == ("B=1\nH=8\nL=4096", "ours (wgmma)", 184.9)

@@ -123,6 +123,8 @@ def sweep(args) -> None:
 
 
 def _plot(points, peak, path) -> None:
+    """A log-scale bar chart: one group of bars per config, one bar per implementation. The legend sits to the
+    right of the axes (inside them it covered the first groups of bars)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -132,7 +134,7 @@ def _plot(points, peak, path) -> None:
         return
     configs = list(dict.fromkeys(c for c, _, _ in points))
     impls = list(dict.fromkeys(i for _, i, _ in points))
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(13, 5))
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
         xs = [configs.index(c) + k * width for c, i, _ in points if i == impl]
@@ -140,12 +142,30 @@ def _plot(points, peak, path) -> None:
         ax.bar(xs, ys, width, label=impl)
     ax.axhline(peak, color="k", linestyle="--", label=f"measured bf16 peak {peak:.0f}")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))], configs, fontsize=8)
+    ax.set_xlim(-0.5, len(configs) - 0.1)
     ax.set_ylabel("TFLOP/s")
     ax.set_yscale("log")
     ax.set_title("tree_verify on H200, Nq = 65")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def replot(table_path, path) -> None:
+    """Redraw the chart from the table a run wrote (bench_tree_verify.txt: no GPU needed), e.g.
+    python -c "from ddtree_gen.bench.tree_verify import replot; replot('docs/bench/bench_tree_verify.txt',
+    'docs/bench/bench_tree_verify.png')" """
+    import re
+    lines = Path(table_path).read_text().splitlines()
+    peak = float(re.search(r"peak in this run: ([0-9.]+) TFLOP/s", lines[0]).group(1))
+    points = []
+    for line in lines[2:]:
+        m = re.match(r"\s*(B=\S+) (H=\S+) (L=\S+)\s+(.+?)\s+[0-9.]+\s+([0-9.]+)\s+[0-9.]+%", line)
+        if m:
+            points.append((f"{m[1]}\n{m[2]}\n{m[3]}", m[4], float(m[5])))
+    if not points:
+        raise ValueError(f"{table_path}: no rows of a tree_verify table")
+    _plot(points, peak, path)
 
 

@@ -49,6 +49,7 @@ Modules (each imports only modules listed above it; only this file imports `devi
     cache        make_block_table, chain_mask, cache capacity
     numpy_model  NumpyMLA, the float64 oracle
     numpy_loop   generate_numpy (plain and speculative, numpy references)
+    near_tie     is a divergence between two decodings a near-tie? decided in float64 (the examples' rule)
     cuda_source  CUDA_SOURCE / KERNEL_NAMES: CupyOps' own kernels
     backends     CupyOps, NumpyOps, ReferenceKernels
     device       DeviceDecoder, CapturedStep, generate_device
