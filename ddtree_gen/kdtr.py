@@ -155,18 +155,24 @@ def _reject_constant(token):
     raise ValueError(f"non-finite number {token}")
 
 
+def _exact_fields(obj: dict, fields, missing: str, unexpected: str) -> None:
+    """KdtrError unless obj has exactly `fields`: the first missing one, or the unexpected ones, named after the
+    messages' starts `missing`, `unexpected`."""
+    for field in fields:
+        if field not in obj:
+            raise KdtrError(f"{missing} {field!r}")
+    extra = sorted(set(obj) - set(fields))
+    if extra:
+        raise KdtrError(f"{unexpected} {extra}"[:500])
+
+
 def _entry(name, i, e, data_start, size):
     """Validate one array entry against a file of `size` bytes; return its fields."""
     data_len = size - data_start - _DIGEST
     where = f"{name}: header arrays[{i}]"
     if not isinstance(e, dict):
         raise KdtrError(f"{where}: expected an object")
-    for field in _ENTRY_FIELDS:
-        if field not in e:
-            raise KdtrError(f"{where}: missing field {field!r}")
-    extra = sorted(set(e) - set(_ENTRY_FIELDS))
-    if extra:
-        raise KdtrError(f"{where}: unexpected field(s) {extra}"[:500])
+    _exact_fields(e, _ENTRY_FIELDS, f"{where}: missing field", f"{where}: unexpected field(s)")
     arr_name, dtype, shape, offset, nbytes = (e[f] for f in _ENTRY_FIELDS)
     if not isinstance(arr_name, str) or not _NAME.match(arr_name):
         raise KdtrError(f"{where}: invalid name {arr_name!r}"[:300])
@@ -223,12 +229,7 @@ def loads(data, name="<bytes>"):
         raise KdtrError(f"{name}: bad header JSON: {exc}"[:500]) from None
     if not isinstance(header, dict):
         raise KdtrError(f"{name}: header JSON must be an object")
-    for field in _FIELDS:
-        if field not in header:
-            raise KdtrError(f"{name}: header is missing field {field!r}")
-    extra = sorted(set(header) - set(_FIELDS))
-    if extra:
-        raise KdtrError(f"{name}: unexpected header field(s) {extra}"[:500])
+    _exact_fields(header, _FIELDS, f"{name}: header is missing field", f"{name}: unexpected header field(s)")
     for field in ("spec", "kernel", "case"):
         if not isinstance(header[field], str):
             raise KdtrError(f"{name}: header field {field!r} must be a string")

@@ -76,6 +76,13 @@ def script_requires(script_file: str, *, gpu: bool = True, torch: bool = False) 
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_MISSING) from None
 
+def script_without_options(script_file: str, doc: str, *, gpu: bool = True, torch: bool = False) -> None:
+    """The start of a script of scripts/ that takes no options: --help (its docstring) works anywhere; then
+    script_requires (what is missing ends it with one line, exit EXIT_MISSING)."""
+    import argparse
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    script_requires(script_file, gpu=gpu, torch=torch)
+
 
 
 # FlashMLA: a peer of the benchmarks and of the pairing test, never a dependency

@@ -61,15 +61,7 @@ def main():
         print(" | ".join(row), flush=True)
 
 
-def _args_and_gpu():
-    """--help works anywhere; without a usable GPU, one line saying so (exit 1) instead of a CUDA traceback."""
-    import argparse
-
-    from ddtree_gen import needs
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    needs.script_requires(__file__, gpu=True)
-
-
 if __name__ == "__main__":
-    _args_and_gpu()
+    from ddtree_gen import needs
+    needs.script_without_options(__file__, __doc__)
     main()

@@ -103,6 +103,7 @@ class Comparison:
     identical: bool                                   # every request bit-identical
     near_ties: list = field(default_factory=list)     # (request, token, margin): allowed divergences
     violations: list = field(default_factory=list)    # (request, token, margin): divergences at margin >= bar
+    partings: list = field(default_factory=list)      # (request, token): where each differing request first parts
 
     @property
     def ok(self) -> bool:
@@ -134,15 +135,8 @@ def compare_tokens(reference: np.ndarray, tokens: np.ndarray, margins, near_tie:
     near-tie that float rounding can flip); after that the continuations differ and are not
     compared. `margins`: [B, T] array, or a callable (b, i) -> margin (computed on demand),
     or None (then any divergence is a violation)."""
-    reference, tokens = np.asarray(reference), np.asarray(tokens)
-    if reference.shape != tokens.shape:
-        raise ValueError(f"token shapes differ: {reference.shape} vs {tokens.shape}")
-    out = Comparison(identical=bool(np.array_equal(reference, tokens)))
-    for b in range(reference.shape[0]):
-        diff = np.flatnonzero(reference[b] != tokens[b])
-        if diff.size == 0:
-            continue
-        i = int(diff[0])
+    reference, tokens, out = _first_partings(reference, tokens)
+    for b, i in out.partings:
         if margins is None:
             m = float("inf")
         elif callable(margins):
@@ -158,14 +152,19 @@ def judge_tokens(reference: np.ndarray, tokens: np.ndarray, judge) -> Comparison
     sequences must be equal, except that they may part at the first token i where judge(b, i, a, c) (a the
     reference's token there, c the other's; a near_tie.TieCheck) says near_tie; after it the continuations
     differ and are not compared. Comparison's lists then hold the TieChecks."""
+    reference, tokens, out = _first_partings(reference, tokens)
+    for b, i in out.partings:
+        check = judge(b, i, int(reference[b, i]), int(tokens[b, i]))
+        (out.near_ties if check.near_tie else out.violations).append(check)
+    return out
+
+
+def _first_partings(reference, tokens):
+    """(reference, tokens) as arrays of one shape (ValueError otherwise) and an empty Comparison whose `partings`
+    lists (request, first token where the two differ), in request order."""
     reference, tokens = np.asarray(reference), np.asarray(tokens)
     if reference.shape != tokens.shape:
         raise ValueError(f"token shapes differ: {reference.shape} vs {tokens.shape}")
-    out = Comparison(identical=bool(np.array_equal(reference, tokens)))
-    for b in range(reference.shape[0]):
-        diff = np.flatnonzero(reference[b] != tokens[b])
-        if diff.size:
-            i = int(diff[0])
-            check = judge(b, i, int(reference[b, i]), int(tokens[b, i]))
-            (out.near_ties if check.near_tie else out.violations).append(check)
-    return out
+    partings = [(b, int(np.flatnonzero(reference[b] != tokens[b])[0])) for b in range(reference.shape[0])
+                if (reference[b] != tokens[b]).any()]
+    return reference, tokens, Comparison(identical=bool(np.array_equal(reference, tokens)), partings=partings)
