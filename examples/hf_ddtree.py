@@ -112,9 +112,12 @@ def greedy_reference(model, prompt, n):
 
 def near_tie(model, seq, a, b):
     """(margin, max |logit|) of candidates a and b from a float64 copy of the model at the last position of seq."""
-    m64 = copy.deepcopy(model).to(torch.float64)
+    # on the CPU: CUDA's grouped matmuls of the MoE layers take no float64
+    m64 = copy.deepcopy(model).to("cpu", torch.float64)
+    if hasattr(m64, "set_experts_implementation"):   # (transformers 5.x) the grouped matmuls take no float64 either
+        m64.set_experts_implementation("eager")
     with torch.no_grad():
-        lg = m64(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0, -1]
+        lg = m64(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
     return abs(float(lg[a] - lg[b])), float(lg.abs().max())
 
 

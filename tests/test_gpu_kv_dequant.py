@@ -260,56 +260,6 @@ def test_dequant_path_parts_grid(spec):
         check_against(mine[0], mine[1], ref, inp.q_lens, heads, tag)
 
 
-def test_dequant_parts_inline_convert(spec):
-    """The parts build with convert "inline" (its own converter warpgroup instead of kv_dequant's launch): the bits of
-    the prepass build (the workspace gets the same bytes), every element of out and lse compared (poisoned before the
-    launch: rows >= q_len and the rows of bad requests untouched alike), on irregular batches with unmapped pages (-1,
-    num_pages) and bad requests (q_len 0, prefix_len < 0), for the launcher's part count and others, with a caller's
-    poisoned kv_workspace and a launcher-allocated one; the float64 bar on the good batch."""
-    import cupy
-    from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_wgmma import DEQUANT_PARTS
-    from ddtree_gen.plans.variant import variant
-    from test_gpu_tree_verify import reference_for
-    if not spec.kv_fp8 or not by_name(DEQUANT_PARTS).builds_for(spec):
-        pytest.skip(f"spec {spec.name!r}: {by_name(DEQUANT_PARTS).why_not_built(spec)}")
-    # the inline converter walks the parts in tiles (seg_cost 0): the prepass build with the same cuts
-    prepass = variant_set([variant(by_name(DEQUANT_PARTS), spec, seg_cost=0)], also=list(KERNELS))
-    inline = variant_set([variant(by_name(DEQUANT_PARTS), spec, convert="inline")], also=list(KERNELS))
-    skip_unless_runs(inline, DEQUANT_PARTS)
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    n = spec.max_tree_size
-    lens = [0, 70, 1000, 2100, 3000, 5, 640, 64, 4100, 130]
-    qlens = [n, 33, 2, n, 1, n, 17, 1, n, 9]
-    good = make_inputs(spec, rng, lens, qlens, "random", seed=seed, bf16=WGMMA.bf16, junk_bits=True)
-    bad = make_inputs(spec, rng, lens, qlens, "random", seed=seed, bf16=WGMMA.bf16, junk_bits=True)
-    num_pages = bad.kv_cache.shape[0]
-    bad.block_table[3, 5], bad.block_table[8, 0], bad.block_table[8, 40] = -1, num_pages, num_pages + 7
-    bad.q_lens[1], bad.prefix_lens[6] = 0, -1
-    scale = SCALES["mla"]
-    for tag, inp in (("good", good), ("bad", bad)):
-        b, max_pages = inp.block_table.shape
-        kvw = cupy.full(workspace_elems(spec, b, max_pages) + 7, POISON_KV, np.uint16)
-        for splits in (None, 1, 3, 14):
-            label = f"{spec.name} {tag} num_splits={splits} seed={seed}"
-            kw = {"num_splits": splits} if splits else {}
-            runs = []
-            for ks, extra in ((prepass, {}), (inline, {}), (inline, {"kv_workspace": kvw})):
-                out, lse = poisoned(inp.shape)
-                ks.tree_verify_wgmma_dequant_parts(**inp.device(), softmax_scale=scale, out=out, lse=lse, **kw, **extra)
-                runs.append((to_host(out), to_host(lse)))
-            for got in runs[1:]:
-                assert (got[0] == runs[0][0]).all(), f"{label}: out differs from the prepass build's"
-                assert (got[1].view(np.uint32) == runs[0][1].view(np.uint32)).all(), f"{label}: lse differs"
-            assert (to_host(kvw[-7:]) == POISON_KV).all(), f"{label}: written past the workspace's elements"
-            if tag == "good" and splits is None:
-                check_rows_written(*runs[1], inp.q_lens, label)
-                heads = heads_to_check(spec.num_heads, rng, 4)
-                check_against(*runs[1], reference_for("tree_verify", inp, scale, heads), inp.q_lens, heads, label)
-
-
 def test_dequant_path_given_workspace_and_other_scales(spec):
     """A caller's kv_workspace (poisoned: the pre-pass overwrites what the call reads) gives the same bits as one the
     launcher allocates; softmax_scale 1 and a power-of-two kv_scale too."""

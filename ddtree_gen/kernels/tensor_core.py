@@ -171,9 +171,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     dequant = name in WORKSPACE_READERS
     arch = kset.require(name, qn.device)
     consts = kset.constants(name, qn.device)
-    # a build with convert "inline" (plans/tree_verify_wgmma.CONVERTS) converts the pages itself: no pre-pass
-    inline = dequant and bool(consts.get("INLINE"))
-    if dequant and not inline:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
+    if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in kset.kernels:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
@@ -216,31 +214,19 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         # boxes of one key tile's rows by one 64-column slab (bf16: 128 bytes, swizzled; e4m3: 64 bytes, as they are)
         # the dequantize path: kv_dequant writes the bf16 pages and their block table into the kv workspace, which
         # the kernel then reads as its cache (B * max_pages pages; the table after them)
-        # (inline: the kernel reads the e4m3 cache and the caller's table, converts into the workspace's pages and
-        # counts them in its table's place; TMA reads the workspace)
-        kv, table, pages = (KVW, (KVW, layout[1]), layout[0]) if dequant and not inline else (2, 3, num_pages)
+        kv, table, pages = (KVW, (KVW, layout[1]), layout[0]) if dequant else (2, 3, num_pages)
         if dequant:
-            if max_pages and not inline:   # (none: the kernel reads no key, nor the table)
+            if max_pages:   # (none: the kernel reads no key, nor the table)
                 steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
                                           kset.constants(KV_DEQUANT, qn.device), sms))
             new.append((KVW, (layout[2],), "bf16"))
-        rows, cols = (layout[0] if inline else pages) * spec.page_size, r + spec.qk_rope_head_dim
-        if consts.get("Q_TERMS"):   # FP8 products: e4m3 latent slabs of 128 bytes, swizzled, and the rope slab of 64
-            tma = (TensorMap(kv, rows, cols, bn, 128, 1, 128), TensorMap(kv, rows, cols, bn, 64, 1, 64))
-        else:
-            tma = ((TensorMap(KVW if inline else kv, rows, cols, bn, 64,
-                              *((1, 0) if spec.kv_fp8 and not dequant else ())),)
-                   if consts.get("USE_TMA") else ())
+        rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
+        tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
+               if consts.get("USE_TMA") else ())
         blocks = splits * row_tiles if parts else b * splits * row_tiles
         args = (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
                 np.int32(pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
                 *((spans,) if parts else ()), *tma)
-        if inline:   # the page counters zeroed by a first launch of the kernel (none: no page), then the call's launch
-            words = b * max_pages
-            zero_blocks = max(1, min(-(-words // int(consts["THREADS"])), sms))
-            if words:
-                steps.append(Step(name, (zero_blocks,), (*args, KVW, (KVW, layout[1]), np.int32(words))))
-            args = (*args, KVW, (KVW, layout[1]), np.int32(0))
         steps.append(Step(name, (blocks,), args))
         if need:
             new.append((WS, (need,), "float32"))

@@ -110,27 +110,10 @@ def lockstep_tma(spec, kernel: str) -> bool:
 SEESAW_SMEM = 3 * TILE + BM * BN * 2 + 5 * BM * 4 + 2 * SLABS * 8
 SEESAW_SMEM_FP8 = SEESAW_SMEM + 2 * SLABS * 8
 SEG_BYTES = 16 * 4          # the parts grid's segment state (the template's SEG_WORDS ints)
-FREE_BYTES = 4 * 8          # convert "inline": the producer's [2][2] "buffer half free" mbarriers
 SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
 RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1), "lazy4": (1, 4, 1)}
-# FP8 products (the knob fp8_mma, an fp8 seesaw only; docs/perf.md "FP8 products, built"): S and P.V in e4m3 wgmma with
-# Q and P in 1 or 2 e4m3 terms ("q<Q terms>p<P terms>" -> (Q_TERMS, P_TERMS) of templates/tree_verify_seesaw.cu.j2);
-# None: the exact bf16 math. vt_stages: the producer's V^T buffers (2 or 3)
-FP8_MMAS = {"q1p1": (1, 1), "q2p1": (2, 1), "q1p2": (1, 2), "q2p2": (2, 2)}
-VT_STAGES = (2, 3)
-
-
-def f8m_smem(q_terms: int, p_terms: int, vt_stages: int):
-    """Shared memory of an FP8-products seesaw: Q's latent slabs per term + its rope slab, two key tiles of e4m3 (4
-    latent slabs + a 64-byte rope slab), the V^T buffers, both P tiles per term, Q's row scales, the seesaw's 5 x BM
-    floats and both mbarrier arrays."""
-    lat = 4 * 64 * 128
-    return (q_terms * lat + 64 * 128 + 2 * (lat + 64 * 64) + vt_stages * 512 * 64 + 2 * p_terms * BM * BN
-            + BM * 4 + 5 * BM * 4 + 2 * 2 * SLABS * 8)
-
-
 def seesaw_fits(spec, kernel: str) -> bool:
     """Whether the seesaw schedule can serve `kernel` of `spec`: TMA tiles (uses_tma: bf16 or fp8) and R = 512,
     P = 64."""
@@ -144,8 +127,7 @@ def schedule_for(spec, kernel: str) -> str:
 
 # the knobs of a build besides the schedule and TMA, at their values in the default build (variant_config):
 # ablate (seesaw only): bit 0 leaves out the S products, bit 1 the P.V ones; fp8: bit 2 the converter's conversion, bit 3
-# its fences, bit 4 its arithmetic (wrong results on purpose, for timing); convert "inline": bit 2 no conversion, bit 3 no
-# waits on the page counters, bit 4 no producer (the computing warpgroups issue their loads);
+# its fences, bit 4 its arithmetic (wrong results on purpose, for timing);
 # l2_hint "evict_first": the seesaw's key-tile loads carry that L2 hint; grid "parts" (seesaw only): the balanced
 # parts of the batch's key tiles (parts_for) instead of per-request chunks; s_order "slab": WG1's S in slab order
 # rather than in the order its slabs were loaded; sync_handoffs: the warpgroups' hand-offs as bar.sync on both
@@ -155,18 +137,16 @@ def schedule_for(spec, kernel: str) -> str:
 # the rope slab loaded and multiplied with the early group (V_L's slabs) instead of the late one (an fp8 cache: always,
 # its in-place conversion needs it; a bf16 one with it gives the fp8 build's bits on the dequantized cache)
 # convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean", "group" or "pairs":
-# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built"); convert (DEQUANT_PARTS only, CONVERTS):
-# "prepass" or "inline" (measured slower: docs/perf.md "The converter inside the parts kernel, built")
+# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built"); seg_cost (the parts grid): a segment's fixed
+# cost in key tiles when the batch's work is cut into parts (SEG_COST of templates/tree_verify_seesaw.cu.j2: each request
+# costs seg_cost + its tiles; docs/perf.md "tree_verify on real traffic").
+# Retired (measured slower, their code in git history before this change, their figures in docs/perf.md): fp8_mma and
+# vt_stages ("FP8 products, built": 0.61-1.02x of the exact path, ~4 % output error) and convert "inline" ("The
+# converter inside the parts kernel, built": 0.77x of bf16 against the pre-pass path's 0.84x)
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "fp8_mma": None,
-         "vt_stages": 2, "convert": "prepass", "seg_cost": 6}
-# seg_cost (the parts grid): a segment's fixed cost in key tiles when the batch's work is cut into parts (SEG_COST of
-# templates/tree_verify_seesaw.cu.j2: each request costs seg_cost + its tiles; 0 with convert "inline"); docs/perf.md
-# "tree_verify on real traffic"
-# DEQUANT_PARTS's convert: "prepass" (kv_dequant's launch converts the pages, then this kernel reads them) or "inline"
-# (a converter warpgroup of this kernel converts them while the others compute: templates/tree_verify_seesaw.cu.j2
-# INLINE; the same workspace bytes, so the same bits; 0.77x of bf16 against the prepass path's 0.84x at B = 8, H = 8)
-CONVERTS = ("prepass", "inline")
+         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "seg_cost": 6}
+RETIRED = {"fp8_mma": 'docs/perf.md "FP8 products, built"', "vt_stages": 'docs/perf.md "FP8 products, built"',
+           "convert": 'docs/perf.md "The converter inside the parts kernel, built"'}
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
@@ -210,7 +190,7 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("sync_handoffs"):
         parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store", "convert_sync", "fp8_mma", "vt_stages", "convert", "seg_cost"):
+    for knob in ("rescale", "p_store", "convert_sync", "seg_cost"):
         if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("rope_early"):
@@ -242,31 +222,21 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
     convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
     if convert_sync not in CONVERT_SYNCS:
         raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
-    convert = config.get("convert", KNOBS["convert"])
-    if convert not in CONVERTS:
-        raise SpecError(f"convert {convert!r}: one of {', '.join(CONVERTS)}")
-    inline = convert == "inline"
+    retired = sorted(k for k in RETIRED if k in config)
+    if retired:
+        raise SpecError(f"{retired[0]}: a retired build knob, measured slower ({RETIRED[retired[0]]}; its code is in git "
+                        f"history)")
     seg_cost = config.get("seg_cost", KNOBS["seg_cost"])
     if not isinstance(seg_cost, int) or isinstance(seg_cost, bool) or not 0 <= seg_cost <= 64:
         raise SpecError(f"seg_cost {seg_cost!r}: a whole number of key tiles, 0..64")
-    # the parts grid only (and not the inline converter's, which walks the parts in tiles)
-    seg_cost = seg_cost if sched == "seesaw" and config.get("grid") == "parts" and not inline else 0
-    if not fp8 and (convert_sync != KNOBS["convert_sync"] or (int(config.get("ablate", 0)) & 28 and not inline)):
+    seg_cost = seg_cost if sched == "seesaw" and config.get("grid") == "parts" else 0   # the parts grid only
+    if not fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
-    fp8_mma, vt_stages = config.get("fp8_mma", KNOBS["fp8_mma"]), config.get("vt_stages", KNOBS["vt_stages"])
     ablate = int(config.get("ablate", 0))
-    if fp8_mma is not None and ablate & 24:
-        raise SpecError("ablate bits 3-4 are the fp8 converter's; with fp8_mma, bit 2 leaves out the V^T transpose")
-    if fp8_mma is None and ablate & 28 and convert_sync == "pairs" and not inline:
+    if ablate & 28 and convert_sync == "pairs":
         raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
                         "'lean' or 'group'")
-    if fp8_mma is not None and (fp8_mma not in FP8_MMAS or not fp8 or sched != "seesaw"):
-        raise SpecError(f"fp8_mma {fp8_mma!r}: one of {', '.join(FP8_MMAS)}, for an fp8 spec's seesaw (spec "
-                        f"{spec.name!r}, kernel {kernel}, schedule {sched!r})")
-    if vt_stages not in VT_STAGES or (vt_stages != KNOBS["vt_stages"] and fp8_mma is None):
-        raise SpecError(f"vt_stages {vt_stages!r}: one of {VT_STAGES}, with fp8_mma")
-    q_terms, p_terms = FP8_MMAS[fp8_mma] if fp8_mma is not None else (0, 0)
     tma = bool(config["tma"])
     if tma and not (uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, page_size % {BN} "
@@ -276,14 +246,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         f"is the lockstep schedule's)")
     if sched == "seesaw" and fp8 and config.get("grid", "chunks") != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
-    if inline and (kernel != DEQUANT_PARTS or config.get("grid") != "parts" or spec.page_size != BN):
-        raise SpecError(f"convert 'inline' is the dequantize path's parts build's (kernel {DEQUANT_PARTS}, grid "
-                        f"'parts', page_size {BN}): spec {spec.name!r}, kernel {kernel}")
-    # fp8 / inline: the converter warpgroup
-    threads = THREADS + 128 if sched == "seesaw" and (fp8 or inline) else THREADS
+    # fp8: the converter warpgroup
+    threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS
     if sched == "seesaw":
-        smem = (f8m_smem(q_terms, p_terms, vt_stages) if q_terms else SEESAW_SMEM_FP8 if fp8
-                else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0) + (FREE_BYTES if inline else 0))
+        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0)
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
@@ -294,16 +260,14 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                         "ABLATE": sympy.Integer(int(config.get("ablate", 0))),
                         "L2_EVICT_FIRST": sympy.Integer(1 if config.get("l2_hint") == "evict_first" else 0),
                         "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
-                        "INLINE": sympy.Integer(1 if inline else 0),
                         "SEG_COST": sympy.Integer(seg_cost),
                         "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
                         "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
-                                 "GROUP_FENCE", "CONV_PAIRS", "Q_TERMS", "P_TERMS", "VT_STAGES"),
+                                 "GROUP_FENCE", "CONV_PAIRS"),
                                 (*RESCALES[rescale], int(p_store == "stmatrix"),
-                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync],
-                                 q_terms, p_terms, vt_stages))}
+                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
                            if sched == "seesaw" else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
 

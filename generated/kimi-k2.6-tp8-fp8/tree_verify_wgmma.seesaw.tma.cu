@@ -132,26 +132,8 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // the lockstep kernel; "parts" (PARTS 1): a block per (row tile, part) that walks the requests of its part of the
 // batch's key tiles (cut on the device from the lengths), one segment per request.
 #define PARTS 0
-// The parts grid's fixed cost of a segment, in key tiles (the config's "seg_cost"; 0 with INLINE, whose converter and
-// producer walk the parts in tiles)
+// The parts grid's fixed cost of a segment, in key tiles (the config's "seg_cost")
 #define SEG_COST 0
-// The config's "convert" (the dequantize path's parts build only, INLINE 1: "inline"): no kv_dequant pre-pass; a third,
-// converter warpgroup converts the call's e4m3 pages into the bf16 workspace itself, global to global, while the other
-// two compute. Block (row tile r, part p): its warps 0-2 convert slice r (of row_tiles) of every page of part p, in the
-// part's order and at most CONV_AHEAD tiles ahead of the block's own loads (spread over the kernel: converted all at
-// once, they saturate DRAM under the attention's first tiles), then each releases the page's counter
-// (red.release.gpu). Its warp 3's lane 0, the producer, issues the block's key-tile TMA loads, in the computing
-// warpgroups' order: a tile once its page's counter shows every converter warp of the part's blocks (3 x row_tiles),
-// then fence.proxy.async (the converted bytes -> TMA); a buffer half once its last reader has arrived on its free
-// barrier (where that reader would have issued the refill itself: a spin on its side serialises the wgmma). The
-// blocks of a part wait on each other: the parts grid is one wave (row_tiles x parts <= SMs, parts_for), and no
-// wait is circular (a converter waits on its own producer only, which is never behind the part's slowest). The
-// counters are the call's own: a first launch of this kernel with zero_words > 0 zeroes them. The bf16 workspace gets
-// the same bytes as kv_dequant's, so the bits are the prepass build's. docs/perf.md "The converter inside the parts
-// kernel".
-#define INLINE 0
-#define CONV_AHEAD 6                     // INLINE: tiles a converter may run ahead of its block's producer
-#define PRODUCER (INLINE && !(ABLATE & 16))   // INLINE's producer issues the key-tile loads (ablation bit 4: the consumers)
 // WG1's S of its next tile in the order its slabs were loaded (1, the default: its own V_R and rope slabs first) or
 // in slab order (0; the config's "s_order": "slab"). FP8: always in slab order (slab_at's: the early group first), the
 // order in which the converter delivers them (measured: waiting there for its own late group first was a quarter of
@@ -176,69 +158,24 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
 #define CONV_BARS 1
 #define GROUP_FENCE 0
-// FP8 products (F8M 1, the config's "fp8_mma": a build knob kept as a measured experiment, slower and less exact than
-// the default: docs/perf.md "FP8 products, built", docs/decisions.md): S = Q K^T and P V in e4m3 wgmma (k32), fp32
-// accumulators. Q is quantized by the block, one scale a row (sq = amax / 448), in
-// Q_TERMS e4m3 terms (2: the residual q / sq - hi again, same scale, into the same accumulator); P' = 2^(S - m + P_SHIFT)
-// in [0, 256] in P_TERMS terms; K is the cache's e4m3 tile as TMA brings it (4 latent slabs of 128 bytes, 128-byte
-// swizzle, and the rope slab of 64 bytes, 64-byte swizzle: a second tensor map); V^T (K-major, the only B layout of e4m3
-// wgmma) is made by the third warpgroup, now the producer: it issues every TMA load and transposes each tile's latent
-// bytes (ldmatrix.trans, byte permutes, stmatrix) into one of VT_STAGES V^T buffers [512 dims][64 keys] (64-byte swizzle), the keys of each 16 in the order of P's
-// A fragments (position 4 j + i of a 16: key 2 j + (i & 1) + 8 (i >> 1), what an S accumulator thread holds), with
-// the keys past the tile's end zeroed. Barriers: a tile's TMA boxes (S waits on them), V^T ready (128 producer
-// arrivals), V^T free (one arrival of each computing warpgroup after its P.V of that tile), S done (the producer
-// refills a key buffer once its S and its own reads are done).
-#define F8M 0
-#define Q_TERMS 0
-#define P_TERMS 0
-#define VT_STAGES 2
-#define P_SHIFT (F8M ? 8 - MAX_SLACK : 0)   // p' = 2^(s - m + P_SHIFT) <= 2^8: e4m3's subnormals stay 2^-10 below the max
-
-static_assert(!F8M || (FP8 && MAX_SLACK <= 8 && !PARTS && Q_TERMS <= 2 && P_TERMS >= 1 && P_TERMS <= 2
-                         && VT_STAGES >= 2 && VT_STAGES <= 3), "FP8 products: an fp8 cache, the chunks grid");
-static_assert(THREADS == CONSUMERS + (FP8 || INLINE ? 128 : 0) && BM == 64 && BN == 64,
-              "two warpgroups (+ FP8's or INLINE's converter), 64 x 64 tiles");
-static_assert(!INLINE || (PARTS && !FP8 && PAGE == BN), "the inline converter: the parts grid over a bf16 workspace, a tile a page");
+static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
+              "two warpgroups (+ FP8's converter), 64 x 64 tiles");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
-static_assert(!INLINE || SEG_COST == 0, "the inline converter walks the parts in tiles: seg_cost 0");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
 
 // Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total.
-#if F8M
-// Q e4m3: the hi term's 4 latent slabs [BM][128 B], the rope slab (hi bytes 0-63, lo 64-127), the lo term's latent slabs;
-// key tiles [2]: 4 latent slabs + the rope slab [BN][64 B]; V^T [VT_STAGES][512][64 B]; P_a, P_b [P_TERMS][BM][64 B]
-#define QLAT ((RANK / 128) * SLAB_BYTES)               // the 512 latent bytes of 64 rows
-#define KSL 5                                          // TMA boxes (and S commit groups) of a key tile
-#define KTILE (QLAT + SLAB_BYTES / 2)
-#define VT_BYTES (RANK * BN)
-#define PT_BYTES (BM * BN)                             // one e4m3 term of a P tile
-#define SQ_OFF 0
-#define SQLO_OFF (SQ_OFF + QLAT + SLAB_BYTES)
-#define SK_OFF (SQ_OFF + Q_TERMS * QLAT + SLAB_BYTES)
-#define SVT_OFF (SK_OFF + 2 * KTILE)
-#define SP0_OFF (SVT_OFF + VT_STAGES * VT_BYTES)
-#define SP1_OFF (SP0_OFF + P_TERMS * PT_BYTES)
-#define SQS_OFF (SP1_OFF + P_TERMS * PT_BYTES)         // f32 [BM]: Q's row scales
-#define SM_OFF (SQS_OFF + BM * 4)
-#else
 #define SQ_OFF 0                                       // Q [SLABS][BM][128 B]; slab QREG_SLAB later holds P_b
 #define SK_OFF (SQ_OFF + TILE_BYTES)                   // key tiles [2][SLABS][BN][128 B]
 #define SP0_OFF (SK_OFF + 2 * TILE_BYTES)              // P_a [BM][BN] bf16 = one slab
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
-#endif
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
-#define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted (F8M: V^T
-                                                       // ready [3], V^T free [3], S done [2])
+#define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
 #define SEG_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
-#define FREE_OFF (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))   // INLINE: [2][2] mbarriers: buffer k's half h is free
-#define SMEM_BYTES (FREE_OFF + (INLINE ? 4 * 8 : 0))
+#define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230944, "template layout and resource plan disagree");
 static_assert(SK_OFF % 1024 == 0 && SP0_OFF % 1024 == 0 && TILE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
-#if F8M
-static_assert(SQLO_OFF % 1024 == 0 && KTILE % 1024 == 0 && SVT_OFF % 1024 == 0 && SP1_OFF % 512 == 0, "swizzle atoms");
-#endif
 
 // Device helpers shared by the tensor-core tree_verify templates (tree_verify_mma, tree_verify_wgmma);
 // the including template defines MASK_WORDS first.
@@ -435,13 +372,11 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // 128 x 32 fits it (240 / 32 does not: the increase would wait forever), and CONV_PAIRS' 224 / 40 (room for two slabs
 // per converter step). A second converter warpgroup does not fit: at 512 threads ptxas has 128 registers for the
 // whole kernel, and a m64n256 P.V product needs 158.
-// F8M: 216 / 48 (the producer's transpose spills at 40; the computing warpgroups need no more than 216 there)
-// INLINE: 232 / 40 (2 x 128 x 232 + 128 x 40 = the pool: the consumers' code needs 246 unbounded)
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 // the computing warpgroups' block barrier (FP8: the converter is not part of it)
 __device__ __forceinline__ void consumers_sync() {
-    if (FP8 || INLINE) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
+    if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
     else __syncthreads();
 }
 
@@ -519,7 +454,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     float* const sScale1 = sM + 2 * BM;                          // 2^(m' - m'') of the odd tile
     float* const sL = sM + 3 * BM;                               // [2][BM] row sums, at the end
     const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
-    const uint32_t rdy0 = FP8 && !F8M ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
+    const uint32_t rdy0 = FP8 ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
 
     // ---- the barriers, before the warpgroups part; then the converter (warpgroup 2): for each tile in order, each
     // slab in load order, its e4m3 box -> its bf16 slab (thread ct: rows ct / 4 and 32 + ct / 4, bytes 16 (ct % 4)..)
@@ -619,14 +554,13 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             }
         };
 
+
         // ---- prologue: the barriers and tiles 0 and 1 (thread 0), Q (all threads, cp.async)
         int src_a = tile_row(0);                                   // tile a's row (the even tile of the pair)
         int src_b = n_tiles > 1 ? tile_row(1) : -1;                // tile a + 1's
         if (tid == 0) {
-            if (!PRODUCER) {
-                load_slabs(0, src_a, 0, SLABS);
-                if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
-            }
+            load_slabs(0, src_a, 0, SLABS);
+            if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
         }
         {
             const uint32_t dst = smem_addr(sQ);
@@ -725,7 +659,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                         s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * c : DDT_NEG_INF;
                     }
                 }
-                if (nv < BN && !F8M) {       // block-uniform, rare: zero the V rows that are not keys (F8M: the producer does)
+                if (nv < BN) {       // block-uniform, rare: zero the V rows that are not keys
                     unsigned char* const tile = sK + (n & 1) * TILE_BYTES;
                     for (int idx = wtid; idx < (BN - nv) * (RANK / 8); idx += 128) {
                         const int r = nv + idx / (RANK / 8), c = idx % (RANK / 8);
@@ -784,8 +718,6 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
             }
         };
 
-        // F8M: the same pairs and hand-offs; P.V from V^T (waits on the producer), the P tiles in e4m3, and arrivals
-        // instead of refills, which let the producer go on: S done with a key buffer, a warpgroup done with a V^T buffer
         float s[NS];
         uint32_t pb[16];
         if (wg == 0) s_gemm(s, 0, 0, SLABS, true);
@@ -817,9 +749,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 keep_u32(pb);
                 // ---- WG1's max of tile b: P_a rescaled to it -> sP0 (for WG1's P_a V_aR); O_L rescaled
                 named_sync(BAR_SCALE1, 256);
-                if (PRODUCER) {
-                    if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 0);   // (INLINE: the producer refills)
-                } else if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
@@ -869,9 +799,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 if (next_a) s_gemm(s, a + 2, 0, EARLY, true);               // tile a + 2's early group: loaded first
                 if (has_b) {
                     if (next_a) wg_wait<EARLY>(); else wg_wait<0>();        // P_b V_bL is done
-                    if (PRODUCER) {
-                        if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 2);
-                    } else if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
                 }
                 if (next_a) s_gemm(s, a + 2, EARLY, SLABS, false);
                 wg_wait<0>();
@@ -919,15 +847,11 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     named_arrive(BAR_P1, 256);
                     wg_wait<1>();                                            // P_b V_bR is done
                     keep_u32(pb);
-                    if (PRODUCER) {
-                        if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 3);
-                    } else if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
+                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
                 }
                 wg_wait<0>();                                                // P_a' V_aR is done
                 wg_keep(o);
-                if (PRODUCER) {
-                    if (wtid == 0) mbar_arrive(smem_addr(smem + FREE_OFF) + 8 * 1);
-                } else if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
+                if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
                 src_b = src_nb;
                 if (next_b) {
                     // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before
