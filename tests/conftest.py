@@ -91,16 +91,29 @@ def concurrent_build(session_root, session_cache):
         out, err = p.communicate(timeout=900)
         results.append((p.returncode, out, err))
     seconds = time.perf_counter() - t0
+    if all(rc == 0 for rc, _, _ in results):
+        _BUILT.append(session_cache)
     return session_root, results, seconds, sorted(p.name for p in session_cache.iterdir())
 
 
+_BUILT: list = []   # the session cache, once the concurrent build has filled it with every shipped variant
+
+
+def built_or_own_cache(own: Path) -> Path:
+    """The session cache where the concurrent build already ran in this session (a full run: tests/test_builds.py
+    comes first, and its build is the session's one compile of every shipped variant), else `own`: a test file
+    run alone compiles only what it needs, into a cache of its own, and never starts the whole build."""
+    return _BUILT[0] if _BUILT else own
+
+
 @pytest.fixture
-def shipped_cache(concurrent_build, session_cache, monkeypatch) -> Path:
-    """DDTREE_GEN_CACHE set to the session cache, which holds every shipped variant (the concurrent build's):
-    compile_variant of a shipped default variant is a cache hit there. Tests may add entries to it."""
-    assert all(rc == 0 for rc, _, _ in concurrent_build[1]), "the session's build failed (test_builds.py says why)"
-    monkeypatch.setenv("DDTREE_GEN_CACHE", str(session_cache))
-    return session_cache
+def shipped_cache(tmp_path_factory, monkeypatch) -> Path:
+    """DDTREE_GEN_CACHE set to built_or_own_cache(): a shipped default variant is a cache hit there in a full run
+    (compiled once, by the concurrent build), compiled into a cache of the test's own otherwise. Tests may add
+    entries to it."""
+    cache = built_or_own_cache(tmp_path_factory.mktemp("own-cache"))
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
+    return cache
 
 
 def pytest_generate_tests(metafunc):
