@@ -7,7 +7,8 @@
   name: the same source built for two targets has two keys. The json holds the binary's SHA-256, so a
   truncated or corrupted binary is detected and rebuilt, never loaded.
 - generated/<spec>/: the rendered .cu of every kernel and manifest.json (spec hash, template
-  hash, NVRTC version, the targets with their options; per kernel its targets and per target the
+  hash, NVRTC version, the targets with their options; per build (a kernel's default build under the kernel's
+  name, its further builds as "<kernel>/<build>", each naming its kernel and build) its targets and per target the
   variant's name and config, source file, cache key, binary size and hash, ptxas report and model). A
   source file is named by its variant: <variant name>.cu (tree_build.cu, tree_verify_mma.bn64.s2.cu and,
   for the sm_80 configuration, tree_verify_mma.bn32.s2.cu). Committed to git.
@@ -29,7 +30,7 @@ from .archs import PRIMARY
 from .compile import compile_source, nvrtc_version, options
 from .errors import BuildError, DdtreeError, SpecError
 from .fileio import atomic_write, file_lock
-from .plans import KernelDef, all_kernels
+from .plans import KernelDef, all_builds
 from .plans.variant import Variant, default_variants, variant
 from .render import render, templates_digest
 from .resources import PtxasReport, compare
@@ -53,14 +54,16 @@ def shipped(spec: Spec) -> bool:
 
 
 def select_kernels(kernels=None) -> list[KernelDef]:
-    defs = all_kernels()
+    """The builds of `kernels` (kernel names: each with all its builds; or a build's own "<kernel>/<build>"), in
+    build order; every build of every kernel by default."""
+    defs = all_builds()
     if not kernels:
         return defs
-    names = {k.name for k in defs}
+    names = {k.name for k in defs} | {k.kernel for k in defs}
     unknown = [k for k in kernels if k not in names]
     if unknown:
-        raise BuildError(f"unknown kernel {unknown[0]!r} (known: {', '.join(sorted(names))})")
-    return [k for k in defs if k.name in kernels]
+        raise BuildError(f"unknown kernel {unknown[0]!r} (known: {', '.join(sorted({k.kernel for k in defs}))})")
+    return [k for k in defs if k.name in kernels or k.kernel in kernels]
 
 
 @dataclass
@@ -75,7 +78,8 @@ class Built:
 
     @property
     def kernel(self) -> str:
-        """The kernel's name (a KernelSet's attribute, a manifest's key)."""
+        """The build's name (a kernel's own for its default build, "<kernel>/<build>" for another: a kernel set's and
+        a manifest's key)."""
         return self.variant.kernel.name
 
     @property
@@ -247,7 +251,7 @@ def targets_for(spec: Spec) -> dict:
 
 
 def manifest_for(spec: Spec, built: list[Built]) -> dict:
-    kdefs = {k.name: k for k in all_kernels()}
+    kdefs = {k.name: k for k in all_builds()}
     by_kernel: dict = {}
     for b in built:
         by_kernel.setdefault(b.kernel, {})[b.arch] = b
@@ -270,7 +274,8 @@ def manifest_for(spec: Spec, built: list[Built]) -> dict:
                                                 "value": plan.register_budget}},
                 "model_vs_ptxas": compare(plan, b.report) or "agree",
             }
-        kernels[name] = {"template": kdef.template, "entry": kdef.entry, "archs": order, "builds": per_arch}
+        kernels[name] = {"kernel": kdef.kernel, "build": kdef.build, "template": kdef.template, "entry": kdef.entry,
+                         "archs": order, "builds": per_arch}
     return {"spec": spec.name, "spec_sha256": spec.digest(), "spec_values": spec.as_dict(),
             "template_sha256": templates_digest(), "targets": targets_for(spec), "nvrtc_version": nvrtc_version(),
             "kernels": kernels}
@@ -303,7 +308,7 @@ def expected_sources(spec: Spec) -> dict:
     """kernel -> {target: (file name, rendered text, variant name, config)} of what generated/<spec>/ must hold:
     its default variants'."""
     out = {}
-    for kdef in all_kernels():
+    for kdef in all_builds():
         order = kdef.archs_for(spec)
         if not order:
             continue
@@ -397,7 +402,7 @@ def generated_state(spec: Spec) -> dict:
     """kernel -> {target: 'up to date' / 'stale' / 'missing' / 'not shipped'} (for `ddtree-gen list`; a spec
     that is not a shipped one has no folder in generated/)."""
     if not shipped(spec):
-        return {k.name: {a: "not shipped" for a in k.archs_for(spec)} for k in all_kernels()}
+        return {k.name: {a: "not shipped" for a in k.archs_for(spec)} for k in all_builds()}
     out = paths.generated_dir() / spec.name
     try:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -406,7 +411,7 @@ def generated_state(spec: Spec) -> dict:
         manifest, kernels = {}, {}
     fresh = (manifest.get("spec_sha256") == spec.digest() and manifest.get("template_sha256") == templates_digest())
     state = {}
-    for kdef in all_kernels():
+    for kdef in all_builds():
         builds = kernels.get(kdef.name, {}).get("builds", {}) if isinstance(kernels.get(kdef.name), dict) else {}
         state[kdef.name] = {a: ("missing" if a not in builds else "up to date" if fresh else "stale")
                             for a in kdef.archs_for(spec)}

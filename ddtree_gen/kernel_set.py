@@ -13,7 +13,7 @@ import types
 
 from . import archs, artifacts, registry, runtime
 from .errors import ArgumentError
-from .plans import KernelDef, all_kernels, by_name
+from .plans import KernelDef, all_builds, by_name
 from .runtime import Binary, DeviceModules
 from .spec import Spec, find_spec
 
@@ -23,10 +23,12 @@ __all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
 class KernelSet:
     """The compiled kernels of one spec. Each kernel's launcher is a method: kset.tree_build(...) (one per
     declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); the launch of a
-    kernel this set was not loaded with raises ArgumentError (no build of it for the device)."""
+    kernel this set was not loaded with raises ArgumentError (no build of it for the device). A kernel may ship
+    several builds (plans/kernel_def.Build: tree_verify_wgmma's "parts", "dequant", ...): the set holds each, under
+    its key ("<kernel>/<build>"; the default build under the kernel's name), and the launcher picks one per call."""
 
     def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None, arch: str | None = None):
-        """`built`: kernel name -> {target: artifacts.Built} (or one Built); `kdefs`: the KernelDefs (default:
+        """`built`: build key -> {target: artifacts.Built} (or one Built); `kdefs`: the builds' KernelDefs (default:
         every registered one); `arch`: the forced target (archs.forced), None to pick per device.
 
         Every kernel named in `built` gets its launcher, also one with no build here (a wgmma kernel
@@ -38,7 +40,7 @@ class KernelSet:
         self._constants = {}    # (name, target) -> template constants
         self._first = {}        # name -> its first target here (plan / constants without a device)
         modules = {}
-        for kdef in kdefs if kdefs is not None else all_kernels():
+        for kdef in kdefs if kdefs is not None else all_builds():
             if kdef.name not in built:
                 continue
             builds = built[kdef.name]
@@ -70,11 +72,17 @@ class KernelSet:
     @property
     def kernels(self) -> list[str]:
         """The kernels with a build in this set (on a given device: kernels_on(device))."""
+        return list(dict.fromkeys(self._defs[b].kernel for b in self._modules.names))
+
+    @property
+    def builds(self) -> list[str]:
+        """The builds in this set, by key: each kernel's default under its name, its further builds as
+        "<kernel>/<build>" (what plan, constants, unavailable and launch take)."""
         return self._modules.names
 
     @property
     def requested(self) -> tuple:
-        """The kernels this set was loaded with: those of `kernels`, and those it holds no build of for its
+        """The builds this set was loaded with: those of `builds`, and those it holds no binary of for its
         targets (a wgmma kernel when sm_80 is forced, an mma.sync one for an fp8 spec: unavailable() says why)."""
         return tuple(self._defs)
 
@@ -110,7 +118,7 @@ class KernelSet:
         return self._modules.arch_for(name, device)
 
     def kernels_on(self, device: int) -> list[str]:
-        """The kernels of this set that run on `device`."""
+        """The kernels of this set that run on `device` (their default build does)."""
         return [k for k in self.kernels if self.unavailable(k, device) is None]
 
     def plan(self, name, device: int | None = None):
@@ -147,23 +155,29 @@ class StandInKernelSet:
     __cuda_array_interface__ (tests/conftest.FakeCudaArray)."""
 
     def __init__(self, spec, kernels=None):
+        """`kernels`: the builds it holds, by key (a kernel's name: its default build; "<kernel>/<build>": another),
+        so that a test can leave one out; default: every build the spec gets."""
         self.spec = spec
         self.forced_arch = None
-        names = {k.name for k in all_kernels()}
-        self.kernels = [k.name for k in all_kernels() if k.archs_for(spec)] if kernels is None else list(kernels)
-        unknown = [k for k in self.kernels if k not in names]
+        names = {k.name for k in all_builds()}
+        self.builds = [k.name for k in all_builds() if k.archs_for(spec)] if kernels is None else list(kernels)
+        unknown = [k for k in self.builds if k not in names]
         if unknown:
             raise ArgumentError(f"kernels: unknown kernel {unknown[0]!r}")
         self.prepared_calls: dict = {}
         self.launches: list = []
 
     @property
+    def kernels(self) -> list[str]:
+        return list(dict.fromkeys(by_name(b).kernel for b in self.builds))
+
+    @property
     def requested(self) -> tuple:
-        return tuple(self.kernels)
+        return tuple(self.builds)
 
     def unavailable(self, name: str, device: int) -> str | None:
-        why = by_name(name).why_not_built(self.spec) if name in {k.name for k in all_kernels()} else None
-        if why is None and name not in self.kernels:
+        why = by_name(name).why_not_built(self.spec) if name in {k.name for k in all_builds()} else None
+        if why is None and name not in self.builds:
             return f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
         return why
 
@@ -253,7 +267,7 @@ def variant_set(variants, *, also=(), arch: str | None = None) -> KernelSet:
     spec = variants[0].spec
     if any(v.spec != spec for v in variants):
         raise ArgumentError(f"variant_set: variants of more than one spec ({', '.join(sorted({v.spec.name for v in variants}))})")
-    built = {v.kernel.name: artifacts.compile_variant(v) for v in variants}
+    built = {v.kernel.name: artifacts.compile_variant(v) for v in variants}   # (by build key)
     forced = archs.forced(arch)
     vs = KernelSet(spec, {**artifacts.ensure_built(spec, kernels=list(also), arch=forced), **built} if also else built,
                    arch=forced)

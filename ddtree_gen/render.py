@@ -30,7 +30,7 @@ def context(variant: Variant) -> dict:
     plan = variant.plan()
     plan.check_fits()
     # the spec's fields by their aliases (H, R, P, PAGE, N, D; spec.FIELDS) and what derives from them (W, KV_FP8)
-    ctx = {"spec": spec, "kernel": kdef.name, "entry": kdef.entry, **spec.template_values()}
+    ctx = {"spec": spec, "kernel": kdef.kernel, "entry": kdef.entry, **spec.template_values()}
     ctx.update(plan.template_constants())
     ctx.update(kdef.context)
     return ctx

@@ -467,8 +467,11 @@ def _to_device(value, cupy):
     return value
 
 
-def _run_case(kset, kernel, inputs, cupy):
+def _run_case(kset, kernel, inputs, cupy, build=None):
+    """One case of `kernel` (`build`: one of its builds by name, for a kernel that ships several)."""
     args = {k: _to_device(v, cupy) for k, v in inputs.items()}
+    if build is not None:
+        args["build"] = build
     for k, v in list(args.items()):  # in-place merge: out="o_a" names an input
         if isinstance(v, str) and v in args:
             args[k] = args[v]
@@ -494,11 +497,11 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
     cupy.cuda.set_pinned_memory_allocator(None)
     try:
         spec_objs = [find_spec(s) for s in specs] if specs else all_specs()
-        registered = [k.name for k in artifacts.select_kernels(kernels)]
+        # (kernel, build) of every build asked: a kernel's name asks each of its builds, "<kernel>/<build>" one
+        selected = [(k.kernel, k.build if k.of or k.builds else None, k) for k in artifacts.select_kernels(kernels)]
     except DdtreeError as e:
         print(f"sanitize worker: error: {e}", flush=True)
         return 2
-    wanted = kernels or registered
     failures, launched = [], 0
     for spec in spec_objs:
         try:
@@ -507,26 +510,30 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
             print(f"{spec.name}: cannot load the kernels: {type(e).__name__}: {e}", flush=True)
             failures.append((spec.name, "*", "load"))
             continue
-        for kernel in wanted:
+        for kernel, build, kdef in selected:
+            label = kdef.name   # the build's key: the kernel's name for its default build
             if kernel not in cases:   # its declaration says why (launched by another kernel's cases)
                 print(f"{spec.name} {kernel}: no cases of its own: {registry.declaration(kernel).missing['sanitize']}",
                       flush=True)
                 continue
-            why = kset.unavailable(kernel, cupy.cuda.Device().id)
+            if not kdef.archs_for(spec):   # a build of another kv_dtype (the dequantize path's for a bf16 spec)
+                print(f"{spec.name} {label}: skipped: {kdef.why_not_built(spec)}", flush=True)
+                continue
+            why = kset.unavailable(label, cupy.cuda.Device().id)
             if why:   # e.g. the wgmma kernels off Hopper or with DDTREE_GEN_ARCH=sm_80
-                print(f"{spec.name} {kernel}: skipped: {why}", flush=True)
+                print(f"{spec.name} {label}: skipped: {why}", flush=True)
                 continue
             rng = np.random.default_rng(seed)
             for case, inputs in cases[kernel](spec, rng):
                 t0 = time.perf_counter()
                 try:
-                    _run_case(kset, kernel, inputs, cupy)
+                    _run_case(kset, kernel, inputs, cupy, build)
                 except Exception as e:  # report and go on: the other cases still tell something
-                    failures.append((spec.name, kernel, case))
-                    print(f"{spec.name} {kernel} [{case}]: FAILED {type(e).__name__}: {e}", flush=True)
+                    failures.append((spec.name, label, case))
+                    print(f"{spec.name} {label} [{case}]: FAILED {type(e).__name__}: {e}", flush=True)
                     continue
                 launched += 1
-                print(f"{spec.name} {kernel} [{case}]: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+                print(f"{spec.name} {label} [{case}]: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
     print(f"sanitize worker: {launched} cases ran, {len(failures)} failed", flush=True)
     return 1 if failures else 0
 

@@ -160,17 +160,17 @@ def test_workspace_formula():
 # ------------------------------------------------------------------------------- builds
 
 def test_builds_of_the_dequantize_path():
-    """kv_dequant and tree_verify_wgmma_dequant are built for the fp8 specs only; the latter is the bf16-cache seesaw
-    (256 threads, no converter, KV_FP8 off) in the fused fp8 build's slab order, and its source is the bf16 twin's
-    seesaw of that order but for the names: the same kernel. Its parts-grid build (tree_verify_wgmma_dequant_parts) is
-    the bf16 twin's parts build of that order but for the names."""
+    """kv_dequant and tree_verify_wgmma's dequantize build are built for the fp8 specs only; the latter is the bf16-cache
+    seesaw (256 threads, no converter, KV_FP8 off) in the fused fp8 build's slab order, and its source is the bf16
+    twin's seesaw of that order but for the spec's name: the same kernel. Its parts-grid build (dequant_parts) is the
+    bf16 twin's parts build of that order but for the spec's name."""
     from ddtree_gen.render import render
     for name in ("kv_dequant", DEQUANT):
         assert by_name(name).kv_dtypes == ("fp8_e4m3",)
         assert by_name(name).builds_for(FP8) and not by_name(name).builds_for(BF16)
         assert "kv_dtype 'bf16'" in by_name(name).why_not_built(BF16)
     v = variant(by_name(DEQUANT), FP8)
-    assert v.name == "tree_verify_wgmma_dequant.seesaw.tma.s-order-slab.rope-early"
+    assert v.name == "tree_verify_wgmma.seesaw.tma.s-order-slab.rope-early.workspace"
     consts = v.plan().template_constants()
     assert consts["THREADS"] == 256 and consts["ROPE_EARLY"] == 1 and consts["S_LOADED_ORDER"] == 0
     assert consts["USE_TMA"] == 1 and consts["SEESAW"] == 1 and consts["PARTS"] == 0
@@ -180,18 +180,18 @@ def test_builds_of_the_dequantize_path():
     twin = variant(by_name("tree_verify_wgmma"), BF16, schedule="seesaw", rope_early=True, s_order="slab")
     mine, theirs = render(v), render(twin)
     assert "#define FP8 0" in mine and "typedef bf16_t kv_t;" in mine
-    normalize = [("tree_verify_wgmma_dequant", "tree_verify_wgmma"), ("kimi-k2.6-tp8-fp8", "kimi-k2.6-tp8")]
+    normalize = [("kimi-k2.6-tp8-fp8", "kimi-k2.6-tp8")]
     for a, b in normalize:
         mine = mine.replace(a, b)
     assert mine == theirs
     # the parts-grid build: DEQUANT on the parts grid, the bf16 twin's parts build of the same slab order
     vp = variant(by_name(DEQUANT_PARTS), FP8)
-    assert vp.name == "tree_verify_wgmma_dequant_parts.seesaw.tma.grid-parts.s-order-slab.rope-early"
+    assert vp.name == "tree_verify_wgmma.seesaw.tma.grid-parts.s-order-slab.rope-early.workspace"
     cp = vp.plan().template_constants()
     assert cp["PARTS"] == 1 and cp["THREADS"] == 256 and cp["ROPE_EARLY"] == 1 and cp["S_LOADED_ORDER"] == 0
-    twin_parts = variant(by_name("tree_verify_wgmma_parts"), BF16, rope_early=True, s_order="slab")
+    twin_parts = variant(by_name("tree_verify_wgmma/parts"), BF16, rope_early=True, s_order="slab")
     mine, theirs = render(vp), render(twin_parts)
-    for a, b in [("tree_verify_wgmma_dequant_parts", "tree_verify_wgmma_parts"), *normalize[1:]]:
+    for a, b in normalize:
         mine = mine.replace(a, b)
     assert mine == theirs
     kdq = variant(by_name("kv_dequant"), FP8).plan().template_constants()
@@ -347,9 +347,10 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
         tensor_core_kvw(), B * MAX_PAGES * spec.page_size, 576, 64, 64, 2, 128)
     assert fa[18][2].elem_bytes == 1    # the fused build's map: e4m3 bytes
     assert dq.got[2:] == fused.got[1:]  # the combine, when split
-    # the direct launcher of the kernel is the same path
+    # the build asked by name is the same path
     again = Recording(spec)
-    wg.tree_verify_dequant(again, **args, workspace=ws, num_splits=splits, kv_workspace=kvw)
+    tv.tree_verify(again, **args, workspace=ws, num_splits=splits, kv_workspace=kvw, fp8_path="dequant",
+                   build="dequant")
     assert again.got == dq.got
 
 
@@ -382,7 +383,7 @@ def test_dequant_path_parts_grid(b, kw, loaded, want, fake_device):
         assert dq.got[1][0] == DEQUANT_PARTS and dq.got[1][1] == (parts * row_tiles,), dq.got[1][:2]
         assert dq.got[1][2][12] == parts and dq.got[-1][0] == "tree_verify_mma_combine"
         again = Recording(FP8, names)
-        wg.tree_verify_dequant_parts(again, **args, workspace=ws, kv_workspace=kvw)
+        tv.tree_verify(again, **args, workspace=ws, kv_workspace=kvw, fp8_path="dequant", build="dequant_parts")
         assert again.got == dq.got
     else:
         assert dq.got[1][0] == DEQUANT and dq.got[1][1][0] % (b * row_tiles) == 0, dq.got[1][:2]
@@ -502,8 +503,8 @@ def test_fp8_path_refused_for_bf16(fake_device):
         with pytest.raises(ArgumentError, match="fp8_path: given .* kv_dtype 'bf16'"):
             tv.tree_verify(kset, **verify_args(BF16, Arrays()), fp8_path=path)
         assert kset.got == []
-    with pytest.raises(ArgumentError, match="not built for kv_dtype 'bf16'"):   # the direct launcher
-        wg.tree_verify_dequant(Recording(BF16, ("tree_verify_wgmma",)), **verify_args(BF16, Arrays()))
+    with pytest.raises(ArgumentError, match="not built for kv_dtype 'bf16'"):   # the build by name
+        wg.tree_verify(Recording(BF16, ("tree_verify_wgmma",)), **verify_args(BF16, Arrays()), build="dequant")
 
 
 # ------------------------------------------------------------------------ fp8_path=None: the policy (fp8_default)
@@ -645,7 +646,8 @@ def test_default_path_plan(fake_device):
     names = ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")
     arrays = (*(a[k] for k in names), None, None, None, None)
     for impl in ("auto", "wgmma"):
-        prep = tv._prepare_fp8_default(Recording(FP8), impl, arrays, a["softmax_scale"], KV_SCALE, False, 1)
+        prep = tv.prepare(Recording(FP8), tv.VerifyCall("tree_verify", arrays, a["softmax_scale"], KV_SCALE, False, impl,
+                                                        1))
         assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
         assert (KVW, (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new and KVW in prep.scratch
     bad = dict(a, block_table=Arrays()((B * MAX_PAGES,), np.int32))
@@ -694,13 +696,16 @@ def test_torch_op_passes_fp8_path(monkeypatch):
 
 
 def test_bench_kv_dtype_loads_the_dequantize_path():
-    """bench kv-dtype's fp8 column of the dequantize path: its two kernels are built for every fp8 spec the bench
-    makes (the shipped ones and the unshipped H variants), never for a bf16 one."""
+    """bench kv-dtype's fp8 column of the dequantize path: kv_dequant and tree_verify_wgmma's two dequantize builds
+    (a kernel loaded by name brings each of its builds) are built for every fp8 spec the bench makes (the shipped ones
+    and the unshipped H variants), never for a bf16 one."""
     from ddtree_gen.bench import kv_dtype as bench
     from ddtree_gen.bench.specs import spec_variant
-    assert set(bench.DEQUANT_KERNELS) == {"kv_dequant", DEQUANT, DEQUANT_PARTS}
+    from ddtree_gen.plans import builds_of
+    assert set(bench.DEQUANT_KERNELS) == {"kv_dequant"} and "tree_verify_wgmma" in bench.KV_DTYPE_KERNELS
+    assert {DEQUANT, DEQUANT_PARTS} <= {k.name for k in builds_of("tree_verify_wgmma")}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
-        for name in bench.DEQUANT_KERNELS:
+        for name in (*bench.DEQUANT_KERNELS, DEQUANT, DEQUANT_PARTS):
             assert by_name(name).builds_for(spec_variant(BF16, h, "fp8_e4m3")), (h, name)
             assert not by_name(name).builds_for(spec_variant(BF16, h, "bf16")), (h, name)
 

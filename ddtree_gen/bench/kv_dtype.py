@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from ..inputs import verify_inputs
-from ..kernels.tensor_core import grid_kernel
 from ..kernels.tree_verify import auto_impl, fp8_default
-from ..plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS
+from ..kernels.which import which_kernel
+from ..plans.tree_verify_wgmma import DEQUANT_PARTS
 from .specs import VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
@@ -20,8 +20,8 @@ from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, ve
 KV_DTYPE_CONFIGS = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096),
                     (8, 64, 16384)]
 KV_DTYPE_KERNELS = VERIFY_KERNELS
-# an fp8 spec's fp8_path="dequant" (its parts-grid build where H <= 8: the path takes it at B >= 8)
-DEQUANT_KERNELS = ("kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma_dequant_parts")
+# an fp8 spec's fp8_path="dequant": the pre-pass (tree_verify_wgmma, in VERIFY_KERNELS, brings its dequantize builds)
+DEQUANT_KERNELS = ("kv_dequant",)
 
 
 def run(args) -> None:
@@ -97,8 +97,8 @@ def _dequant(ks, spec, x, fused, floor_ms, where) -> tuple:
     same = all(np.array_equal(cupy.asnumpy(a)[rows].view(np.uint8), cupy.asnumpy(f)[rows].view(np.uint8))
                for a, f in ((res.out, fused.out), (res.lse, fused.lse)))
     verdict = "yes" if same else "NO"
-    if not same and grid_kernel(ks, DEQUANT, b, x["q_nope"].shape[1], max_pages, None, None,
-                                x["q_nope"].device.id) == DEQUANT_PARTS:
+    if not same and which_kernel(ks, b, x["q_nope"].shape[1], max_pages, device=x["q_nope"].device.id,
+                                 fp8_path="dequant", kv_workspace=True).kernel == DEQUANT_PARTS:
         from .. import bf16
         o, f = (bf16.from_bits(cupy.asnumpy(a)[rows]).astype(np.float64) for a in (res.out, fused.out))
         rel = np.linalg.norm(o - f, axis=-1) / np.maximum(np.linalg.norm(f, axis=-1), 1e-30)

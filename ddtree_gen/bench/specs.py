@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 SPEC_BY_HEADS = {8: "kimi-k2.6-tp8", 16: "deepseek-v3-tp8", 64: "kimi-k2.6", 128: "deepseek-v3"}
-# (tree_verify_wgmma_parts: what tree_verify runs at B >= 8 on the bf16 specs with H <= 8, where it is built)
-VERIFY_KERNELS = ("tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine",
-                  "tree_verify_wgmma_parts")
+# (tree_verify_wgmma with each of its builds: the parts grid, an fp8 spec's dequantize path)
+VERIFY_KERNELS = ("tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine")
 LAYERS = 61   # MLA layers of DeepSeek-V3 / Kimi K2: kv_commit's caches, tree_verify's launches per step
 
 

@@ -36,8 +36,7 @@ from ..plans import by_name, declaration
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import parts_workspace_elems, workspace_elems
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import (DEQUANT, WORKSPACE_READERS, PARTS_MIN_B, PARTS_MIN_KEYS, PARTS_OF, parts_for,
-                                       parts_pay)
+from ..plans.tree_verify_wgmma import WORKSPACE_READERS, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
@@ -50,31 +49,6 @@ WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
 KVW = WS + 1                    # fp8_path "dequant": the bf16 kv_workspace's
 KV_DEQUANT = "kv_dequant"       # its pre-pass (plans/kv_dequant.py)
 _INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
-
-
-def attention(kset, name, tail, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-              out, lse, validate, workspace, num_splits, kv_scale=None) -> AttentionOutput:
-    """Launch tensor-core kernel `name` (tree_verify[_tail]_{mma,wgmma}); see tree_verify below."""
-    arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace)
-
-    def prepare():
-        return prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale)
-    return run_call(kset, prepare, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits), num_splits,
-                                            type(kv_scale), kv_scale), cache=not validate)
-
-
-def attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale, out,
-                      lse, validate, workspace, num_splits, kv_scale, kv_workspace, name=DEQUANT) -> AttentionOutput:
-    """An fp8 spec's tree_verify by the dequantize path (fp8_path="dequant"): kv_dequant converts the e4m3 pages the
-    call reads into kv_workspace (a bf16 paged cache and its block table: plans/kv_dequant.workspace_layout), then
-    tree_verify_wgmma_dequant (the bf16-cache seesaw; its parts-grid build where the parts rule holds) reads it, with
-    kv_scale applied as in the fused kernel. name: DEQUANT_PARTS runs that build by name."""
-    arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace, kv_workspace)
-
-    def prepare_dequant():
-        return prepare_attention(kset, name, False, arrays, softmax_scale, validate, num_splits, kv_scale)
-    return run_call(kset, prepare_dequant, arrays, (name, type(softmax_scale), softmax_scale, type(num_splits),
-                                                    num_splits, type(kv_scale), kv_scale), cache=not validate)
 
 
 def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
@@ -107,38 +81,18 @@ def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int,
     return sa
 
 
-def _holds_parts(spec, workspace, b: int, nq: int, max_keys: int, device: int) -> bool:
-    """Whether a caller's workspace (None: the launcher allocates one) holds the parts grid's partials (float32, at
-    least parts_workspace_elems for parts_for's count): a workspace sized for the chunks grid's split count need not
+def holds_parts(spec, workspace, b: int, nq: int, parts: int) -> bool:
+    """Whether a caller's workspace (None: the launcher allocates one) holds the partials of `parts` parts of the parts
+    grid (float32, at least parts_workspace_elems): a workspace sized for the chunks grid's split count need not
     (B = 64: one chunk, none needed), and then the chunks grid runs, as the caller sized it for."""
     if workspace is None:
         return True
     wa, _ = ar.view(workspace, "workspace")
-    need = parts_workspace_elems(spec, b, nq, parts_for(spec, b, nq, max_keys, sm_count(device)))
-    return wa.dtype == "float32" and math.prod(wa.shape) >= need
-
-
-def grid_kernel(kset, name: str, b: int, nq: int, max_pages: int, num_splits, workspace, device: int) -> str:
-    """The kernel a call of `name` runs: its parts-grid build (plans/tree_verify_wgmma.PARTS_OF) where that is loaded
-    and runs, num_splits is not given, B >= PARTS_MIN_B, the block table spans at least PARTS_MIN_KEYS keys (or fewer
-    and the makespan model says the parts pay: parts_pay) and a caller's workspace holds the parts' partials; else
-    `name` (the chunks grid)."""
-    grid = PARTS_OF.get(name)
-    keys = max_pages * kset.spec.page_size
-    if (grid and num_splits is None and b >= PARTS_MIN_B and grid in kset.kernels
-            and (keys >= PARTS_MIN_KEYS or parts_pay(kset.spec, b, nq, keys, sm_count(device)))
-            and available(kset, grid, device) and _holds_parts(kset.spec, workspace, b, nq, keys, device)):
-        return grid
-    return name
-
-
-def available(kset, name: str, device: int) -> bool:
-    """Whether kernel `name` runs on `device` (KernelSet.unavailable)."""
-    return kset.unavailable(name, device) is None
+    return wa.dtype == "float32" and math.prod(wa.shape) >= parts_workspace_elems(spec, b, nq, parts)
 
 
 def pieces(kset, name: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, device: int, arch: str):
-    """(parts, count) of a call of kernel `name` (grid_kernel's choice already): parts True for a build on the "parts"
+    """(parts, count) of a call of build `name` (the route's choice already): parts True for a build on the "parts"
     grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts
     on the device, one block per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a
     request. From shapes only (num_splits: the caller's count, checked)."""
@@ -152,12 +106,13 @@ def pieces(kset, name: str, tail: bool, b: int, nq: int, max_pages: int, num_spl
     if parts:
         return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
-    family = "wgmma" if name in WORKSPACE_READERS else declaration(name).serves[1]
+    family = declaration(by_name(name).kernel).serves[1]
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
 
 
 def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
-    """The checks and launch plan of one call signature (runtime.Prepared)."""
+    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` (kernels/tree_verify.route's
+    choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...)."""
     spec = kset.spec
     if not by_name(name).builds_for(spec):   # the mma.sync kernels and an fp8 spec
         raise ArgumentError(by_name(name).why_not_built(spec))
@@ -167,12 +122,11 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    name = grid_kernel(kset, name, b, nq, max_pages, num_splits, arrays[WS], qn.device)
     dequant = name in WORKSPACE_READERS
     arch = kset.require(name, qn.device)
     consts = kset.constants(name, qn.device)
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
-        if KV_DEQUANT not in kset.kernels:
+        if KV_DEQUANT not in kset.builds:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
         kset.require(KV_DEQUANT, qn.device)
@@ -184,7 +138,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     sms = sm_count(qn.device) if b else DEFAULT_SMS
     if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
-    if splits > 1 and COMBINE not in kset.kernels:
+    if splits > 1 and COMBINE not in kset.builds:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
                             f"spec {spec.name!r} (load it, or pass num_splits=1)")
     if splits > 1:

@@ -1,31 +1,31 @@
-"""Launchers of tree_verify, tree_verify_tail (every implementation) and merge_states.
+"""Launchers of tree_verify, tree_verify_tail (every implementation) and merge_states, and the one route of every
+tree_verify call.
 
-kset.tree_verify(..., impl="auto"|"wgmma"|"mma"|"simple") and kset.tree_verify_tail pick the
-implementation:
-  * "wgmma": the Hopper warpgroup tensor-core kernels (kernels/tree_verify_wgmma.py), the fastest;
-  * "mma": the mma.sync tensor-core kernels (kernels/tree_verify_mma.py); both take workspace= and
-    num_splits= (split-KV, combined by tree_verify_mma_combine; their shared launch path:
-    kernels/tensor_core.py);
-  * "simple": the CUDA-core kernels launched here: one block per (request, query row, group of
-    heads), keys streamed through shared memory with an online softmax;
-  * "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel) the
-    kernel set has loaded and that run on the arrays' device, else the CUDA-core one; decided here
-    only (_pick_impl, _first_that_runs; auto_impl and why_not tell the benches what a call runs). The
-    kernel of each tensor-core impl is the one whose declaration serves (launcher, impl) (plans/:
-    Declaration.serves), never a name put together here. On a GPU
-    other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are
-    built for sm_90a only), and the mma.sync ones only where the device allows their shared memory
-    (A100, B200: yes; L4, L40S, RTX cards: no): see archs.py and KernelSet.unavailable.
-An fp8 spec (kv_dtype "fp8_e4m3": the cache holds e4m3 bytes) has no mma.sync kernels (plans: KernelDef
-.kv_dtypes): "auto" is wgmma where it runs, else the CUDA-core kernel, and impl="mma" is an ArgumentError.
-Its launches take kv_scale (the value of a cache element is e4m3 x kv_scale): folded into the scores'
+A call is one record (VerifyCall: the arrays, scalars and choices it was given). `verify` enters the runtime once
+(runtime.run_call, its launch plan cached per call signature); on a new signature `prepare` reads the shapes and the
+device, asks `route` what the call runs, then builds the CUDA-core or the tensor-core launch plan
+(tensor_core.prepare_attention). `route` is the only place a call's kernel is decided, from shapes and the device
+(never device values: CUDA-graph friendly), and which.which_kernel / which.schedule report it:
+  1. an fp8 spec's path (tree_verify only): "fused" (the kernel impl picks converts the e4m3 tiles on chip) or
+     "dequant" (kv_dequant into a bf16 workspace, then tree_verify_wgmma's dequantize build: the same bits, measured
+     faster; its parts-grid build has bits of its own: contract section 4b); fp8_path=None takes "dequant" where
+     fp8_default allows it (impl "auto" / "wgmma", its builds loaded and running on the device, a workspace of at
+     most KV_WORKSPACE_LIMIT bytes); tree_verify_tail is always fused;
+  2. the implementation: "wgmma" (the Hopper warpgroup tensor-core kernels), "mma" (the mma.sync ones), "simple"
+     (the CUDA-core kernels: one block per (request, query row, group of heads), keys streamed through shared memory
+     with an online softmax), or "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel)
+     the kernel set has loaded and that run on the arrays' device, else the CUDA-core one. The kernel of each
+     tensor-core impl is the one that declares it serves (launcher, impl) (plans/: Declaration.serves). On a GPU
+     other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are built for sm_90a
+     only), and the mma.sync ones only where the device allows their shared memory (A100, B200: yes; L4, L40S, RTX
+     cards: no): see archs.py and KernelSet.unavailable. An fp8 spec has no mma.sync kernels (plans: KernelDef
+     .kv_dtypes): "auto" is wgmma where it runs, else the CUDA-core kernel, and impl="mma" is an ArgumentError;
+  3. the build of the tensor-core kernel: the one `build=` names, else the kernel's rule (KernelDef.pick:
+     tree_verify_wgmma's parts grid at B >= PARTS_MIN_B, its dequantize builds on that path), else its default.
+An fp8 spec's launches take kv_scale (the value of a cache element is e4m3 x kv_scale): folded into the scores'
 factor and applied to the output, in fp32 (kernels/checks.py kv_scale_arg); a bf16 spec refuses kv_scale.
-Its tree_verify reads the e4m3 cache by one of two paths of the same bits: "fused" (the kernel impl picks converts
-the tiles on chip) or "dequant" (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: measured faster;
-at B >= 8 with H <= 8 its parts-grid build, bits of its own: contract section 4b);
-fp8_path=None (the default) takes "dequant" where fp8_default allows it (impl "auto" / "wgmma", its kernels loaded
-and running on the device, a workspace of at most KV_WORKSPACE_LIMIT bytes), per call signature; tree_verify_tail
-is always fused.
+The tensor-core families' own launchers (kset.tree_verify_wgmma, ...: family_launcher) take the same route with
+their impl.
 
 Values that live on the device (prefix_lens, q_lens, block_table) are never read on the host by
 default, so a launch can be captured in a CUDA graph; the kernels are safe for any values instead
@@ -38,19 +38,20 @@ o_a or o_b, and lse to be lse_a or lse_b (in-place merge); any other overlap is 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import by_name, declarations
+from ..plans import DEFAULT_BUILD, by_name, declarations
 from ..plans.tree_verify import MERGE_WARPS
 from ..plans.split_kv import COMBINE
-from ..runtime import Prepared, Step, run_call
-from ..types import AttentionOutput
-from .tensor_core import KV_DEQUANT, KVW, WS, attention, attention_dequant, available, prepare_attention
 from ..plans.kv_dequant import workspace_elems
-from ..plans.tree_verify_wgmma import DEQUANT
+from ..plans.tree_verify_wgmma import DEQUANT, DEQUANT_BUILDS
+from ..runtime import Prepared, Step, run_call, sm_count
+from ..types import AttentionOutput
+from .tensor_core import KV_DEQUANT, KVW, WS, holds_parts, prepare_attention
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
@@ -58,6 +59,50 @@ IMPLS = ("auto", "wgmma", "mma", "simple")
 TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
 # (launcher, impl) -> the tensor-core kernel that serves it: its declaration's `serves` (plans/)
 _SERVED_BY = {d.serves: d.name for d in declarations() if d.serves}
+FP8_PATHS = ("fused", "dequant")
+# fp8_path=None (the default) takes the dequantize path only where the bf16 workspace it would allocate for the call,
+# plans.kv_dequant.workspace_elems(spec, B, max_pages) x 2 bytes (B x max_pages pages of page_size x (R + P) bf16,
+# 73,732 bytes a page for the shipped specs), is at most this many bytes: 512 MiB is B x max_pages = 7,281 such
+# pages (B = 8 at 58K keys, B = 64 at 7K), a transient allocation per call that an engine can afford; past it the
+# fused kernel reads the e4m3 cache with no workspace. A caller's kv_workspace always fits (it is already there).
+KV_WORKSPACE_LIMIT = 512 * 2**20
+DEQUANT_KERNELS = (KV_DEQUANT, DEQUANT, COMBINE)   # the dequantize path's builds (the combine: split-KV)
+
+
+class VerifyCall(NamedTuple):
+    """One call of tree_verify or tree_verify_tail (or of a tensor-core family's launcher): everything it was given,
+    the one record the route (`route`) and the launch plan (`prepare`) read."""
+    name: str              # "tree_verify" or "tree_verify_tail"
+    arrays: tuple          # q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace,
+                           # kv_workspace (checks.ATTENTION_ARRAYS, then tensor_core.WS, KVW)
+    softmax_scale: object
+    kv_scale: object = None
+    validate: bool = False
+    impl: object = "auto"
+    num_splits: object = None
+    fp8_path: object = None
+    build: object = None   # a build of the tensor-core kernel by name (plans/kernel_def.Build), None: its `pick`
+    direct: bool = False   # a tensor-core family's own launcher (kset.tree_verify_wgmma): the combine kernel is needed
+                           # only where the call splits (tensor_core.prepare_attention says so)
+
+    @property
+    def tail(self) -> bool:
+        return self.name == "tree_verify_tail"
+
+    def key(self) -> tuple:
+        """The non-array arguments the launch plan depends on (runtime.run_call's key; types: 1 is not 1.0)."""
+        return (self.name, self.impl, self.fp8_path, self.build, type(self.softmax_scale), self.softmax_scale,
+                type(self.num_splits), self.num_splits, type(self.kv_scale), self.kv_scale)
+
+
+class Route(NamedTuple):
+    """What a call runs: the implementation, the attention kernel, the build of it launched (a kernel set's key) and
+    an fp8 spec's path."""
+    impl: str              # "wgmma", "mma" or "simple"
+    kernel: str            # the attention kernel, e.g. tree_verify_wgmma
+    build: str             # its build launched, e.g. tree_verify_wgmma/parts
+    fp8_path: str | None   # an fp8 spec's tree_verify: "fused" or "dequant"; None for a bf16 spec or the tail
+    reason: str            # why that fp8 path (fp8_default's reason), else ""
 
 
 def _kernel(name: str, kind: str) -> str:
@@ -65,9 +110,9 @@ def _kernel(name: str, kind: str) -> str:
     return _SERVED_BY[(name, kind)]
 
 
-def _loaded(kset, name: str) -> bool:
-    """Whether kernel `name` is loaded in kset (KernelSet.kernels: it has a build there)."""
-    return name in kset.kernels
+def _loaded(kset, build: str) -> bool:
+    """Whether build `build` is loaded in kset (KernelSet.builds: it has a binary there)."""
+    return build in kset.builds
 
 
 def _built_for(kset, kernel: str) -> bool:
@@ -75,11 +120,16 @@ def _built_for(kset, kernel: str) -> bool:
     return by_name(kernel).builds_for(kset.spec)
 
 
-def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
+def _runs(kset, build: str, device) -> bool:
+    """Whether `build` runs on `device` (None: not known; the call's checks will say why)."""
+    return device is None or kset.unavailable(build, device) is None
+
+
+def _pick_impl(kset, name: str, impl, workspace, num_splits, direct: bool = False) -> tuple:
     """The implementations `impl` may send launcher `name` to, in order of preference: ("simple",),
     one tensor-core kind ("wgmma" / "mma": impl asks for it), or for "auto" the loaded tensor-core
     kinds the spec is built with, followed by "simple" (the first that runs on the call's device is
-    used: _prepare_auto)."""
+    used: _first_that_runs)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ArgumentError(f"impl: {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
     if impl == "simple":
@@ -100,7 +150,9 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
                             f"pass impl={' or '.join(map(repr, others))}")
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
-    missing = [k for k in (_kernel(name, impl), COMBINE)
+    # (a family's own launcher, `direct`: the combine kernel is checked where the call splits, in
+    # tensor_core.prepare_attention)
+    missing = [k for k in (_kernel(name, impl), *(() if direct else (COMBINE,)))
                if not _loaded(kset, k) and k not in kset.requested]
     if missing:
         raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
@@ -108,20 +160,11 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits) -> tuple:
     return (impl,)
 
 
-def _device_of(q_nope) -> int | None:
-    """The device of q_nope, None if it is not a usable CUDA array (the checks then say what is wrong)."""
-    try:
-        return ar.view(q_nope, "q_nope")[0].device
-    except ArgumentError:
-        return None
-
-
 def _first_that_runs(kset, name, kinds, device) -> str:
-    """The first of `kinds` (_pick_impl's candidates) whose kernel `name`_kind and the combine kernel run on
-    `device` (None: not known, the checks will say why); "simple" is always last and always runs."""
+    """The first of `kinds` (_pick_impl's candidates) whose kernel and the combine kernel run on `device` (None:
+    not known, the checks will say why); "simple" is always last and always runs."""
     for kind in kinds:
-        if kind == "simple" or device is None or (available(kset, _kernel(name, kind), device)
-                                                  and available(kset, COMBINE, device)):
+        if kind == "simple" or (_runs(kset, _kernel(name, kind), device) and _runs(kset, COMBINE, device)):
             return kind
     raise AssertionError(f"no implementation in {kinds}")
 
@@ -145,66 +188,15 @@ def why_not(kset, impl: str, device: int, name: str = "tree_verify") -> str | No
     return kset.unavailable(_kernel(name, kinds[0]), device) or kset.unavailable(COMBINE, device)
 
 
-def _prepare_auto(kset, name, tail, kinds, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
-    """impl="auto" with a tensor-core kind loaded: the first of `kinds` whose kernels (and the combine
-    kernel) run on the device of the arrays; "simple" last. Per call signature, so per device."""
-    kind = _first_that_runs(kset, name, kinds, _device_of(arrays[0]))
-    if kind == "simple":
-        return _prepare_simple(kset, name, tail, arrays[:9], softmax_scale, kv_scale, validate)
-    return prepare_attention(kset, _kernel(name, kind), tail, arrays, softmax_scale, validate, num_splits, kv_scale)
-
-
-def _prepare_simple(kset, name, tail, arrays, softmax_scale, kv_scale, validate) -> Prepared:
-    """The CUDA-core kernel `name`: checks and launch plan of one call signature."""
-    spec = kset.spec
-    ptrs = PointerChecks(INDEX)
-    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale, q_align=4)
-    qn = inputs["q_nope"]
-    b, nq, h, r = qn.shape
-    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    groups = kset.constants(name, qn.device)["HEAD_GROUPS"]
-    if groups * nq * b > INT32_MAX:
-        raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
-    # the caller's buffers are checked before anything is allocated or copied
-    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
-    check_outputs(ptrs, inputs, {"out": oa, "lse": la})
-    if validate and b:
-        validate_attention_values(tail, inputs, spec.page_size)
-    steps = (Step(name, (groups * nq * b,), (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale),
-                                              np.int32(nq), np.int32(max_pages), np.int32(num_pages), 7, 8)),) if b else ()
-    return Prepared(device=qn.device, kind=qn.kind, steps=steps,
-                    new=((7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")),
-                    aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
-                    returns=(AttentionOutput, (7, 8)))
-
-
-FP8_PATHS = ("fused", "dequant")
-# fp8_path=None (the default) takes the dequantize path only where the bf16 workspace it would allocate for the call,
-# plans.kv_dequant.workspace_elems(spec, B, max_pages) x 2 bytes (B x max_pages pages of page_size x (R + P) bf16,
-# 73,732 bytes a page for the shipped specs), is at most this many bytes: 512 MiB is B x max_pages = 7,281 such
-# pages (B = 8 at 58K keys, B = 64 at 7K), a transient allocation per call that an engine can afford; past it the
-# fused kernel reads the e4m3 cache with no workspace. A caller's kv_workspace always fits (it is already there).
-KV_WORKSPACE_LIMIT = 512 * 2**20
-DEQUANT_KERNELS = (KV_DEQUANT, DEQUANT, COMBINE)   # the dequantize path's kernels (the combine: split-KV)
-
-
-def _shape_of(x, name: str) -> tuple | None:
-    """The shape of a usable CUDA array, None if it is not one (the checks then say what is wrong)."""
-    try:
-        return ar.view(x, name)[0].shape
-    except ArgumentError:
-        return None
-
-
 def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool = False,
                 name: str = "tree_verify") -> tuple[str | None, str]:
     """The path an fp8 spec's `name` with fp8_path=None (the default) takes, and why: (path, reason), path "dequant"
-    (kv_dequant into a bf16 workspace, then tree_verify_wgmma_dequant: the fused kernel's bits but on the parts grid, measured faster on
-    every shape, docs/perf.md) or "fused" (the kernel impl picks reads the e4m3 cache itself). The first rule that
-    fails gives "fused" and its reason:
+    (kv_dequant into a bf16 workspace, then tree_verify_wgmma's dequantize build: the fused kernel's bits, measured
+    faster on every shape, docs/perf.md) or "fused" (the kernel impl picks reads the e4m3 cache itself). The first rule
+    that fails gives "fused" and its reason:
       1. the launcher is tree_verify (tree_verify_tail has no dequantize path);
       2. impl is "auto" or "wgmma" (the dequantize path runs on the wgmma kernels);
-      3. kv_dequant, tree_verify_wgmma_dequant and the combine kernel are loaded in kset;
+      3. kv_dequant, tree_verify_wgmma's dequantize build and the combine kernel are loaded in kset;
       4. they run on `device` (Hopper; None: the arrays' device is not known, the call's checks will say why);
       5. `kv_workspace` (the caller gave one: it always fits), or the workspace the call would allocate,
          plans.kv_dequant.workspace_elems(spec, B, max_pages) bf16, is at most KV_WORKSPACE_LIMIT bytes.
@@ -236,10 +228,10 @@ def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool =
 
 
 def _fp8_choice(kset, impl, fp8_path, kv_workspace) -> str | None:
-    """What tree_verify's fp8_path asks, before anything is launched: "fused" (the fused kernel: an fp8 spec's
-    fp8_path="fused"), "dequant" (fp8_path="dequant": impl "auto" or "wgmma", its kernels loaded), "auto" (an fp8
-    spec's fp8_path=None: fp8_default decides per call signature) or None (a bf16 spec: no fp8 path). ArgumentError
-    naming the argument otherwise."""
+    """What tree_verify's fp8_path asks, before any shape is read: "fused" (an fp8 spec's fp8_path="fused"), "dequant"
+    (fp8_path="dequant": impl "auto" or "wgmma", its kernels loaded), "auto" (an fp8 spec's fp8_path=None:
+    fp8_default decides per call signature) or None (a bf16 spec: no fp8 path). ArgumentError naming the argument
+    otherwise."""
     spec = kset.spec
     if fp8_path is not None:
         if not isinstance(fp8_path, str) or fp8_path not in FP8_PATHS:
@@ -261,64 +253,137 @@ def _fp8_choice(kset, impl, fp8_path, kv_workspace) -> str | None:
     if impl not in ("auto", "wgmma"):
         raise ArgumentError(f"fp8_path: 'dequant' runs on the wgmma kernels ({KV_DEQUANT}, {DEQUANT}), but impl="
                             f"{impl!r} was asked (pass impl='auto' or 'wgmma', or fp8_path=None)")
-    missing = [k for k in (KV_DEQUANT, DEQUANT) if k not in kset.kernels and k not in kset.requested]
+    missing = [k for k in (KV_DEQUANT, DEQUANT) if k not in kset.builds and k not in kset.requested]
     if missing:
         raise ArgumentError(f"fp8_path: 'dequant' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
                             f"{spec.name!r} (load them, or pass fp8_path=None)")
     return "dequant"
 
 
-def _prepare_fp8_default(kset, impl, arrays, softmax_scale, kv_scale, validate, num_splits) -> Prepared:
-    """An fp8 spec's tree_verify with fp8_path=None: the path fp8_default picks for this call signature, then that
-    path's checks and plan (the dequantize path's, or what impl picks for the fused one: _pick_impl)."""
-    table = _shape_of(arrays[3], "block_table")
-    known = table is not None and len(table) == 2   # else the checks say what is wrong with block_table
-    given = arrays[KVW] is not None
-    path, why = fp8_default(kset, impl, _device_of(arrays[0]) if known else None, *(table if known else (0, 0)),
-                            given)
+def _build(kset, kernel: str, call: VerifyCall, path, b: int, nq: int, max_pages: int, device) -> str:
+    """The build of tensor-core kernel `kernel` the call runs (a kernel set's key): the one it names (`build=`), else
+    the kernel's rule (KernelDef.pick: tree_verify_wgmma's parts grid, dequantize path), else its default."""
+    kdef = by_name(kernel)
+    names = (DEFAULT_BUILD, *(b.name for b in kdef.builds))
+    if call.build is not None:
+        if call.build not in names:
+            raise ArgumentError(f"build: {call.build!r}, {kernel} ships {', '.join(map(repr, names))}")
+        key = kernel if call.build == DEFAULT_BUILD else f"{kernel}/{call.build}"
+        if not by_name(key).builds_for(kset.spec):
+            raise ArgumentError(f"build: {by_name(key).why_not_built(kset.spec)}")
+        if (call.build in DEQUANT_BUILDS) != (path == "dequant"):
+            raise ArgumentError(f"build: {call.build!r} " + ("is the dequantize path's: pass fp8_path='dequant'"
+                                                              if path != "dequant" else
+                                                              "reads the spec's cache, not the dequantize path's "
+                                                              "workspace (fp8_path='dequant')"))
+        if key not in kset.builds and key not in kset.requested:
+            raise ArgumentError(f"build: {key} is not loaded in this kernel set of spec {kset.spec.name!r}")
+        return key
+    if kdef.pick is None:
+        return kernel
+    keys = max_pages * kset.spec.page_size
+    sms = sm_count(device) if b and device is not None else 0
+
+    def runs(build):
+        key = f"{kernel}/{build}"
+        return key in kset.builds and device is not None and kset.unavailable(key, device) is None
+
+    def holds(parts):
+        return holds_parts(kset.spec, call.arrays[WS], b, nq, parts)
+    build = kdef.pick(kset.spec, fp8_path=path, b=b, nq=nq, max_keys=keys, sms=sms, num_splits=call.num_splits,
+                      runs=runs, holds=holds)
+    return kernel if build == DEFAULT_BUILD else f"{kernel}/{build}"
+
+
+def _shape(x, name: str) -> tuple | None:
+    """The (shape, device) of a usable CUDA array, None if it is not one (the checks then say what is wrong)."""
+    try:
+        v = ar.view(x, name)[0]
+        return v.shape, v.device
+    except ArgumentError:
+        return None
+
+
+def route(kset, call: VerifyCall, b: int, nq: int, max_pages: int, device) -> Route:
+    """What `call` runs for B requests of Nq rows over a block table of max_pages columns on `device` (None: not
+    known; the call's checks will say why): the one decision of every tree_verify call, from shapes and the device
+    only (a CUDA graph's replays take it), made once per call signature; which.schedule reports it.
+    1. fp8: an fp8 spec's tree_verify takes the path fp8_path asks, or fp8_default's (fp8_path=None);
+    2. impl: the dequantize path runs wgmma; else impl's candidates (_pick_impl), the first that runs on the device;
+    3. build: the tensor-core kernel's build (_build: `build=`, else its pick rule)."""
+    path, reason = None, ""
+    kv_workspace = call.arrays[KVW] if len(call.arrays) > KVW else None
+    if not call.tail and (call.fp8_path is not None or kv_workspace is not None or kset.spec.kv_fp8):
+        path = _fp8_choice(kset, call.impl, call.fp8_path, kv_workspace)
+        if path == "auto":
+            path, reason = fp8_default(kset, call.impl, device, b, max_pages, kv_workspace is not None)
+            if path != "dequant" and kv_workspace is not None:
+                raise ArgumentError(f"kv_workspace: only the dequantize path takes it, but fp8_path=None takes the "
+                                    f"fused kernel here: {reason} (pass fp8_path='dequant', or no kv_workspace)")
+        elif path:
+            reason = f"fp8_path={call.fp8_path!r}"
     if path == "dequant":
-        return prepare_attention(kset, DEQUANT, False, arrays, softmax_scale, validate, num_splits, kv_scale)
-    if given:
-        raise ArgumentError(f"kv_workspace: only the dequantize path takes it, but fp8_path=None takes the fused "
-                            f"kernel here: {why} (pass fp8_path='dequant', or no kv_workspace)")
-    kinds = _pick_impl(kset, "tree_verify", impl, arrays[WS], num_splits)
-    if len(kinds) > 1:
-        return _prepare_auto(kset, "tree_verify", False, kinds, arrays[:KVW], softmax_scale, kv_scale, validate,
-                             num_splits)
-    if kinds[0] == "simple":
-        return _prepare_simple(kset, "tree_verify", False, arrays[:9], softmax_scale, kv_scale, validate)
-    return prepare_attention(kset, _kernel("tree_verify", kinds[0]), False, arrays[:KVW], softmax_scale, validate,
-                             num_splits, kv_scale)
+        kind = "wgmma"
+    else:
+        kinds = _pick_impl(kset, call.name, call.impl, call.arrays[WS], call.num_splits, call.direct)
+        # one kind asked: that one (its launch says why, where it cannot run on the device); "auto": the first that runs
+        kind = kinds[0] if len(kinds) == 1 else _first_that_runs(kset, call.name, kinds, device)
+    if kind == "simple":
+        if call.build is not None:
+            raise ArgumentError(f"build: {call.build!r}: only the tensor-core kernels ship builds, but the call runs "
+                                f"the CUDA-core kernel (impl='simple' or 'auto' without one that runs)")
+        return Route("simple", call.name, call.name, path, reason)
+    kernel = _kernel(call.name, kind)
+    return Route(kind, kernel, _build(kset, kernel, call, path, b, nq, max_pages, device), path, reason)
 
 
-def _dispatch(kset, name, tail, args, out, lse, validate, impl, workspace, num_splits, kv_scale) -> AttentionOutput:
-    # the candidates depend on nothing else: cached beside the prepared calls
-    pick = ("impl", name, impl, workspace is None, num_splits is None) if isinstance(impl, str) else None
-    kinds = kset.prepared_calls.get(pick) if pick else None
-    if kinds is None:
-        kinds = _pick_impl(kset, name, impl, workspace, num_splits)
-        kset.prepared_calls[pick] = kinds
-    scale = args[7]
-    if len(kinds) > 1:   # auto: which one runs depends on the device (part of the call's signature)
-        arrays = (*args[:7], out, lse, workspace)
+def prepare(kset, call: VerifyCall) -> Prepared:
+    """The checks and launch plan of one call signature: its route, then the CUDA-core kernel's plan (_prepare_simple)
+    or the tensor-core one's (tensor_core.prepare_attention)."""
+    q = _shape(call.arrays[0], "q_nope")
+    table = _shape(call.arrays[3], "block_table")
+    known = q is not None and len(q[0]) == 4 and table is not None and len(table[0]) == 2
+    b, nq = (q[0][0], q[0][1]) if known else (0, 0)
+    r = route(kset, call, b, nq, table[0][1] if known else 0, q[1] if known else None)
+    if r.impl == "simple":
+        return _prepare_simple(kset, call)
+    return prepare_attention(kset, r.build, call.tail, call.arrays, call.softmax_scale, call.validate, call.num_splits,
+                             call.kv_scale)
 
-        def prepare_auto():
-            return _prepare_auto(kset, name, tail, kinds, arrays, scale, kv_scale, validate, num_splits)
-        return run_call(kset, prepare_auto, arrays, (name, kinds, type(scale), scale, type(num_splits), num_splits,
-                                                     type(kv_scale), kv_scale), cache=not validate)
-    kind = kinds[0]
-    if kind != "simple":   # the tensor-core kernel's own launch (kernels/tree_verify_mma.py, _wgmma.py)
-        return attention(kset, _kernel(name, kind), tail, *args, out, lse, validate, workspace, num_splits, kv_scale)
-    arrays = (*args[:7], out, lse)
 
-    def prepare():
-        return _prepare_simple(kset, name, tail, arrays, scale, kv_scale, validate)
-    return run_call(kset, prepare, arrays, (name, type(scale), scale, type(kv_scale), kv_scale), cache=not validate)
+def verify(kset, call: VerifyCall) -> AttentionOutput:
+    """Run `call`: the runtime entered once, its launch plan cached per call signature (runtime.run_call)."""
+    return run_call(kset, lambda: prepare(kset, call), call.arrays, call.key(), cache=not call.validate)
+
+
+def _prepare_simple(kset, call: VerifyCall) -> Prepared:
+    """The CUDA-core kernel of `call.name`: checks and launch plan of one call signature."""
+    spec, name, arrays = kset.spec, call.name, call.arrays
+    ptrs = PointerChecks(INDEX)
+    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], call.softmax_scale, call.kv_scale,
+                                                         q_align=4)
+    qn = inputs["q_nope"]
+    b, nq, h, r = qn.shape
+    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
+    groups = kset.constants(name, qn.device)["HEAD_GROUPS"]
+    if groups * nq * b > INT32_MAX:
+        raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
+    # the caller's buffers are checked before anything is allocated or copied
+    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
+    check_outputs(ptrs, inputs, {"out": oa, "lse": la})
+    if call.validate and b:
+        validate_attention_values(call.tail, inputs, spec.page_size)
+    steps = (Step(name, (groups * nq * b,), (0, 1, 2, 3, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale),
+                                              np.int32(nq), np.int32(max_pages), np.int32(num_pages), 7, 8)),) if b else ()
+    return Prepared(device=qn.device, kind=qn.kind, steps=steps,
+                    new=((7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")),
+                    aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
+                    returns=(AttentionOutput, (7, 8)))
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                 out=None, lse=None, *, validate=False, impl="auto", workspace=None,
-                num_splits=None, kv_scale=None, fp8_path=None, kv_workspace=None) -> AttentionOutput:
+                num_splits=None, kv_scale=None, fp8_path=None, kv_workspace=None, build=None) -> AttentionOutput:
     """Tree attention over the prefix and the tree (docs/contract.md tree_verify), on the current stream.
 
     q_nope [B,Nq,H,R] bf16, q_pe [B,Nq,H,P] bf16, kv_cache [num_pages,page_size,R+P] bf16 (an fp8
@@ -331,51 +396,57 @@ def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, 
     impl: "auto" (tree_verify_wgmma, else tree_verify_mma, whichever the kernel set has loaded
     first, else the CUDA-core kernel), "wgmma" / "mma" (that tensor-core kernel; ArgumentError
     if the kernel set lacks it) or "simple" (the CUDA-core kernel). The tensor-core kernels need
-    q_nope and q_pe 16-byte aligned (the CUDA-core one: 4) and take workspace / num_splits (see
-    tree_verify_mma.tree_verify); they are refused with impl="simple" and unused when "auto"
-    picks the CUDA-core kernel.
+    q_nope and q_pe 16-byte aligned (the CUDA-core one: 4) and take workspace / num_splits (workspace: float32,
+    at least ks.tree_verify_schedule(B, Nq, max_pages).workspace elements; num_splits: key chunks per request, or
+    parts of the batch on the parts grid; None: from the shapes); they are refused with impl="simple" and unused
+    when "auto" picks the CUDA-core kernel. build: a build of the tensor-core kernel by name ("default", "parts",
+    "dequant", "dequant_parts" of tree_verify_wgmma: for tests and benchmarks; None: the kernel's rule picks).
 
     fp8_path (an fp8 spec only): "fused": the wgmma kernel converts the e4m3 tiles on chip (impl picks it as for a
     bf16 spec); "dequant": kv_dequant first converts the e4m3 pages the call reads (keys < prefix_len + q_len) into a
-    bf16 workspace, and the bf16-cache seesaw (tree_verify_wgmma_dequant) reads it: the same bits as "fused" (but where
-    the parts rule takes tree_verify_wgmma_dequant_parts: B >= 8, H <= 8, >= 2048 keys, no num_splits), Hopper
-    only (impl "auto" or "wgmma"); None (the default): "dequant" where fp8_default allows it (impl "auto" / "wgmma",
-    its kernels loaded and running on the device, the workspace it would allocate at most KV_WORKSPACE_LIMIT = 512
-    MiB or kv_workspace given), else "fused"; decided once per call signature. Its kv_workspace (fp8_path "dequant",
-    or None where that takes the dequantize path; an ArgumentError where it takes the fused kernel): bf16 (uint16
-    on CuPy, torch.bfloat16), contiguous, 16-byte aligned, at least plans.kv_dequant.workspace_elems(spec, B,
-    max_pages) elements (B * max_pages * (page_size * (R + P) * 2 + 4) bytes: the pages, then their block table);
-    allocated per call when not given.
+    bf16 workspace, and tree_verify_wgmma's dequantize build (the bf16-cache seesaw) reads it: the same bits as
+    "fused" (but where the parts rule takes its parts-grid build: contract section 4b), Hopper only (impl "auto" or
+    "wgmma"); None (the default): "dequant" where fp8_default allows it (impl "auto" / "wgmma", its kernels loaded and
+    running on the device, the workspace it would allocate at most KV_WORKSPACE_LIMIT = 512 MiB or kv_workspace
+    given), else "fused"; decided once per call signature. Its kv_workspace (fp8_path "dequant", or None where that
+    takes the dequantize path; an ArgumentError where it takes the fused kernel): bf16 (uint16 on CuPy,
+    torch.bfloat16), contiguous, 16-byte aligned, at least plans.kv_dequant.workspace_elems(spec, B, max_pages)
+    elements (B * max_pages * (page_size * (R + P) * 2 + 4) bytes: the pages, then their block table); allocated per
+    call when not given.
     """
-    path = _fp8_choice(kset, impl, fp8_path, kv_workspace) if fp8_path is not None or kv_workspace is not None \
-        or kset.spec.kv_fp8 else None
-    if path == "dequant":
-        return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                 softmax_scale, out, lse, validate, workspace, num_splits, kv_scale, kv_workspace)
-    if path == "auto":   # the path depends on the call's shapes and device: decided per call signature
-        arrays = (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, out, lse, workspace,
-                  kv_workspace)
-
-        def prepare_fp8_default():
-            return _prepare_fp8_default(kset, impl, arrays, softmax_scale, kv_scale, validate, num_splits)
-        return run_call(kset, prepare_fp8_default, arrays,
-                        (impl, type(softmax_scale), softmax_scale, type(num_splits), num_splits, type(kv_scale),
-                         kv_scale), cache=not validate)
-    return _dispatch(kset, "tree_verify", False,
-                     (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
-                     out, lse, validate, impl, workspace, num_splits, kv_scale)
+    return verify(kset, VerifyCall("tree_verify", (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                                                   tree_mask, out, lse, workspace, kv_workspace),
+                                   softmax_scale, kv_scale, validate, impl, num_splits, fp8_path, build))
 
 
 def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                      out=None, lse=None, *, validate=False, impl="auto", workspace=None,
                      num_splits=None, kv_scale=None) -> AttentionOutput:
     """tree_verify over the tree tail alone (keys prefix_len + j with mask bit j set), for
-    merging with an external prefix kernel through merge_states. Same arguments as tree_verify but fp8_path and
-    kv_workspace (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma): it has no dequantize
-    path, an fp8 spec's tail always runs the fused kernel (fp8_default says so)."""
-    return _dispatch(kset, "tree_verify_tail", True,
-                     (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale),
-                     out, lse, validate, impl, workspace, num_splits, kv_scale)
+    merging with an external prefix kernel through merge_states. Same arguments as tree_verify but fp8_path,
+    kv_workspace and build (impl "wgmma" / "mma" picks tree_verify_tail_wgmma / tree_verify_tail_mma): it has no
+    dequantize path, an fp8 spec's tail always runs the fused kernel (fp8_default says so)."""
+    return verify(kset, VerifyCall("tree_verify_tail", (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
+                                                        tree_mask, out, lse, workspace, None),
+                                   softmax_scale, kv_scale, validate, impl, num_splits))
+
+
+def family_launcher(name: str, impl: str, doc: str):
+    """The launcher of one tensor-core kernel (tree_verify_wgmma, tree_verify_tail_mma, ...): `name` (tree_verify or
+    tree_verify_tail) with impl=`impl`, an fp8 spec's cache read by the fused kernel unless `build` names a dequantize
+    build; the same route and arguments as `name`'s (and build= for tree_verify's kernels)."""
+    tail = name == "tree_verify_tail"
+
+    def launch(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+               out=None, lse=None, *, validate=False, workspace=None, num_splits=None, kv_scale=None,
+               build=None) -> AttentionOutput:
+        path = (None if tail or not kset.spec.kv_fp8 else
+                "dequant" if impl == "wgmma" and build in DEQUANT_BUILDS else "fused")
+        return verify(kset, VerifyCall(name, (q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
+                                              out, lse, workspace, None),
+                                       softmax_scale, kv_scale, validate, impl, num_splits, path, build, True))
+    launch.__doc__ = doc
+    return launch
 
 
 _MERGE_INDEX = {name: i for i, name in enumerate(("o_a", "lse_a", "o_b", "lse_b", "out", "lse"))}

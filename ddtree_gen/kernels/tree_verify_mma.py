@@ -1,37 +1,24 @@
 """Launchers of the mma.sync tree_verify kernels: tree_verify_mma and tree_verify_tail_mma.
 
-The peer of kernels/tree_verify_wgmma.py: same contract, signature, split-KV policy, workspace and combine
-kernel, all in the launch path both share (kernels/tensor_core.py); plans/tree_verify_mma.py has the
-resource plan and the tuned configuration. Not built for an fp8 spec (an ArgumentError naming the kernel
-and the kv_dtype). kset.tree_verify / kset.tree_verify_tail launch
-these kernels with impl="mma" (or "auto" where the wgmma ones do not run); kset.tree_verify_mma calls
-them directly.
+The peer of kernels/tree_verify_wgmma.py: same contract, signature, split-KV policy, workspace and combine kernel, and the
+one route of every tree_verify call (kernels/tree_verify.py: `verify`); plans/tree_verify_mma.py has the resource plan
+and the tuned configuration. Not built for an fp8 spec (an ArgumentError naming the kernel and the kv_dtype).
+kset.tree_verify / kset.tree_verify_tail launch these kernels with impl="mma" (or "auto" where the wgmma ones do not
+run); kset.tree_verify_mma calls them directly.
 """
 from __future__ import annotations
 
-from ..types import AttentionOutput
-from .tensor_core import attention
+from .tree_verify import family_launcher
 
-
-def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
-                kv_scale=None) -> AttentionOutput:
-    """Tree attention over the prefix and the tree (docs/contract.md tree_verify) with mma.sync.
+tree_verify = family_launcher("tree_verify", "mma", """Tree attention over the prefix and the tree (docs/contract.md
+    tree_verify) with mma.sync: kset.tree_verify(..., impl="mma").
 
     Arguments, outputs and device-value behaviour as kernels.tree_verify.tree_verify, plus:
     q_nope, q_pe (and kv_cache) must be 16-byte aligned; workspace: float32 CUDA array of at least
     workspace_elems(spec, B, Nq, splits) elements for split-KV (allocated when None and needed);
     num_splits: key chunks per request (None: chosen from the shapes and the tuning table).
-    Not built for an fp8 spec (ArgumentError); kv_scale is there for the common signature.
-    """
-    return attention(kset, "tree_verify_mma", False, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
+    Not built for an fp8 spec (ArgumentError); kv_scale is there for the common signature.""")
 
-
-def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     out=None, lse=None, *, validate=False, workspace=None, num_splits=None,
-                     kv_scale=None) -> AttentionOutput:
-    """tree_verify_mma over the tree tail alone (keys prefix_len + j with mask bit j set), for merging
-    with an external prefix kernel through merge_states. Same arguments as tree_verify_mma."""
-    return attention(kset, "tree_verify_tail_mma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
-                     tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
+tree_verify_tail = family_launcher("tree_verify_tail", "mma", """tree_verify_mma over the tree tail alone (keys
+    prefix_len + j with mask bit j set), for merging with an external prefix kernel through merge_states. Same
+    arguments as tree_verify_mma.""")

@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 
 from .declaration import FACETS, Bundles, Declaration, TorchOp
-from .kernel_def import KernelDef
+from .kernel_def import DEFAULT_BUILD, Build, KernelDef
 
 # the families in build order (the order of `build`, `list` and the sanitizer's runs); a family module not
 # named here comes after them, by name
@@ -28,17 +28,31 @@ def _families() -> list:
 
 _DECLS = tuple(d for m in _families() for d in m.DECLARATIONS)
 _ALL = tuple(d.build for d in _DECLS)
-_BY_NAME = {k.name: k for k in _ALL}
+_BUILDS = tuple(b for k in _ALL for b in k.build_defs())
+_BY_NAME = {k.name: k for k in _BUILDS}
 _DECL_BY_NAME = {d.name: d for d in _DECLS}
-assert len(_BY_NAME) == len(_ALL), "two declarations of one kernel name"
+assert len(_DECL_BY_NAME) == len(_DECLS), "two declarations of one kernel name"
+assert len(_BY_NAME) == len(_BUILDS), "two builds of one name"
 
 
 def all_kernels() -> list[KernelDef]:
-    """Every kernel built for every spec, in build order."""
+    """Every declared kernel (its default build's KernelDef), in build order."""
     return list(_ALL)
 
 
+def all_builds() -> list[KernelDef]:
+    """Every build of every kernel, in build order (each kernel's default first, then its further builds): what
+    `ddtree-gen build` compiles and a kernel set holds."""
+    return list(_BUILDS)
+
+
+def builds_of(kernel: str) -> list[KernelDef]:
+    """The builds of declared kernel `kernel` (KeyError: no such kernel), its default first."""
+    return list(_DECL_BY_NAME[kernel].build.build_defs())
+
+
 def by_name(name: str) -> KernelDef:
+    """A build by its name: a kernel's (its default build) or "<kernel>/<build>"."""
     return _BY_NAME[name]
 
 
@@ -51,5 +65,5 @@ def declaration(name: str) -> Declaration:
     return _DECL_BY_NAME[name]
 
 
-__all__ = ["FACETS", "Bundles", "Declaration", "KernelDef", "TorchOp", "all_kernels", "by_name", "declaration",
-           "declarations"]
+__all__ = ["DEFAULT_BUILD", "FACETS", "Build", "Bundles", "Declaration", "KernelDef", "TorchOp", "all_builds",
+           "all_kernels", "builds_of", "by_name", "declaration", "declarations"]

@@ -1,14 +1,32 @@
-"""KernelDef: one kernel's build data (template, entry point, resource plan, targets, config policy). No launcher.
-A build of it for a spec, a target and a config is a Variant (plans/variant.py)."""
+"""KernelDef: one kernel's build data (template, entry point, resource plan, targets, config policy, the builds it
+ships). No launcher. A build of it for a spec, a target and a config is a Variant (plans/variant.py).
+
+A kernel ships its default build and, where one build cannot serve every call as fast, further named builds (`Build`:
+a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid), and the rule that picks
+among them for a call (`pick`: by spec, device and shape). Each build is a KernelDef of its own for the layers that
+build and load (`build_defs`: the kernel's name, then "<kernel>/<build>"); a kernel set holds them all, and the
+launcher asks `pick` which one a call runs (docs/adding-a-kernel.md "A kernel with several builds")."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..archs import ARCHS, PRIMARY
 from ..errors import BuildError, SpecError
 from ..resources import Plan
 from ..spec import KV_DTYPES, Spec
+
+DEFAULT_BUILD = "default"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One further build a kernel ships beside its default: a named policy over the kernel's knobs."""
+    name: str                                  # "parts": the kernel set's key is "<kernel>/<name>"
+    policy: Callable[[Spec, str], dict]        # (spec, arch) -> its config
+    kv_dtypes: tuple = KV_DTYPES               # the specs it is built for
+    context: dict = field(default_factory=dict)  # template variables of its own (KV_FP8: False for a bf16 workspace)
+    why: str = ""                              # what it is for (ddtree-gen list, the docs)
 
 
 @dataclass(frozen=True)
@@ -29,6 +47,26 @@ class KernelDef:
     # spell(config) -> the parts of a variant's procedural name (plans/variant.Variant.name); None: no knobs
     policy: Callable[[Spec, str], dict] | None = None
     spell: Callable[[dict], tuple] | None = None
+    # the further builds it ships (Build, ...; the default build is this KernelDef's own policy), and the rule that
+    # picks one for a call: pick(spec, **the call's facts) -> a build name ("default" or one of builds')
+    builds: tuple = ()
+    pick: Callable[..., str] | None = None
+    # the build data of one of a kernel's further builds: the kernel's name ("" for the default build itself) and its
+    # build's name (build_defs sets both)
+    of: str = ""
+    build: str = DEFAULT_BUILD
+
+    @property
+    def kernel(self) -> str:
+        """The kernel this is a build of (its own name for the default build)."""
+        return self.of or self.name
+
+    def build_defs(self) -> tuple:
+        """This kernel's builds as KernelDefs, the default first: each further build the kernel's template and plan
+        with its own policy, kv_dtypes and template context, named "<kernel>/<build>" (a kernel set's key for it)."""
+        return (self, *(replace(self, name=f"{self.name}/{b.name}", policy=b.policy, kv_dtypes=b.kv_dtypes,
+                                context={**self.context, **b.context}, builds=(), pick=None, of=self.name,
+                                build=b.name) for b in self.builds))
 
     def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
         """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,

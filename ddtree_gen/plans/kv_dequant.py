@@ -3,7 +3,7 @@
 Per call it converts the e4m3 pages of the cache that each request's keys t < prefix_len + q_len lie in (tree_verify's
 range) into a bf16 workspace laid out as a paged bf16 cache, [B * max_pages, page_size, R + P], request b's page j at
 workspace page b * max_pages + j, and writes the workspace's block table ([B, max_pages]: that page, or -1 where
-tree_verify would not read the page). tree_verify_wgmma_dequant (plans/tree_verify_wgmma.py: the bf16-cache seesaw
+tree_verify would not read the page). tree_verify_wgmma's dequantize build (plans/tree_verify_wgmma.py: the bf16-cache seesaw
 built for the fp8 spec) then reads the workspace, with kv_scale applied in fp32 as in the fused fp8 kernel.
 
 Build options (KNOBS; templates/kv_dequant.cu.j2 says how each works; every option gives the same outputs bit for

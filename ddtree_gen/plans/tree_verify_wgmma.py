@@ -28,7 +28,7 @@ from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
 from .declaration import Declaration
-from .kernel_def import KernelDef
+from .kernel_def import DEFAULT_BUILD, Build, KernelDef
 from .split_kv import BM, MAX_PARTS, check_spec, tensor_core_declaration
 
 BN = 64
@@ -52,16 +52,20 @@ SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 
 V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 
 
+# tree_verify_wgmma ships several builds (plans/kernel_def.Build; a kernel set's key of each: "tree_verify_wgmma/<build>"),
+# and `pick` (below) chooses one per call. The builds besides the default (the chunks grid: a block per request, chunk
+# and row tile):
 # The fp8 spec's dequantize path (tree_verify(..., fp8_path="dequant")): the kv_dequant pre-pass writes the e4m3 pages
 # a call reads into a bf16 workspace, then this build of the full kernel, the bf16-cache seesaw built for the fp8
-# spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (plans/kv_dequant.py)
-DEQUANT = "tree_verify_wgmma_dequant"
-# The seesaw on the balanced parts grid (grid "parts"), a build of its own that tree_verify's launcher takes instead of
-# tree_verify_wgmma's chunks grid: a bf16 cache, any H, B >= PARTS_MIN_B (a batch of several requests, whose lengths
+# spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (plans/kv_dequant.py; knob kv_source
+# "workspace")
+DEQUANT = "tree_verify_wgmma/dequant"
+# The seesaw on the balanced parts grid (grid "parts"), the build that tree_verify's launcher takes instead of
+# the chunks grid: a bf16 cache, any H, B >= PARTS_MIN_B (a batch of several requests, whose lengths
 # the host does not know: the parts are cut on the device from them, balanced whatever they are; one request is the
 # chunks grid's, whose blocks skip the parts' scan), the launcher's own part count (num_splits not given; parts_for).
 # docs/perf.md "tree_verify on real traffic"
-PARTS_KERNEL = "tree_verify_wgmma_parts"
+PARTS_KERNEL = "tree_verify_wgmma/parts"
 PARTS_MIN_B = 2
 # ... and, below a block table of PARTS_MIN_KEYS keys a request (no request long enough to set the pace of the chunks
 # grid alone), only where the makespan model says the parts pay (parts_pay): the chunks grid's blocks skip the parts'
@@ -76,11 +80,15 @@ ONE_WAVE_FILL = 0.95
 # The dequantize path's kernel on the parts grid: an fp8 spec's, where its calls take the parts
 # grid by the rule of PARTS_KERNEL (docs/perf.md "The dequantize path on the bf16 default's build": 0.76 -> 0.83x of
 # bf16 at B = 8 H = 8). The bits of the bf16 parts build in the fused build's slab order on the dequantized cache
-DEQUANT_PARTS = "tree_verify_wgmma_dequant_parts"
-# the kernel tree_verify's launcher takes instead of each chunks-grid kernel where the parts rule holds
-PARTS_OF = {"tree_verify_wgmma": PARTS_KERNEL, DEQUANT: DEQUANT_PARTS}
+DEQUANT_PARTS = "tree_verify_wgmma/dequant_parts"
 WORKSPACE_READERS = (DEQUANT, DEQUANT_PARTS)     # the builds that read kv_dequant's bf16 workspace
+DEQUANT_BUILDS = ("dequant", "dequant_parts")   # (their build names)
 FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL, DEQUANT_PARTS)
+
+
+def build_key(build: str) -> str:
+    """The kernel set's key of a build of tree_verify_wgmma ("default": the kernel's own name)."""
+    return "tree_verify_wgmma" if build == DEFAULT_BUILD else f"tree_verify_wgmma/{build}"
 
 
 def reads_fp8(spec, kernel: str) -> bool:
@@ -143,8 +151,11 @@ def schedule_for(spec, kernel: str) -> str:
 # Retired (measured slower, their code in git history before this change, their figures in docs/perf.md): fp8_mma and
 # vt_stages ("FP8 products, built": 0.61-1.02x of the exact path, ~4 % output error) and convert "inline" ("The
 # converter inside the parts kernel, built": 0.77x of bf16 against the pre-pass path's 0.84x)
+# kv_source "workspace": the build reads kv_dequant's bf16 workspace (the dequantize path's builds), not the spec's cache.
 KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "seg_cost": 6}
+         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "seg_cost": 6,
+         "kv_source": "cache"}
+KV_SOURCES = ("cache", "workspace")
 RETIRED = {"fp8_mma": 'docs/perf.md "FP8 products, built"', "vt_stages": 'docs/perf.md "FP8 products, built"',
            "convert": 'docs/perf.md "The converter inside the parts kernel, built"'}
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
@@ -169,7 +180,7 @@ def dequant_config(spec, arch: str = "sm_90a") -> dict:
     """The policy of DEQUANT: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order "slab"),
     every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion is
     exact, and kv_scale enters both the same way)."""
-    return {"schedule": "seesaw", "tma": True, **KNOBS, "rope_early": True, "s_order": "slab"}
+    return {"schedule": "seesaw", "tma": True, **KNOBS, "rope_early": True, "s_order": "slab", "kv_source": "workspace"}
 
 
 def dequant_parts_config(spec, arch: str = "sm_90a") -> dict:
@@ -195,21 +206,28 @@ def spell(config) -> tuple:
             parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
     if config.get("rope_early"):
         parts.append("rope-early")
+    if config.get("kv_source", KNOBS["kv_source"]) != KNOBS["kv_source"]:
+        parts.append(config["kv_source"])
     return tuple(parts)
 
 
 def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
+    """The plan of a build of `kernel` (tree_verify_wgmma or its tail) with `config` (None: the kernel's default build);
+    the build is its config: grid "parts", kv_source "workspace" (the dequantize path)."""
     check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
-    if kernel in WORKSPACE_READERS and not spec.kv_fp8:
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path is an fp8 spec's (kv_dtype "
-                        f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    if kernel in (PARTS_KERNEL, DEQUANT_PARTS) and not seesaw_fits(spec, kernel):
+    if config is None:
+        config = variant_config(spec, kernel=kernel)
+    kv_source = config.get("kv_source", KNOBS["kv_source"])
+    if kv_source not in KV_SOURCES:
+        raise SpecError(f"kv_source {kv_source!r}: one of {', '.join(KV_SOURCES)}")
+    dequant = kv_source == "workspace"
+    if dequant and (not spec.kv_fp8 or kernel != "tree_verify_wgmma"):
+        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path (kv_source 'workspace') is an fp8 "
+                        f"spec's full kernel (kv_dtype 'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
+    if config.get("grid") == "parts" and not seesaw_fits(spec, kernel):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the seesaw (page_size % {BN} "
                         f"== 0, R = 512, P = 64)")
-    if config is None:
-        config = {DEQUANT: dequant_config, PARTS_KERNEL: parts_config,
-                  DEQUANT_PARTS: dequant_parts_config}.get(kernel, functools.partial(variant_config, kernel=kernel))(spec)
-    fp8 = reads_fp8(spec, kernel)
+    fp8 = spec.kv_fp8 and not dequant
     sched = config["schedule"]
     if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
         raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
@@ -269,45 +287,52 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
                                 (*RESCALES[rescale], int(p_store == "stmatrix"),
                                  int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
                            if sched == "seesaw" else {}),
-                        **{k: sympy.Integer(v) for k, v in V_DESC.items()}})
+                        **{k: sympy.Integer(v) for k, v in V_DESC.items()},
+                        # the dequantize path's builds read bf16 tiles whatever the spec's cache holds
+                        **({"KV_FP8": sympy.Integer(0)} if dequant else {})})
 
 
 def tail_plan(spec, config=None) -> Plan:
     return verify_plan(spec, "tree_verify_tail_wgmma", config)
 
 
-def dequant_plan(spec, config=None) -> Plan:
-    return verify_plan(spec, DEQUANT, config)
-
-
-def parts_plan(spec, config=None) -> Plan:
-    return verify_plan(spec, PARTS_KERNEL, config)
-
-
-def dequant_parts_plan(spec, config=None) -> Plan:
-    return verify_plan(spec, DEQUANT_PARTS, config)
-
-
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
+
+# the further builds of tree_verify_wgmma (its default: the chunks grid of variant_config), each picked by `pick`
+BUILDS = (
+    # a bf16 spec's: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
+    Build("parts", parts_config, kv_dtypes=("bf16",), why="the balanced parts grid (B >= PARTS_MIN_B)"),
+    # an fp8 spec's only: the bf16-cache seesaw (KV_FP8 off) over kv_dequant's bf16 workspace
+    Build("dequant", dequant_config, kv_dtypes=("fp8_e4m3",), why="the dequantize path (fp8_path 'dequant')"),
+    # an fp8 spec's: the dequantize path on the parts grid, which it takes at B >= PARTS_MIN_B
+    Build("dequant_parts", dequant_parts_config, kv_dtypes=("fp8_e4m3",),
+          why="the dequantize path on the parts grid"),
+)
+
+
+def pick(spec, *, fp8_path, b: int, nq: int, max_keys: int, sms: int, num_splits, runs, holds) -> str:
+    """The build of tree_verify_wgmma a call runs (a build name, plans/kernel_def.Build): the dequantize path's
+    ("dequant") where fp8_path is "dequant", else the default (the chunks grid); and that one's parts-grid build
+    ("parts", "dequant_parts") where num_splits is not given, B >= PARTS_MIN_B, the block table spans at least
+    PARTS_MIN_KEYS keys (or fewer and the makespan model says the parts pay: parts_pay), the build runs (`runs(name)`:
+    loaded in the kernel set and running on the call's device) and `holds(parts)` (a caller's workspace holds the
+    partials of parts_for's count: one sized for the chunks grid need not, and then the chunks grid runs)."""
+    base = "dequant" if fp8_path == "dequant" else DEFAULT_BUILD
+    grid = "dequant_parts" if base == "dequant" else "parts"
+    if (num_splits is None and b >= PARTS_MIN_B and runs(grid)
+            and (max_keys >= PARTS_MIN_KEYS or parts_pay(spec, b, nq, max_keys, sms))
+            and holds(parts_for(spec, b, nq, max_keys, sms))):
+        return grid
+    return base
+
 
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
-              plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell),
+              plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
+              builds=BUILDS, pick=pick),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
               policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell),
-    # an fp8 spec's only: the bf16-cache seesaw (KV_FP8 off in its template) over kv_dequant's bf16 workspace
-    KernelDef(name=DEQUANT, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant",
-              plan=dequant_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
-              policy=dequant_config, spell=spell),
-    # a bf16 spec's: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
-    KernelDef(name=PARTS_KERNEL, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_parts",
-              plan=parts_plan, context={"tail": False}, archs=ARCHS, kv_dtypes=("bf16",), policy=parts_config,
-              spell=spell),
-    # an fp8 spec's: DEQUANT on the parts grid, which the dequantize path takes at B >= PARTS_MIN_B
-    KernelDef(name=DEQUANT_PARTS, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant_parts",
-              plan=dequant_parts_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
-              policy=dequant_parts_config, spell=spell),
 ]
 
 
@@ -354,23 +379,4 @@ DECLARATIONS = [
                             "sanitize:_verify_mma_cases"),
     tensor_core_declaration(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
                             "sanitize:_verify_mma_cases"),
-    # not a `serves` of its own: tree_verify(fp8_path="dequant") runs it (with kv_dequant before it)
-    Declaration(KERNELS[2], launcher="kernels.tree_verify_wgmma:tree_verify_dequant", reference="reference:tree_verify",
-                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify (fp8_path='dequant'), which runs it",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
-    # not a `serves` of its own either: tree_verify (impl "auto" / "wgmma", num_splits not given) runs it at B >= PARTS_MIN_B
-    Declaration(KERNELS[3], launcher="kernels.tree_verify_wgmma:tree_verify_parts", reference="reference:tree_verify",
-                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify, which runs it at B >= PARTS_MIN_B",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
-    # the dequantize path (fp8_path "dequant", or None where it takes that path) runs it at B >= PARTS_MIN_B
-    Declaration(KERNELS[4], launcher="kernels.tree_verify_wgmma:tree_verify_dequant_parts",
-                reference="reference:tree_verify", output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify (an fp8 spec's dequantize path), which "
-                                      "runs it at B >= PARTS_MIN_B",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
 ]

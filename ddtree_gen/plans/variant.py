@@ -48,9 +48,10 @@ class Variant:
 
     @property
     def name(self) -> str:
-        """The procedural name: the kernel's, then the config spelled by the kernel (KernelDef.spell)."""
+        """The procedural name: the kernel's (also for its further builds: their configs differ), then the config
+        spelled by the kernel (KernelDef.spell)."""
         parts = self.kernel.spell(self.config) if self.kernel.spell is not None else ()
-        return ".".join((self.kernel.name, *parts))
+        return ".".join((self.kernel.kernel, *parts))
 
     @property
     def stem(self) -> str:

@@ -51,7 +51,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
     return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
 }
 
-// tree_verify_wgmma_dequant_parts, seesaw schedule: MLA tree attention for DDTree verification on Hopper's warpgroup tensor
+// tree_verify_wgmma, seesaw schedule: MLA tree attention for DDTree verification on Hopper's warpgroup tensor
 // cores (wgmma.mma_async, bf16 -> fp32; sm_90a). Spec kimi-k2.6-tp8-fp8: H = 8 heads, R = 512 latent,
 // P = 64 rope, page = 64 tokens, N = 65 tree nodes, W = 3 mask words.
 // Keys t in [0, prefix_len + q_len): the whole prefix, plus tree node t - prefix_len when its bit is set in
@@ -386,7 +386,7 @@ __device__ __forceinline__ uint32_t p_off(int r, int c) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-ddtree_tree_verify_wgmma_dequant_parts(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
+ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
             const kv_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] bf16 or e4m3 bytes
             const int* __restrict__ block_table,     // [B, max_pages]
