@@ -17,7 +17,7 @@ from ddtree_gen import reference
 from ddtree_gen.plans import all_kernels
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", REPO / "docs" / "engine.md"]
+DOCS = [REPO / "README.md", REPO / "docs" / "engine.md", REPO / "docs" / "usage.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 GPU_ONLY = re.compile(r"\b(cupy|torch)\b|\bddtree_gen\.load\(|\bks\.", re.M)   # cupy, torch or a kernel set
 
