@@ -122,6 +122,7 @@ def test_layers_import_downwards():
 
 
 # bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`
+# (or stand_in, which no benchmark imports)
 BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs",
                 "ddtree_gen.bench.shapes"}
 

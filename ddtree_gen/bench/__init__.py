@@ -9,4 +9,8 @@ What they share lies below them, and the benchmarks never import each other: tim
 CUDA-graph medians, the measured peak and copy rate, the table), peers (what an engine runs today:
 FlashMLA, torch, a CPU heap builder) and specs (the shipped spec per head count, spec variants). Their
 inputs come from ddtree_gen.inputs.
+
+stand_in is no benchmark and no benchmark imports it: a kernel set of stand-in binaries on a stand-in device,
+for the CPU harness of the host path (scripts/profile_launch.py and the tests); scripts/ reach the benchmarks'
+call tables and timings through these modules' public names.
 """
