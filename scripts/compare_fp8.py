@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from compare_schedules import rel_rows, to_host
+    from ddtree_gen.bench.compare import rel_rows, to_host
     from ddtree_gen.bench.specs import SPEC_BY_HEADS, spec_variant
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.inputs import verify_inputs

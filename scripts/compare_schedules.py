@@ -21,24 +21,6 @@ SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (1, 16, 4096), (64, 16, 204
           (8, 128, 4096), (8, 64, 16384), (64, 8, 8192)]
 
 
-def rel_rows(a, b) -> float:
-    """Worst row of ||a - b|| / ||b|| over [..., R] float arrays."""
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    num = np.linalg.norm(a - b, axis=-1)
-    den = np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
-    return float(np.max(num / den))
-
-
-def to_host(a):
-    """A torch tensor or a CuPy array (bf16 as uint16 bits) -> float numpy."""
-    import cupy
-    from ddtree_gen import bf16
-    if hasattr(a, "detach"):
-        return a.detach().float().cpu().numpy()
-    h = cupy.asnumpy(a)
-    return bf16.from_bits(h) if h.dtype == np.uint16 else h
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ablate", action="store_true", help="also time seesaw builds with products left out")
@@ -55,6 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
+    from ddtree_gen.bench.compare import rel_rows, to_host
     from ddtree_gen.bench.peers import flashmla_peers
     from ddtree_gen.bench.specs import SPEC_BY_HEADS
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops

@@ -33,19 +33,17 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="kimi-k2.6-tp8", help="spec name (default kimi-k2.6-tp8)")
     ap.add_argument("--calls", type=int, default=2000, help="calls per timing run (best of 5)")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("probe_op_dispatch.py needs torch (its CPU build is enough): pip install torch")
-        return 2
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=False, torch=True)   # (its CPU build is enough)
+    import torch
+
     from ddtree_gen import torch_ops
-    from ddtree_gen.bench.launch import call_table, per_call_us, tiny_inputs
-    from ddtree_gen.bench.stand_in import cpu_torch_ops, stand_in_kset
+    from ddtree_gen.bench.launch import per_call_us
+    from ddtree_gen.bench.stand_in import harness
     from ddtree_gen.spec import find_spec
     spec = find_spec(args.spec)
-    ks, _ = stand_in_kset(spec)
-    lib = cpu_torch_ops(ks)
-    table = call_table(ks, spec, tiny_inputs(spec, "cpu"), ops=True)
+    h = harness(spec)
+    lib, table = h.library, h.calls
     null = torch.library.Library("ddtree_probe", "DEF")
     null.define("null(Tensor a) -> ()")
     null.impl("null", lambda a: None, "CPU")

@@ -46,19 +46,17 @@ def main(argv=None) -> int:
                          "wall: wall time")
     args = ap.parse_args(argv)
     clock = CLOCKS[args.clock]
-    try:
-        import torch
-    except ImportError:
-        print("profile_launch.py needs torch (its CPU build is enough): pip install torch")
-        return 2
-    from ddtree_gen.bench.launch import call_table, compiled_sources, per_call_us, stage_times, tiny_inputs
-    from ddtree_gen.bench.stand_in import cpu_torch_ops, stand_in_kset
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=False, torch=True)   # (its CPU build is enough)
+    import torch
+
+    from ddtree_gen.bench.launch import compiled_sources, per_call_us, stage_times
+    from ddtree_gen.bench.stand_in import harness
     from ddtree_gen.spec import find_spec
     spec = find_spec(args.spec)
-    ks, launches = stand_in_kset(spec)
-    lib = cpu_torch_ops(ks)   # noqa: F841 - kept alive while the ops are called
-    table = {name: (c.plain, c.op, c.direct) for name, c in call_table(ks, spec, tiny_inputs(spec, "cpu"),
-                                                                        ops=True).items()}
+    h = harness(spec)   # (held: its torch library keeps the ops registered)
+    ks, launches = h.kset, h.launches
+    table = {name: (c.plain, c.op, c.direct) for name, c in h.calls.items()}
     a, b = torch.ones(16), torch.ones(16)
     table["torch.add, 16 floats (CPU)"] = (lambda: torch.add(a, b), None, None)
     if args.profile or args.stages or args.source:

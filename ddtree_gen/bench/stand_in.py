@@ -1,5 +1,6 @@
 """A kernel set without a GPU: the CPU harness of the host path (scripts/profile_launch.py, probe_op_dispatch.py and
-tests/test_host_path_cpu.py; no `ddtree-gen bench NAME`, and no benchmark imports it).
+tests/test_host_path_cpu.py; no `ddtree-gen bench NAME`: it uses bench launch's call table, and no benchmark
+imports it).
 
 stand_in_kset(spec) is a real KernelSet of the spec (its plans, constants and launchers) whose binaries are
 stand-ins, on a stand-in device 0 (compute capability 9.0, so impl="auto" picks wgmma as on an H200), with the
@@ -15,6 +16,7 @@ torch_ops' kernel-set lookup): this module is their one user outside those modul
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 
 class _Built:
@@ -111,3 +113,20 @@ def cpu_torch_ops(ks, names=None, patch=setattr):
         for name in names or [op.name for _, op in registry.torch_ops()]:
             lib.impl(name, torch_ops.implementation(name), "CPU")
     return lib
+
+
+class Harness(NamedTuple):
+    """The CPU harness of scripts/profile_launch.py and probe_op_dispatch.py."""
+    kset: object       # stand_in_kset's kernel set
+    launches: list     # its counted launches
+    calls: dict        # `bench launch`'s call table (bench.launch.call_table, ops=True) on torch CPU tensors
+    library: object    # cpu_torch_ops' registrations (keep it alive while the ops are called)
+
+
+def harness(spec, patch=setattr, patch_item=operator.setitem) -> Harness:
+    """stand_in_kset(spec), the torch ops registered for the CPU key on it, and `bench launch`'s call table on its
+    tiny problem (bench.launch.tiny_inputs, kind "cpu")."""
+    from .launch import call_table, tiny_inputs
+    ks, launches = stand_in_kset(spec, patch, patch_item)
+    lib = cpu_torch_ops(ks, patch=patch)
+    return Harness(ks, launches, call_table(ks, spec, tiny_inputs(spec, "cpu"), ops=True), lib)
