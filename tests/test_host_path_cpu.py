@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet
+from conftest import FakeCudaArray, LaunchLog
 from ddtree_gen import runtime
 from ddtree_gen.bench import launch, stand_in
 from ddtree_gen.bench.specs import LAYERS
@@ -34,15 +34,6 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = "kimi-k2.6-tp8"
-
-
-class Recorder(FakeKernelSet):
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.seen = []
-
-    def launch(self, name, **kwargs):
-        self.seen.append((name, kwargs))
 
 
 @pytest.fixture
@@ -70,12 +61,18 @@ def _prepared(kset) -> list:
     return [v for v in kset.prepared_calls.values() if isinstance(v, Prepared)]
 
 
-def test_layer_list_hit_and_each_calls_pointers(cpu_torch):
+def _committed_twice():
+    """A LaunchLog kernel set after two kv_commit calls of the same 61 layers, and their arguments."""
     spec = _spec()
-    kset = Recorder(spec)
+    kset = LaunchLog(spec)
     acc, prefix, caches, table = _commit(spec)
     kv_commit(kset, acc, prefix, caches, table)
     kv_commit(kset, acc, prefix, caches, table)
+    return kset, acc, prefix, caches, table
+
+
+def test_layer_list_hit_and_each_calls_pointers(cpu_torch):
+    kset, acc, prefix, caches, table = _committed_twice()
     assert len(_prepared(kset)) == 1
     other = [c.clone() for c in caches]    # the same signatures, new pointers: the same entry, their pointers
     kv_commit(kset, acc, prefix, other, table)
@@ -92,7 +89,7 @@ def test_layer_list_misses_on_each_component(cpu_torch, monkeypatch):
     acc, prefix, caches, table = _commit(spec)
 
     def fresh():
-        kset = Recorder(spec)
+        kset = LaunchLog(spec)
         kv_commit(kset, acc, prefix, caches, table)
         return kset
     # shape (another num_pages): another signature, its own entry
@@ -120,11 +117,7 @@ def test_layer_list_misses_on_each_component(cpu_torch, monkeypatch):
 
 def test_layer_list_misaligned_pointer_after_a_hit(cpu_torch):
     """The alignment of the layers is skipped only for the pointers that passed it last time."""
-    spec = _spec()
-    kset = Recorder(spec)
-    acc, prefix, caches, table = _commit(spec)
-    kv_commit(kset, acc, prefix, caches, table)
-    kv_commit(kset, acc, prefix, caches, table)
+    kset, acc, prefix, caches, table = _committed_twice()
     shape = caches[0].shape
     big = torch.zeros(int(np.prod(shape)) + 8, dtype=torch.bfloat16)
     layers = list(caches)
@@ -138,7 +131,7 @@ def test_layer_list_misaligned_pointer_after_a_hit(cpu_torch):
 def test_layer_list_of_other_arrays_is_read_one_by_one(fake_device):
     """Not torch tensors (here __cuda_array_interface__ stand-ins): the layers' own signatures, as before."""
     spec = _spec()
-    kset = Recorder(spec)
+    kset = LaunchLog(spec)
     d1 = spec.max_depth + 1
     acc = type("Acc", (), {"accept_lens": FakeCudaArray((2,), np.int32),
                            "accepted_nodes": FakeCudaArray((2, d1), np.int32)})()

@@ -1,8 +1,22 @@
-"""What the comparison scripts of scripts/ share (no `ddtree-gen bench NAME`; no benchmark imports it): one
-kernel's output brought to the host, and how far one output is from another, row by row."""
+"""What the comparison scripts of scripts/ share (no `ddtree-gen bench NAME`; no benchmark imports it): their
+--shapes values, one kernel's output brought to the host, and how far one output is from another, row by row."""
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+
+
+def parse_shape(text: str) -> tuple:
+    """"B,H,L" -> (B, H, L), each a positive integer (an argparse type: a bad value is an argparse error)."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,L, three positive integers (e.g. 8,8,4096)")
+    return values
 
 
 def to_host(a) -> np.ndarray:
