@@ -10,7 +10,8 @@ where a caller wants device arrays (upload: CuPy, optionally misaligned). Pieces
 * trees: tree_masks (the ancestor masks of chain / star / binary / random trees, optionally with junk bits
   at and past q_len) and accept_tree (a tree whose accepted path is known);
 * per kernel: tree_verify (VerifyInputs: host arrays, .device() uploads), tree_build_inputs, accept_tree, and
-  verify_inputs (the benches' large batches: the structure from here, the values drawn on the GPU).
+  verify_inputs (the benches' large batches: the structure from here, the values drawn on the GPU) and
+  chain_verify_inputs (the tuning scripts' timing batches: chain trees, drawn on the GPU).
 Edge cases: q_lens 0 (empty requests) or rows whose mask is cleared (clear_rows: rows with no visible tail
 key), bad_pages, and misaligned device copies (upload(..., misalign=)).
 """
@@ -278,6 +279,27 @@ def verify_inputs(spec, b: int, lens, nq: int, seed: int = 0):
     if spec.kv_fp8:
         out["kv_scale"] = 1.0
     return out
+
+
+def chain_verify_inputs(spec, b: int, L: int, nq: int) -> dict:
+    """A tree_verify timing batch drawn on the GPU (CuPy's global random state): every request has prefix L and
+    q_len nq with a chain tree (the mask does not change the work), random bf16 q and cache (the top 16 bits of
+    float32 normals), a random-permutation block table; no softmax_scale (the tuning scripts pass theirs)."""
+    import cupy
+    h, r, p, page, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size, spec.mask_words
+    pages_per = -(-(L + nq) // page)
+
+    def rnd(shape):
+        x = cupy.random.standard_normal(shape, dtype=np.float32)
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    table = cupy.random.permutation(b * pages_per).astype(np.int32).reshape(b, pages_per)
+    mask = np.zeros((nq, w), np.uint32)
+    for i in range(nq):
+        for k in range(i + 1):
+            mask[i, k // 32] |= np.uint32(1 << (k % 32))
+    return dict(q_nope=rnd((b, nq, h, r)), q_pe=rnd((b, nq, h, p)), kv_cache=rnd((b * pages_per, page, r + p)),
+                block_table=table, prefix_lens=cupy.full(b, L, np.int32), q_lens=cupy.full(b, nq, np.int32),
+                tree_mask=cupy.asarray(np.broadcast_to(mask, (b, nq, w)).copy()))
 
 
 # -------------------------------------------------------------------------------------- tree_build

@@ -396,6 +396,14 @@ def _cuda() -> dict:
     return _CUDA
 
 
+def cuda_entries() -> dict:
+    """The driver / runtime entry points a launch uses, looked up on first use: launch (cuLaunchKernel, CuPy's
+    binding), get_device, set_device, cupy_stream (the current CuPy stream) and, with torch, torch_stream (its raw
+    current stream). The runtime reads this one table per call; a probe may call its entries, a stand-in replace
+    them (ddtree_gen.bench.stand_in)."""
+    return _CUDA or _cuda()
+
+
 def current_stream(device: int, kind: str) -> int:
     """The caller's current stream on `device`: torch's for torch inputs, else CuPy's."""
     cuda = _CUDA or _cuda()

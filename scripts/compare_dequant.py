@@ -24,22 +24,12 @@ import argparse
 
 import numpy as np
 
+from ddtree_gen.bench.compare import parse_shape
+
 # (B, H, L): `ddtree-gen bench kv-dtype`'s shapes (ddtree_gen.bench.kv_dtype.KV_DTYPE_CONFIGS)
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]
 NQ = 65
 POISON_KV, POISON_TABLE = 0xABCD, 0x5EEDBEEF
-
-
-def parse_shape(text: str) -> tuple:
-    """"B,H,L" -> (B, H, L), each a positive integer (argparse type)."""
-    parts = text.split(",")
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        values = ()
-    if len(values) != 3 or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: expected B,H,L, three positive integers (e.g. 8,8,4096)")
-    return values
 
 
 def parse_knobs(text: str) -> dict:

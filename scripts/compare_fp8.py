@@ -21,15 +21,16 @@ SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 409
 
 
 def main() -> None:
+    from ddtree_gen.bench.compare import parse_shape, rel_rows, to_host
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: issue 22's table)")
+    ap.add_argument("--shapes", nargs="*", type=parse_shape, metavar="B,H,L",
+                    help="B,H,L triples (default: issue 22's table)")
     ap.add_argument("--sync", action="store_true", help="also the converter's convert_sync modes")
     ap.add_argument("--ablate", action="store_true", help="also the converter without fences / without arithmetic")
     ap.add_argument("--no-lockstep", action="store_true", help="leave out the fp8 lockstep build")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
-    from compare_schedules import rel_rows, to_host
     from ddtree_gen.bench.specs import SPEC_BY_HEADS, spec_variant
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.inputs import verify_inputs
@@ -39,7 +40,7 @@ def main() -> None:
     from ddtree_gen.plans.variant import variant
     from ddtree_gen.spec import find_spec
 
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     peak = measured_peak_tflops()
     wg = by_name("tree_verify_wgmma")
     rows = []

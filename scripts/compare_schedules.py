@@ -19,39 +19,26 @@ import numpy as np
 
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (1, 16, 4096), (64, 16, 2048), (1, 64, 4096), (8, 64, 4096),
           (8, 128, 4096), (8, 64, 16384), (64, 8, 8192)]
-
-
-def rel_rows(a, b) -> float:
-    """Worst row of ||a - b|| / ||b|| over [..., R] float arrays."""
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    num = np.linalg.norm(a - b, axis=-1)
-    den = np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
-    return float(np.max(num / den))
-
-
-def to_host(a):
-    """A torch tensor or a CuPy array (bf16 as uint16 bits) -> float numpy."""
-    import cupy
-    from ddtree_gen import bf16
-    if hasattr(a, "detach"):
-        return a.detach().float().cpu().numpy()
-    h = cupy.asnumpy(a)
-    return bf16.from_bits(h) if h.dtype == np.uint16 else h
+ALSO = {   # --flag: what it also times
+    "ablate": "seesaw builds with products left out",
+    "slab-order": "the seesaw with WG1's S in slab order",
+    "parts": "the seesaw on the balanced 'parts' grid",
+    "l2-hint": "the seesaw with L2 evict-first key loads",
+    "rescale": "the seesaw's rescale modes exact and skip",
+    "p-store": "the seesaw with the P tiles stored by stmatrix (the default build: 32-bit stores)",
+}
 
 
 def main() -> None:
+    from ddtree_gen.bench.compare import parse_shape, rel_rows, to_host
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ablate", action="store_true", help="also time seesaw builds with products left out")
-    ap.add_argument("--slab-order", action="store_true", help="also time the seesaw with WG1's S in slab order")
-    ap.add_argument("--parts", action="store_true", help="also time the seesaw on the balanced 'parts' grid")
-    ap.add_argument("--l2-hint", action="store_true", help="also time the seesaw with L2 evict-first key loads")
-    ap.add_argument("--rescale", action="store_true", help="also time the seesaw's rescale modes exact and skip")
-    ap.add_argument("--p-store", action="store_true", help="also time the seesaw with the P tiles stored by "
-                    "stmatrix (the default build: 32-bit stores)")
+    for flag, what in ALSO.items():
+        ap.add_argument(f"--{flag}", action="store_true", help=f"also time {what}")
     ap.add_argument("--part-counts", nargs="*", type=int, default=[], metavar="P",
                     help="with --parts: also the parts grid with these part counts (num_splits; default: parts_for's "
                          "one wave of blocks)")
-    ap.add_argument("--shapes", nargs="*", help="B,H,L triples (default: the issue's table)")
+    ap.add_argument("--shapes", nargs="*", type=parse_shape, metavar="B,H,L",
+                    help="B,H,L triples (default: the issue's table)")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True, torch=True)
@@ -66,7 +53,7 @@ def main() -> None:
     from ddtree_gen.plans.variant import variant as make_variant
     from ddtree_gen.spec import find_spec
 
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     peak = measured_peak_tflops()
     rows = []
     for b, h, L in shapes:

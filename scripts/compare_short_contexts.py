@@ -25,8 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)
-    import cupy
-    from ddtree_gen import bf16
+    from ddtree_gen.bench.compare import rel_rows, to_host
     from ddtree_gen.bench.timing import graph_time_ms, print_table
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
@@ -34,7 +33,6 @@ def main() -> None:
     from ddtree_gen.plans.split_kv import COMBINE
     from ddtree_gen.plans.variant import variant
     from ddtree_gen.spec import find_spec
-    from compare_schedules import rel_rows
 
     spec = find_spec(args.spec)
     ks = load(spec, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", COMBINE])
@@ -52,7 +50,7 @@ def main() -> None:
         ref, times = None, {}
         for name, (fn, kw) in calls.items():
             res = fn(**x, **kw)
-            out = bf16.from_bits(cupy.asnumpy(res.out))
+            out = to_host(res.out)
             ref = out if ref is None else ref
             times[name] = graph_time_ms(lambda fn=fn, kw=kw, res=res: fn(**x, **kw, out=res.out, lse=res.lse),
                                         per_graph=10, reps=10)

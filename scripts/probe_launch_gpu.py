@@ -8,7 +8,7 @@ What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call ta
   * per row: the eager wall time per call of the plain launcher, of the torch op and of the op's direct entry
     (torch_ops.direct) (best of --runs runs of --calls back-to-back calls, synchronised at the end of each run, as
     `bench launch`'s eager column);
-  * per row: the stages of one cached plain call (scripts/profile_launch.py's stage_times on the real kernel set:
+  * per row: the stages of one cached plain call (ddtree_gen.bench.launch.stage_times on the real kernel set:
     launcher + signature + lookup, the compiled function's checks, outputs, launch(es), result), wall time per
     call of --stage-calls calls issued after the GPU's queue is drained (so the launch stage is the host's,
     not a wait for a full queue);
@@ -16,7 +16,7 @@ What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call ta
     outputs as two allocations and as one buffer with views, torch.add of 16 floats, torch.cuda.current_stream(),
     the raw stream lookup the runtime uses (torch._C._cuda_getCurrentRawStream), and one bare cuLaunchKernel of an
     empty kernel (cupy.cuda.driver.launchKernel, the runtime's entry point), alone, with the runtime's per-call
-    device and stream lookups around it (runtime._launch_bound's path), and through ctypes (perf.md round 6).
+    device and stream lookups around it (the runtime's bound launch), and through ctypes (perf.md round 6).
 Run: python scripts/probe_launch_gpu.py [--spec kimi-k2.6-tp8] [--calls 2000] [--runs 5] [--stage-calls 200]
 Needs a CUDA device (torch with CUDA, CuPy); refuses in one line without one.
 """
@@ -26,12 +26,7 @@ import argparse
 import ctypes
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-STAGES = ("launcher, signature, lookup", "checks", "outputs", "launch", "result")
 EMPTY = 'extern "C" __global__ void ddtree_probe_empty() {}'
 
 
@@ -66,32 +61,15 @@ def no_device() -> str | None:
     return None
 
 
-def eager_us(fn, sync, calls: int, runs: int) -> float:
-    """`bench launch`'s eager figure: best of `runs` runs of `calls` back-to-back calls, each ended by a sync."""
-    from ddtree_gen.bench.launch import _eager_us
-    return _eager_us(fn, sync, calls, runs)
-
-
-def split(rows) -> dict:
-    """profile_launch.stage_times' rows -> {stage: us} summed over a call's compiled functions."""
-    out = dict.fromkeys(STAGES, 0.0)
-    for label, us in rows:
-        word = label.split()[0]
-        if label.startswith("launcher"):
-            out[STAGES[0]] += us
-        elif word in out:
-            out[word] += us
-    return out
-
-
 def references(calls: int, runs: int) -> list:
     """(what, us per call) of the reference points (module docstring)."""
     import cupy
     import torch
 
     from ddtree_gen import runtime
+    from ddtree_gen.bench.launch import eager_us
     sync = torch.cuda.synchronize
-    cuda = runtime._cuda()
+    cuda = runtime.cuda_entries()
     dev = torch.cuda.current_device()
     kernel = cupy.RawModule(code=EMPTY).get_function("ddtree_probe_empty")
     fn = getattr(kernel, "kernel", kernel)   # CuPy 13: a RawKernel, whose .kernel is the driver Function
@@ -103,7 +81,7 @@ def references(calls: int, runs: int) -> list:
     def bare():
         launch(fn.ptr, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
 
-    def runtime_path():   # what runtime._launch_bound does around its launch: the stream and device lookups
+    def runtime_path():   # what the runtime's bound launch does around it: the stream and device lookups
         s = raw_stream(dev)
         if get_device() != dev:
             cuda["set_device"](dev)
@@ -153,28 +131,25 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    import profile_launch
-    from ddtree_gen.bench import launch
+    from ddtree_gen.bench.launch import STAGES, call_table, eager_us, stage_split, stage_times, tiny_inputs
     from ddtree_gen.kernel_set import load
     from ddtree_gen.spec import find_spec
     spec = find_spec(args.spec)
     ks = load(spec)
     sync = torch.cuda.synchronize
-    plain, _, state = launch._calls(ks, spec, "torch")
-    ops = launch._op_calls(spec.name, *state)
-    direct = launch._op_calls(spec.name, *state, direct=True)
-    profile_launch.CLOCK[0], profile_launch.SYNC[0] = time.perf_counter, sync   # wall time, the queue drained
+    table = call_table(ks, spec, tiny_inputs(spec, "torch"), ops=True)
     print(f"host time per eager call on {torch.cuda.get_device_name()}, spec {spec.name}, B = 1, prefix 64, Nq = N, "
           f"torch CUDA inputs (eager: best of {args.runs} x {args.calls} calls; stages: the plain call, "
           f"best of 5 x {args.stage_calls} calls after a sync)")
     head = f"{'call':<24} {'plain us':>8} {'op us':>7} {'op-plain':>8} {'direct us':>9} |" + "".join(
         f" {s:>11}" for s in ("launcher+", "checks", "outputs", "launch(es)", "result")) + f" {'stage sum':>9}"
     print(head)
-    for name, fn in plain.items():
-        p = eager_us(fn, sync, args.calls, args.runs)
-        o = eager_us(ops[name], sync, args.calls, args.runs) if name in ops else float("nan")
-        d = eager_us(direct[name], sync, args.calls, args.runs) if name in direct else float("nan")
-        st = split(profile_launch.stage_times(ks, fn, args.stage_calls)[1:])
+    for name, c in table.items():
+        p = eager_us(c.plain, sync, args.calls, args.runs)
+        o = eager_us(c.op, sync, args.calls, args.runs) if c.op is not None else float("nan")
+        d = eager_us(c.direct, sync, args.calls, args.runs) if c.direct is not None else float("nan")
+        # wall time, the GPU's queue drained before each run
+        st = stage_split(stage_times(ks, c.plain, args.stage_calls, clock=time.perf_counter, sync=sync)[1:])
         sync()
         print(f"{name:<24} {p:8.1f} {o:7.1f} {o - p:8.1f} {d:9.1f} |" + "".join(f" {st[s]:11.1f}" for s in STAGES)
               + f" {sum(st.values()):9.1f}")

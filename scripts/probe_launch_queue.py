@@ -24,16 +24,16 @@ def main() -> None:
     needs.script_requires(__file__, gpu=True, torch=True)
     import torch
 
-    from ddtree_gen.bench import launch
+    from ddtree_gen.bench.launch import call_table, host_us, tiny_inputs
     from ddtree_gen.kernel_set import load
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
-    eager, _, _ = launch._calls(load(spec), spec, "torch")
+    table = call_table(load(spec), spec, tiny_inputs(spec, "torch"))
     sync = torch.cuda.synchronize
     print(f"{'call':<22} " + " ".join(f"{n:>6}" for n in BURSTS) + "   one call, idle GPU   (us per call)")
     for name in args.calls:
-        fn = eager[name]
-        bursts = [launch._host_us(fn, sync, calls=n) for n in BURSTS]
+        fn = table[name].plain
+        bursts = [host_us(fn, sync, calls=n) for n in BURSTS]
         for _ in range(20):
             fn()
         sync()

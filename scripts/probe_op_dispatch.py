@@ -2,8 +2,9 @@
 """Where a torch op's time over its plain call goes, without a GPU (docs/perf.md "Host time per eager call, round 4").
 
 When: before changing how torch_ops registers or dispatches the ops, to see which part of op - plain a change
-can reach. How: scripts/profile_launch.py's stand-in kernel set and calls (torch CPU tensors standing for CUDA
-ones, the ops' implementations registered for the CPU key). Per op, us per call (this thread's CPU time, best of
+can reach. How: scripts/profile_launch.py's stand-in kernel set and calls (ddtree_gen.bench.stand_in and
+ddtree_gen.bench.launch.call_table: torch CPU tensors standing for CUDA ones, the ops' implementations registered
+for the CPU key). Per op, us per call (this thread's CPU time, best of
 5 x --calls):
   plain       the plain launcher, called in a loop (what profile_launch.py reports)
   op          the torch op
@@ -19,17 +20,12 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import profile_launch  # noqa: E402
+from ddtree_gen.bench.launch import KV_COMMIT, KV_STACKED
 
 OPS = {"tree_build": "tree_build", "tree_verify (auto)": "tree_verify", "tree_verify_tail": "tree_verify_tail",
        "merge_states": "merge_states", "tree_accept": "tree_accept", "tree_walk": "tree_walk",
-       f"kv_commit, {profile_launch.LAYERS} layers": "kv_commit",
-       f"kv_commit, {profile_launch.LAYERS} stacked": "kv_commit_stacked", "draft_topk": "draft_topk"}
+       KV_COMMIT: "kv_commit", KV_STACKED: "kv_commit_stacked", "draft_topk": "draft_topk"}
 
 
 def main(argv=None) -> int:
@@ -37,23 +33,23 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="kimi-k2.6-tp8", help="spec name (default kimi-k2.6-tp8)")
     ap.add_argument("--calls", type=int, default=2000, help="calls per timing run (best of 5)")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("probe_op_dispatch.py needs torch (its CPU build is enough): pip install torch")
-        return 2
+    from ddtree_gen import needs
+    needs.script_requires(__file__, gpu=False, torch=True)   # (its CPU build is enough)
+    import torch
+
     from ddtree_gen import torch_ops
+    from ddtree_gen.bench.launch import per_call_us
+    from ddtree_gen.bench.stand_in import harness
     from ddtree_gen.spec import find_spec
     spec = find_spec(args.spec)
-    ks, _ = profile_launch.stand_in_kset(spec)
-    table = profile_launch.calls(ks, spec)
-    lib = torch.library.Library("ddtree", "IMPL")
+    h = harness(spec)
+    lib, table = h.library, h.calls
     null = torch.library.Library("ddtree_probe", "DEF")
     null.define("null(Tensor a) -> ()")
     null.impl("null", lambda a: None, "CPU")
     one = torch.zeros(4)
     null_op = torch.ops.ddtree_probe.null
-    us = profile_launch.per_call_us
+    us = per_call_us
     n = args.calls
     base = us(lambda: null_op(one), n)
     print(f"us per call, spec {spec.name}, this machine's CPU time (best of 5 x {n}); a null op alone: {base:.1f}")
@@ -61,9 +57,9 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the replaced CPU kernels ("Overriding a previously registered kernel")
         for row, name in OPS.items():
-            if row not in table or table[row][1] is None:
+            if row not in table or table[row].op is None:
                 continue
-            plain, op, _ = table[row]
+            plain, op = table[row].plain, table[row].op
             impl = torch_ops.implementation(name)
             p, o = us(plain, n), us(op, n)
             result = op()

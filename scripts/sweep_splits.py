@@ -15,19 +15,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tune_tree_verify import device_inputs, time_call  # noqa: E402
-
-import ddtree_gen  # noqa: E402
-from ddtree_gen import artifacts  # noqa: E402
-from ddtree_gen.plans import split_kv as mod  # noqa: E402
-from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
+import ddtree_gen
+from ddtree_gen import artifacts
+from ddtree_gen.bench.timing import call_time_ms
+from ddtree_gen.inputs import chain_verify_inputs
+from ddtree_gen.plans import split_kv as mod
+from ddtree_gen.spec import all_specs, find_spec
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 MAX_SPLITS = 16
@@ -35,9 +31,9 @@ MAX_WAVES = 8          # split counts whose blocks exceed this many waves are no
 
 
 def inputs(spec, b, L, nq):
-    """device_inputs, with an e4m3 cache (no NaN byte) and kv_scale for an fp8 spec."""
+    """chain_verify_inputs, with an e4m3 cache (no NaN byte) and kv_scale for an fp8 spec."""
     import cupy
-    dev = device_inputs(spec, b, L, nq)
+    dev = chain_verify_inputs(spec, b, L, nq)
     extra = {}
     if spec.kv_fp8:
         x = cupy.random.randint(0, 256, dev["kv_cache"].shape, dtype=np.int32).astype(np.uint8)
@@ -62,10 +58,10 @@ def sweep(ks, spec, b, L, nq, sms):
         def call(s=s):
             ks.tree_verify_wgmma(**dev, softmax_scale=192 ** -0.5, out=out, lse=lse, workspace=ws, num_splits=s,
                                  **extra)
-        total = time_call(call)
+        total = call_time_ms(call)
         comb = None
         if s > 1:   # the combine kernel alone, on the partials the call left
-            comb = time_call(lambda s=s: ks.tree_verify_mma_combine(ws, dev["prefix_lens"], dev["q_lens"], s, out, lse))
+            comb = call_time_ms(lambda s=s: ks.tree_verify_mma_combine(ws, dev["prefix_lens"], dev["q_lens"], s, out, lse))
         times[s] = (total, comb)
     return base, times
 

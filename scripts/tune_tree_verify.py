@@ -30,16 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddtree_gen import archs, artifacts, bf16, inputs, reference  # noqa: E402
-from ddtree_gen.bench.timing import gpu_time_ms, graph_time_ms  # noqa: E402
-from ddtree_gen.kernel_set import variant_set  # noqa: E402
-from ddtree_gen.plans import by_name, split_kv  # noqa: E402
-from ddtree_gen.plans import tree_verify_mma as mod  # noqa: E402
-from ddtree_gen.plans.variant import variant  # noqa: E402
-from ddtree_gen.resources import compare  # noqa: E402
-from ddtree_gen.spec import all_specs, find_spec  # noqa: E402
+from ddtree_gen import archs, artifacts, bf16, inputs, reference
+from ddtree_gen.bench.timing import call_time_ms
+from ddtree_gen.kernel_set import variant_set
+from ddtree_gen.plans import by_name, split_kv
+from ddtree_gen.plans import tree_verify_mma as mod
+from ddtree_gen.plans.variant import variant
+from ddtree_gen.resources import compare
+from ddtree_gen.spec import all_specs, find_spec
 
 OUT_TOL, LSE_TOL = 5e-3, 1e-3
 PEAK_TFLOPS = 760.0
@@ -55,26 +53,6 @@ def host_inputs(spec, rng, prefix, qlens, nq):
     inp = inputs.tree_verify(spec, rng, prefix, qlens, "random", nq=nq, extra_pages=3, spare_columns=1, unused=-1,
                              values=inputs.bf16_normal)
     return {k: v for k, v in inp.host().items() if k != "kv_scale"}   # the mma.sync kernels: bf16 caches only
-
-
-def device_inputs(spec, b, L, nq):
-    """A timing batch generated on the device: every request has prefix L and q_len = Nq with a chain
-    tree (the mask does not change the work)."""
-    import cupy
-    h, r, p, page, w = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.page_size, spec.mask_words
-    pages_per = -(-(L + nq) // page)
-
-    def rnd(shape):
-        x = cupy.random.standard_normal(shape, dtype=np.float32)
-        return (x.view(np.uint32) >> 16).astype(np.uint16)
-    table = cupy.random.permutation(b * pages_per).astype(np.int32).reshape(b, pages_per)
-    mask = np.zeros((nq, w), np.uint32)
-    for i in range(nq):
-        for k in range(i + 1):
-            mask[i, k // 32] |= np.uint32(1 << (k % 32))
-    return dict(q_nope=rnd((b, nq, h, r)), q_pe=rnd((b, nq, h, p)), kv_cache=rnd((b * pages_per, page, r + p)),
-                block_table=table, prefix_lens=cupy.full(b, L, np.int32), q_lens=cupy.full(b, nq, np.int32),
-                tree_mask=cupy.asarray(np.broadcast_to(mask, (b, nq, w)).copy()))
 
 
 # -------------------------------------------------------------------------- validation
@@ -126,14 +104,6 @@ def validate(vs, spec, seed=0) -> list[str]:
 
 # ------------------------------------------------------------------------------ timing
 
-def time_call(fn) -> float:
-    """Median ms; CUDA-graph replay for short calls (host launch overhead would dominate)."""
-    eager = gpu_time_ms(fn, warmup=3, reps=10)
-    if eager > 2.0:
-        return gpu_time_ms(fn, warmup=1, reps=15)
-    return graph_time_ms(fn, per_graph=max(1, min(20, int(2.0 / max(eager, 1e-3)))), warmup=3, reps=15)
-
-
 def sweep(vs, spec, batches, lengths, nq, sms):
     """{(B, L): {splits: ms}} for one configuration."""
     import cupy
@@ -141,7 +111,7 @@ def sweep(vs, spec, batches, lengths, nq, sms):
     rows = {}
     for L in lengths:
         for b in batches:
-            dev = device_inputs(spec, b, L, nq)
+            dev = inputs.chain_verify_inputs(spec, b, L, nq)
             out = cupy.empty(dev["q_nope"].shape[:3] + (spec.kv_lora_rank,), np.uint16)
             lse = cupy.empty(dev["q_nope"].shape[:3], np.float32)
             base = b * -(-nq * spec.num_heads // split_kv.BM)
@@ -153,7 +123,7 @@ def sweep(vs, spec, batches, lengths, nq, sms):
                 def call(s=s):
                     vs.tree_verify_mma(**dev, softmax_scale=192 ** -0.5, out=out, lse=lse, workspace=ws,
                                        num_splits=s)
-                times[s] = time_call(call)
+                times[s] = call_time_ms(call)
             rows[(b, L)] = times
             dev = out = lse = ws = None   # free this batch before the next one is made
             cupy.get_default_memory_pool().free_all_blocks()

@@ -121,6 +121,25 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 
 
+def cuda_torch():
+    """torch, where it sees a CUDA device; else the test is skipped (torch missing, or without CUDA)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+def random_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of 1 .. max_len random tokens below `vocab` (seeded by seed + batch); with two or more, the
+    first is 1 token long and the second max_len (the end-to-end tests' decoders)."""
+    import numpy as np
+    rng = np.random.default_rng(seed + batch)
+    lens = rng.integers(1, max_len + 1, size=batch)
+    if batch > 1:
+        lens[0], lens[1] = 1, max_len
+    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
+
+
 def skip_unless_runs(kset, *names):
     """Skip the test, with the kernel set's reason, when a kernel of `names` cannot run on the current
     device: the wgmma kernels off Hopper or under DDTREE_GEN_ARCH=sm_80 (they have no sm_80 PTX build),
@@ -189,6 +208,18 @@ class FakeKernelSet(StandInKernelSet):
 
     def launch(self, name, **kwargs):
         raise LaunchReached(name)
+
+
+class LaunchLog(FakeKernelSet):
+    """A FakeKernelSet that records every launch, (name, keyword arguments), in .seen without refusing it (so one
+    kernel set serves many calls) and runs none."""
+
+    def __init__(self, spec, kernels=None):
+        super().__init__(spec, kernels)
+        self.seen = []
+
+    def launch(self, name, **kwargs):
+        self.seen.append((name, kwargs))
 
 
 def fake_tensor_map(ptr, tm):

@@ -367,20 +367,21 @@ def _comment_only_template(root):
     return [f"generated/{n}/manifest.json" for n in SPEC_NAMES] + ["template hash"]
 
 
-def _edit_generated(root):
-    path = root / "generated" / "deepseek-v3" / "tree_build.cu"
-    path.write_text(path.read_text().replace("{", "{ ", 1))
-    return ["generated/deepseek-v3/tree_build.cu", "differs from what the template renders"]
+def _edited(rel):
+    """The drift of a generated source edited by hand (one space added): `rel`, under the root."""
+    def edit(root):
+        path = root / rel
+        path.write_text(path.read_text().replace("{", "{ ", 1))
+        return [rel, "differs from what the template renders"]
+    return edit
 
 
-def _delete_manifest(root):
-    (root / "generated" / "kimi-k2.6" / "manifest.json").unlink()
-    return ["generated/kimi-k2.6/manifest.json", "missing"]
-
-
-def _delete_source(root):
-    (root / "generated" / "kimi-k2.6" / "tree_build.cu").unlink()
-    return ["generated/kimi-k2.6/tree_build.cu", "missing"]
+def _deleted(rel):
+    """The drift of a generated file deleted: `rel`, under the root."""
+    def delete(root):
+        (root / rel).unlink()
+        return [rel, "missing"]
+    return delete
 
 
 def _stray_folder(root):
@@ -421,23 +422,16 @@ def _spec_archs(root):
             "generated/kimi-k2.6-tp8/tree_verify_mma.bn32.s2.cu", "no registered kernel renders it"]
 
 
-def _edit_ptx_source(root):   # the sm_80 configuration's source (BN = 32: the variant tree_verify_mma.bn32.s2)
-    path = root / "generated" / "deepseek-v3" / "tree_verify_mma.bn32.s2.cu"
-    path.write_text(path.read_text().replace("{", "{ ", 1))
-    return ["generated/deepseek-v3/tree_verify_mma.bn32.s2.cu", "differs from what the template renders"]
-
-
-def _delete_ptx_source(root):
-    (root / "generated" / "deepseek-v3" / "tree_verify_tail_mma.bn32.s2.cu").unlink()
-    return ["generated/deepseek-v3/tree_verify_tail_mma.bn32.s2.cu", "missing"]
-
-
 DRIFTS = {"spec-value": _edit_spec, "template": _edit_template, "included-template": _edit_included_template,
-          "template-comment": _comment_only_template, "generated-by-hand": _edit_generated,
-          "manifest-deleted": _delete_manifest, "source-deleted": _delete_source, "stray-folder": _stray_folder,
+          "template-comment": _comment_only_template,
+          "generated-by-hand": _edited("generated/deepseek-v3/tree_build.cu"),
+          "manifest-deleted": _deleted("generated/kimi-k2.6/manifest.json"),
+          "source-deleted": _deleted("generated/kimi-k2.6/tree_build.cu"), "stray-folder": _stray_folder,
           "manifest-options": _manifest_options, "manifest-ptx-options": _manifest_ptx_options,
           "manifest-target-dropped": _manifest_target_dropped, "spec-archs": _spec_archs,
-          "sm80-source-by-hand": _edit_ptx_source, "sm80-source-deleted": _delete_ptx_source}
+          # the sm_80 configuration's sources (BN = 32: the variants tree_verify_mma.bn32.s2 and its tail)
+          "sm80-source-by-hand": _edited("generated/deepseek-v3/tree_verify_mma.bn32.s2.cu"),
+          "sm80-source-deleted": _deleted("generated/deepseek-v3/tree_verify_tail_mma.bn32.s2.cu")}
 
 
 @pytest.mark.parametrize("drift", list(DRIFTS))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FakeKernelSet, LaunchReached
+from conftest import FakeKernelSet, LaunchLog, LaunchReached
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels.tree_accept import launch as tree_accept
@@ -21,15 +21,9 @@ from test_tree_verify_cpu import (Arrays, MmaKernelSet, RecordingKernelSet, impl
                                   tc, verify_args, verify_cases)
 
 
-class Counting(MmaKernelSet):
-    """Records every launch without refusing it, so one kernel set serves many calls."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.launches = []
-
-    def launch(self, name, **kwargs):
-        self.launches.append((name, kwargs))
+class Counting(LaunchLog, MmaKernelSet):
+    """MmaKernelSet's kernels; records every launch in .seen without refusing it (conftest.LaunchLog), so one kernel
+    set serves many calls."""
 
 
 def _signatures(kset) -> list:
@@ -96,7 +90,7 @@ def test_one_signature_prepares_once_and_launches_each_calls_pointers(spec, fake
     for args in calls:
         tv.tree_verify(kset, **args, impl="simple")
     assert len(prepared) == 1 and len(_signatures(kset)) == 1
-    for (name, kw), args in zip(kset.launches, calls):
+    for (name, kw), args in zip(kset.seen, calls):
         assert name == "tree_verify"
         assert kw["args"][:7] == [ptr_of(args[k]) for k in ("q_nope", "q_pe", "kv_cache", "block_table",
                                                             "prefix_lens", "q_lens", "tree_mask")]
@@ -109,7 +103,7 @@ def test_one_signature_prepares_once_and_launches_each_calls_pointers(spec, fake
         tv.tree_verify(kset, **dict(calls[0], kv_scale=0.25), impl="simple")
         tv.tree_verify(kset, **dict(calls[0], kv_scale=0.25), impl=tc(spec), num_splits=1)
         assert len(_signatures(kset)) == 5
-        for (name, kw) in kset.launches[-2:]:
+        for (name, kw) in kset.seen[-2:]:
             assert kw["args"][8] == np.float32(0.25), name
             assert kw["args"][7] == np.float32(calls[0]["softmax_scale"] * 0.25 * np.log2(np.e)), name
 

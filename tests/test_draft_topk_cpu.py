@@ -251,19 +251,10 @@ def test_temperature_bounds():
 
 # ----------------------------------------------------------------------------- the launcher (no GPU)
 
-from conftest import FakeCudaArray, FakeKernelSet  # noqa: E402
+from conftest import FakeCudaArray, LaunchLog  # noqa: E402
 from ddtree_gen.kernels.draft_topk import launch as draft_topk, workspace_elems  # noqa: E402
 from ddtree_gen.plans.draft_topk import CHUNK, chunks  # noqa: E402
 from ddtree_gen.runtime import IsAligned  # noqa: E402
-
-
-class Recorder(FakeKernelSet):
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.seen = []
-
-    def launch(self, name, **kw):
-        self.seen.append((name, kw))
 
 
 # fake_alloc (a launcher's own allocations, as fake arrays): tests/conftest.py
@@ -278,7 +269,7 @@ def _logits(b, dp, v, dtype=np.uint16, **kw):
 def test_launch_plan(spec, fake_alloc, v, dtype):
     """Stage 0 over rows x chunks, stage 1 over rows when a row has several chunks (then a workspace of
     workspace_elems int32); the scalars: V, k, chunks, bf16, the vector flag, 1/T and log2(e)/T."""
-    ks = Recorder(spec)
+    ks = LaunchLog(spec)
     b, dp, k = 3, min(spec.max_depth, 15), min(spec.max_tree_size - 1, 7)
     name = "bf16" if dtype == np.uint16 else "float32"
     out = draft_topk(ks, _logits(b, dp, v, dtype), k, temperature=0.5)
@@ -304,7 +295,7 @@ def test_launch_plan(spec, fake_alloc, v, dtype):
 
 
 def test_launch_with_every_output_allocates_nothing(spec, fake_alloc):
-    ks = Recorder(spec)
+    ks = LaunchLog(spec)
     b, dp, v, k = 2, 3, 50000, 5
     out = DraftTopkOutput(FakeCudaArray((b, dp, k), np.int32, ptr=1 << 30),
                           FakeCudaArray((b, dp, k), np.float32, ptr=(1 << 30) + 4096))
@@ -319,7 +310,7 @@ def test_launch_with_every_output_allocates_nothing(spec, fake_alloc):
 
 def _expect(spec, match, *args, **kw):
     with pytest.raises(ArgumentError, match=match):
-        draft_topk(Recorder(spec), *args, **kw)
+        draft_topk(LaunchLog(spec), *args, **kw)
 
 
 def test_argument_errors_name_the_argument(spec, fake_alloc):
@@ -363,10 +354,10 @@ def test_overlapping_outputs_are_refused(spec, fake_alloc):
 
 
 def test_misaligned_rows_use_scalar_loads(spec, fake_alloc):
-    ks = Recorder(spec)
+    ks = LaunchLog(spec)
     draft_topk(ks, _logits(1, 2, 4096, ptr=0x10002), 3)     # V a multiple of 8, the pointer 2 bytes off
     assert int(ks.seen[0][1]["args"][5]) == 0   # the flag is computed per call from the pointer: 0 here
-    ks2 = Recorder(spec)
+    ks2 = LaunchLog(spec)
     from ddtree_gen.kernels import draft_topk as mod
     prep = mod._prepare(ks2, (_logits(1, 2, 4096), None, None, None), 3, 1.0, False)
     assert prep.steps[0].args[5] == IsAligned(0, 16)
@@ -382,7 +373,7 @@ def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     from ddtree_gen.plans.variant import variant
     stream = variant(by_name("draft_topk"), spec, schedule="stream").plan().template_constants()
     assert stream["STREAM"] == 1 and stream["MIN_BLOCKS"] == MIN_BLOCKS
-    ks = Recorder(spec)
+    ks = LaunchLog(spec)
     assert ks.constants("draft_topk")["STREAM"] == 0            # the default build: rows (STREAM 0)
     monkeypatch.setattr(ks, "constants", lambda name, device=None: stream)
     monkeypatch.setattr(mod, "sm_count", lambda device: 132)
@@ -415,7 +406,7 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     consts = plan.template_constants()
     assert consts["ROWS"] == 1 and consts["STREAM"] == 0 and consts["STATIC_SMEM"] == 0
     assert consts["DYNAMIC_SMEM"] * consts["MIN_BLOCKS"] <= 227 * 1024   # MIN_BLOCKS blocks fit an H100 / H200 SM
-    ks = Recorder(spec)
+    ks = LaunchLog(spec)
     monkeypatch.setattr(ks, "constants", lambda name, device=None: consts)
     monkeypatch.setattr(mod, "sm_count", lambda device: 132)
     dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
@@ -426,7 +417,7 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
         assert int(ks.seen[0][1]["args"][-1]) == 2
         assert int(ks.seen[0][1]["args"][8]) == 0 and int(ks.seen[0][1]["args"][9]) == 0   # no workspace
         # a workspace the call does not use: still refused for its dtype, before anything is launched
-        ks2 = Recorder(spec)
+        ks2 = LaunchLog(spec)
         monkeypatch.setattr(ks2, "constants", lambda name, device=None: consts)
         with pytest.raises(ArgumentError, match=r"workspace: dtype float32"):
             draft_topk(ks2, _logits(rows_b, dp, v), k, workspace=FakeCudaArray((10**6,), np.float32))

@@ -20,6 +20,7 @@ import functools
 import numpy as np
 import pytest
 
+from conftest import random_prompts
 from ddtree_gen import model as M
 from ddtree_gen.spec import find_spec
 
@@ -33,11 +34,7 @@ SAMPLED = M.Sampling(temperature=1.0, seed=7)
 
 def prompts_for(batch: int, vocab: int, max_len: int = 100, seed: int = 3) -> list[list[int]]:
     """Prompts of 1 .. max_len tokens (longer than N: prefill takes several chunks)."""
-    rng = np.random.default_rng(seed + batch)
-    lens = rng.integers(1, max_len + 1, size=batch)
-    if batch > 1:
-        lens[0], lens[1] = 1, max_len
-    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
+    return random_prompts(batch, vocab, max_len, seed)
 
 
 @functools.lru_cache(maxsize=None)

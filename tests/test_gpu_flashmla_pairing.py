@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from test_gpu_tree_verify import SCALES, check_against, heads_to_check, reference_for
+from conftest import cuda_torch
 from verify_cases import fresh_seed, kv_torch, make_inputs
 
 pytestmark = pytest.mark.gpu
@@ -19,9 +20,7 @@ pytestmark = pytest.mark.gpu
 def test_flashmla_prefix_plus_tail(spec):
     if spec.kv_fp8 or spec.page_size != 64 or (spec.kv_lora_rank, spec.qk_rope_head_dim) != (512, 64):
         pytest.skip(f"spec {spec.name!r}: FlashMLA's dense decode reads bf16 caches of 64-token pages, R + P = 512 + 64")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     from ddtree_gen.needs import import_flash_mla
     try:
         flash_mla = import_flash_mla()

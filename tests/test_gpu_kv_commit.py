@@ -11,6 +11,7 @@ import pytest
 
 from ddtree_gen import reference
 from ddtree_gen.types import TreeAcceptOutput
+from conftest import cuda_torch
 from verify_cases import fresh_seed, kv_np_dtype, kv_torch, random_cache_bits
 
 pytestmark = pytest.mark.gpu
@@ -131,9 +132,7 @@ def test_commit_of_given_paths(spec, kset, accept):
 def test_commit_torch_tensors(spec, kset):
     """The layer caches as the torch tensors an engine holds (torch.bfloat16, or torch.float8_e4m3fn for an
     fp8 spec), in a list and stacked: the same bytes as the reference."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     rng = np.random.default_rng(fresh_seed())
     b = 5
     prefix, table, caches = _cache_case(spec, rng, b)
@@ -155,9 +154,7 @@ def test_commit_torch_ops_list_and_stacked(spec):
     """torch.ops.ddtree.kv_commit (a list of layers) and kv_commit_stacked (one [layers, num_pages, page_size,
     R+P] tensor) on random caches: every layer's whole cache (the moved entries and the untouched ones) bit-exact
     against the numpy reference, eagerly and replayed from a CUDA graph (the stacked op)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     import ddtree_gen.torch_ops  # noqa: F401
     ops = torch.ops.ddtree
     rng = np.random.default_rng(fresh_seed())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import skip_unless_runs
+from conftest import cuda_torch, skip_unless_runs
 from ddtree_gen import reference
 from ddtree_gen.plans.kv_dequant import CANDIDATES, EDGE_OPTIONS, workspace_elems
 from test_gpu_tree_verify import (POISON_LSE, POISON_OUT, SCALES, WGMMA, check_against, check_rows_written,
@@ -136,9 +136,7 @@ def test_kv_dequant_stream_many_units_per_block(spec, knobs):
 
 
 def test_kv_dequant_torch(spec):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     ks = _load(spec, ("kv_dequant",))
     seed = fresh_seed()
     kv, table, prefix, qlens = _dequant_case(spec, np.random.default_rng(seed))
@@ -373,9 +371,7 @@ def test_dequant_path_torch_op_and_cuda_graph(spec):
     kv_scale, "dequant"), and both with fp8_path=None (the default: the dequantize path here): the CuPy call's bits; a
     CUDA graph captured with the path (given out, lse and kv_workspace, and the op allocating its own, "dequant" and
     the default) replays on new q and lengths to the eager result."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     import ddtree_gen.torch_ops  # noqa: F401  (registers torch.ops.ddtree)
     ks = _load(spec)
     seed = fresh_seed()

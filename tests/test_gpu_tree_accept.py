@@ -18,6 +18,7 @@ import pytest
 from ddtree_gen import reference as ref
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.types import TreeAcceptOutput, TreeBuildOutput
+from conftest import cuda_torch
 from verify_cases import kv_np_dtype, kv_torch, random_cache_bits
 
 pytestmark = pytest.mark.gpu
@@ -415,14 +416,22 @@ def test_tree_accept_repeated_steps(ks, spec, seed):
         prefix = want.new_prefix_lens
 
 
-def test_tree_accept_allocates_outputs_and_empty_batch(ks, spec, seed):
-    import cupy
-    rng = np.random.default_rng(seed)
-    b, d, n = 4, spec.max_depth, spec.max_tree_size
+def _full_depth_batch(ks, spec, rng, b):
+    """b requests: trees of ks.tree_build, targets that accept the full depth, random prefixes, a cache and its
+    block table (host arrays; the trees also on the device)."""
+    d = spec.max_depth
     tree_dev, tree = build_trees(ks, rng, b)
     target, _ = plan_targets(rng, tree, np.full(b, d), d)
     prefix = random_prefixes(rng, b, spec.page_size)
     kv, table = make_cache(rng, spec, prefix, b)
+    return tree_dev, tree, target, prefix, kv, table
+
+
+def test_tree_accept_allocates_outputs_and_empty_batch(ks, spec, seed):
+    import cupy
+    rng = np.random.default_rng(seed)
+    b, d, n = 4, spec.max_depth, spec.max_tree_size
+    tree_dev, tree, target, prefix, kv, table = _full_depth_batch(ks, spec, rng, b)
     kv_dev, kv_want = cupy.asarray(kv), kv.copy()
     want = ref.tree_accept(tree, target, prefix, kv_want, table, d)
     got = ks.tree_accept(tree_dev, cupy.asarray(target), cupy.asarray(prefix), kv_dev, cupy.asarray(table))
@@ -441,10 +450,7 @@ def test_tree_accept_validate(ks, spec, seed):
     import cupy
     rng = np.random.default_rng(seed)
     b, d, n = 4, spec.max_depth, spec.max_tree_size
-    tree_dev, tree = build_trees(ks, rng, b)
-    target, _ = plan_targets(rng, tree, np.full(b, d), d)
-    prefix = random_prefixes(rng, b, spec.page_size)
-    kv, table = make_cache(rng, spec, prefix, b)
+    tree_dev, tree, target, prefix, kv, table = _full_depth_batch(ks, spec, rng, b)
     args = lambda t=tree_dev, p=prefix, bt=table: (t, cupy.asarray(target), cupy.asarray(p),  # noqa: E731
                                                     cupy.asarray(kv), cupy.asarray(bt))
     got = ks.tree_accept(*args(), validate=True)   # a valid call passes
@@ -506,9 +512,7 @@ def test_tree_accept_negative_prefix_touches_nothing_outside(ks, spec, seed):
 
 
 def test_tree_accept_torch(ks, spec, seed):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
+    torch = cuda_torch()
     rng = np.random.default_rng(seed)
     b, d = 16, spec.max_depth
     _, tree = build_trees(ks, rng, b, kind="deep")

@@ -12,6 +12,7 @@ import pytest
 
 from ddtree_gen import reference as ref
 from ddtree_gen.types import TreeBuildOutput
+from conftest import cuda_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -211,9 +212,7 @@ def test_tree_build_empty_batch(ks, spec):
 
 
 def test_tree_build_torch(ks, spec, seed):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
+    torch = cuda_torch()
     rng = np.random.default_rng(seed)
     b, n = 16, spec.max_tree_size
     ids, lps, roots, pl = make_inputs(rng, b, spec.max_depth, n - 1, "special")

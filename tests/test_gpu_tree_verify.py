@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import skip_unless_runs
+from conftest import cuda_torch, skip_unless_runs
 from ddtree_gen import bf16, fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.spec import all_specs
@@ -831,9 +831,7 @@ def test_merge_states(spec, lead):
 # ---------------------------------------------------------------------------------- torch
 
 def test_torch_tensors(spec):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+    torch = cuda_torch()
     ks = SIMPLE.load(spec)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

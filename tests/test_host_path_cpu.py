@@ -7,7 +7,7 @@
 * OutputPlan: the outputs of a call carved out of one buffer: offsets, shapes, dtypes, pointers, the
   workspace made as a pointer only, one torch.empty per output where that is cheaper.
 * The launch bound to a kernel set's modules (runtime._bind): function, geometry and each call's pointers
-  and stream, on a real KernelSet of stand-in binaries (scripts/profile_launch.py's stand-in).
+  and stream, on a real KernelSet of stand-in binaries (ddtree_gen.bench.stand_in, scripts/profile_launch.py's).
 * scripts/profile_launch.py answers --help and runs without a GPU.
 """
 from __future__ import annotations
@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, FakeKernelSet
+from conftest import FakeCudaArray, LaunchLog
 from ddtree_gen import runtime
+from ddtree_gen.bench import launch, stand_in
+from ddtree_gen.bench.specs import LAYERS
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels.kv_commit import launch as kv_commit
 from ddtree_gen.plans.kv_commit import MAX_LAYERS
@@ -30,26 +32,14 @@ from ddtree_gen.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Ste
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import profile_launch  # noqa: E402
 
 SPEC = "kimi-k2.6-tp8"
-
-
-class Recorder(FakeKernelSet):
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.seen = []
-
-    def launch(self, name, **kwargs):
-        self.seen.append((name, kwargs))
 
 
 @pytest.fixture
 def cpu_torch(monkeypatch):
     """torch CPU tensors stand for CUDA tensors of device runtime.HOST_DEVICE (0), undone after the test."""
-    from ddtree_gen import arrays
-    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+    stand_in.torch_cpu_as_device0(monkeypatch.setattr, monkeypatch.setitem)
 
 
 def _spec():
@@ -71,12 +61,18 @@ def _prepared(kset) -> list:
     return [v for v in kset.prepared_calls.values() if isinstance(v, Prepared)]
 
 
-def test_layer_list_hit_and_each_calls_pointers(cpu_torch):
+def _committed_twice():
+    """A LaunchLog kernel set after two kv_commit calls of the same 61 layers, and their arguments."""
     spec = _spec()
-    kset = Recorder(spec)
+    kset = LaunchLog(spec)
     acc, prefix, caches, table = _commit(spec)
     kv_commit(kset, acc, prefix, caches, table)
     kv_commit(kset, acc, prefix, caches, table)
+    return kset, acc, prefix, caches, table
+
+
+def test_layer_list_hit_and_each_calls_pointers(cpu_torch):
+    kset, acc, prefix, caches, table = _committed_twice()
     assert len(_prepared(kset)) == 1
     other = [c.clone() for c in caches]    # the same signatures, new pointers: the same entry, their pointers
     kv_commit(kset, acc, prefix, other, table)
@@ -93,7 +89,7 @@ def test_layer_list_misses_on_each_component(cpu_torch, monkeypatch):
     acc, prefix, caches, table = _commit(spec)
 
     def fresh():
-        kset = Recorder(spec)
+        kset = LaunchLog(spec)
         kv_commit(kset, acc, prefix, caches, table)
         return kset
     # shape (another num_pages): another signature, its own entry
@@ -121,11 +117,7 @@ def test_layer_list_misses_on_each_component(cpu_torch, monkeypatch):
 
 def test_layer_list_misaligned_pointer_after_a_hit(cpu_torch):
     """The alignment of the layers is skipped only for the pointers that passed it last time."""
-    spec = _spec()
-    kset = Recorder(spec)
-    acc, prefix, caches, table = _commit(spec)
-    kv_commit(kset, acc, prefix, caches, table)
-    kv_commit(kset, acc, prefix, caches, table)
+    kset, acc, prefix, caches, table = _committed_twice()
     shape = caches[0].shape
     big = torch.zeros(int(np.prod(shape)) + 8, dtype=torch.bfloat16)
     layers = list(caches)
@@ -139,7 +131,7 @@ def test_layer_list_misaligned_pointer_after_a_hit(cpu_torch):
 def test_layer_list_of_other_arrays_is_read_one_by_one(fake_device):
     """Not torch tensors (here __cuda_array_interface__ stand-ins): the layers' own signatures, as before."""
     spec = _spec()
-    kset = Recorder(spec)
+    kset = LaunchLog(spec)
     d1 = spec.max_depth + 1
     acc = type("Acc", (), {"accept_lens": FakeCudaArray((2,), np.int32),
                            "accepted_nodes": FakeCudaArray((2, d1), np.int32)})()
@@ -204,11 +196,9 @@ def test_output_plan_scratch_and_separate(cpu_torch):
 
 
 def test_bound_launch_packs_each_calls_pointers_and_stream(monkeypatch):
-    spec = _spec()
-    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
-    v, build, caches, target = profile_launch.inputs(spec)
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     streams = iter(range(100, 200))
-    monkeypatch.setitem(runtime._CUDA, "torch_stream", lambda d: next(streams))
+    monkeypatch.setitem(runtime.cuda_entries(), "torch_stream", lambda d: next(streams))
     outs = [kset.tree_build(*build, spec.max_tree_size - 1) for _ in range(2)]
     prep = next(p for p in _prepared(kset) if p.steps and p.steps[0].kernel == "tree_build")
     assert prep.bound and len(launches) == 2
@@ -243,9 +233,7 @@ def test_bound_launch_packs_each_calls_pointers_and_stream(monkeypatch):
 
 
 def test_bound_launch_not_used_when_launch_is_replaced(monkeypatch):
-    spec = _spec()
-    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
-    v, build, caches, target = profile_launch.inputs(spec)
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     seen = []
     kset.launch = lambda name, **kw: seen.append(name)
     kset.merge_states(v["q_nope"][:, :, :, :].clone(), torch.zeros(v["q_nope"].shape[:3]),
@@ -269,7 +257,7 @@ def test_profile_launch_script_without_a_gpu():
 
 def test_probe_launch_gpu_without_a_gpu():
     """scripts/probe_launch_gpu.py (the H200 probe): --help, its arguments checked, one line and exit 2 without a
-    CUDA device; its stage split sums a call's compiled functions per stage."""
+    CUDA device; its stage split (bench.launch.stage_split) sums a call's compiled functions per stage."""
     script = ROOT / "scripts" / "probe_launch_gpu.py"
     help_ = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert help_.returncode == 0 and "--stage-calls" in help_.stdout and "--calls" in help_.stdout, help_.stderr
@@ -278,9 +266,8 @@ def test_probe_launch_gpu_without_a_gpu():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stdout.startswith("probe_launch_gpu.py needs a CUDA device") and len(run.stdout.splitlines()) == 1
-    import probe_launch_gpu
-    got = probe_launch_gpu.split([("checks   (call a)", 0.5), ("outputs  (call a)", 2.0), ("launch   (call a)", 1.0),
-                                  ("checks   (call b)", 0.25), ("launcher, signature, cache lookup", 4.0)])
+    got = launch.stage_split([("checks   (call a)", 0.5), ("outputs  (call a)", 2.0), ("launch   (call a)", 1.0),
+                                ("checks   (call b)", 0.25), ("launcher, signature, cache lookup", 4.0)])
     assert got == {"launcher, signature, lookup": 4.0, "checks": 0.75, "outputs": 2.0, "launch": 1.0, "result": 0.0}
 
 
@@ -300,26 +287,22 @@ def test_ab_launch_script_help_and_refusals():
 
 def test_bench_launch_times_both_kv_commit_ops(monkeypatch):
     """`bench launch`'s op column of the kv_commit rows: the list op for the 61 layers, kv_commit_stacked for the
-    stacked array; each one launch of grid (B, 61) (the ops' CUDA implementations registered for the CPU key)."""
-    import warnings
-
-    from ddtree_gen import torch_ops
-    from ddtree_gen.bench import launch
-    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
-    monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
-    lib = torch.library.Library("ddtree", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # "Overriding a previously registered kernel" where another test did
-        for name in ("kv_commit", "kv_commit_stacked"):
-            lib.impl(name, torch_ops.implementation(name), "CPU")
-    tree = kset.tree_build(*build, spec.max_tree_size - 1)
-    walk = kset.tree_accept(tree, target, v["prefix_lens"])
-    ops = launch._op_calls(spec.name, dict(verify=v, build=build), tree, None, None, walk, caches,
-                           torch.stack(caches))
+    stacked array; each one launch of grid (B, 61) (the ops' CUDA implementations registered for the CPU key).
+    Every row of the one call table runs in each of its forms on the stand-in."""
+    spec, kset, launches, _ = _stand_in(monkeypatch)
+    lib = stand_in.cpu_torch_ops(kset, patch=monkeypatch.setattr)
+    table = launch.call_table(kset, spec, launch.tiny_inputs(spec, "cpu"), ops=True)
     for row in (launch.KV_COMMIT, launch.KV_STACKED):
         launches.clear()
-        assert ops[row]() is None
+        assert table[row].op() is None
         assert [grid for _, grid, *_ in launches] == [(1, 61, 1)], row
+    assert {"tree_build", "tree_verify (auto)", "tree_verify_tail", "merge_states", "tree_accept", "tree_walk",
+            launch.KV_COMMIT, launch.KV_STACKED} <= set(table)
+    for row, call in table.items():
+        for form in call:
+            if form is not None:
+                form()
+        assert call.op is not None and call.direct is not None, row
     del lib
 
 
@@ -336,9 +319,13 @@ def test_probe_op_dispatch_script_without_a_gpu():
 
 
 def _stand_in(monkeypatch):
+    """The stand-in kernel set of SPEC, its launches, and `bench launch`'s tiny problem as torch CPU tensors:
+    (tree_verify's arguments, tree_build's, 61 layers' caches, target tokens)."""
     spec = _spec()
-    kset, launches = profile_launch.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
-    return spec, kset, launches, profile_launch.inputs(spec)
+    kset, launches = stand_in.stand_in_kset(spec, monkeypatch.setattr, monkeypatch.setitem)
+    x = launch.tiny_inputs(spec, "cpu")
+    caches = [x["verify"]["kv_cache"].clone() for _ in range(LAYERS)]
+    return spec, kset, launches, (x["verify"], x["build"], caches, x["target"])
 
 
 def _runner_of(kset, kernel):

@@ -121,14 +121,23 @@ def test_layers_import_downwards():
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
-# bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`
+# bench/: what the benchmarks share (below them); every other module of bench/ is one `ddtree-gen bench NAME`, or a
+# user of them that no benchmark imports (BENCH_USERS: the CPU harness over bench launch's call table; the scripts'
+# output comparisons)
 BENCH_SHARED = {"ddtree_gen.bench", "ddtree_gen.bench.timing", "ddtree_gen.bench.peers", "ddtree_gen.bench.specs",
                 "ddtree_gen.bench.shapes"}
+BENCH_USERS = {"ddtree_gen.bench.stand_in", "ddtree_gen.bench.compare"}
+
+
+def test_no_benchmark_imports_a_bench_user():
+    graph = import_graph()
+    wrong = [f"{a} imports {b}" for a in sorted(graph) for b in sorted(graph[a]) if b in BENCH_USERS]
+    assert not wrong, "modules importing a user of the benchmarks:\n" + "\n".join(wrong)
 
 
 def test_benches_do_not_import_each_other():
     graph = import_graph()
-    benches = [m for m in graph if m.startswith("ddtree_gen.bench.") and m not in BENCH_SHARED]
+    benches = [m for m in graph if m.startswith("ddtree_gen.bench.") and m not in BENCH_SHARED | BENCH_USERS]
     assert benches, "no benchmark modules found in ddtree_gen/bench/"
     wrong = [f"{a} imports {b}" for a in sorted(benches) for b in sorted(graph[a])
              if b.startswith("ddtree_gen.bench") and b not in BENCH_SHARED]

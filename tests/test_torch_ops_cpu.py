@@ -141,14 +141,10 @@ def _kv(spec, *shape):
 
 def _stand_in_device0(spec, monkeypatch):
     """CPU tensors standing for device 0's, and torch_ops' kernel set a stand-in that refuses to launch."""
-    import sys
-    from pathlib import Path
-
     from conftest import FakeKernelSet
-    from ddtree_gen import arrays, runtime, torch_ops
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import profile_launch
-    profile_launch._torch_cpu_as_device0(torch, arrays, runtime, monkeypatch.setattr, monkeypatch.setitem)
+    from ddtree_gen import torch_ops
+    from ddtree_gen.bench.stand_in import torch_cpu_as_device0
+    torch_cpu_as_device0(monkeypatch.setattr, monkeypatch.setitem)
     kset = FakeKernelSet(spec)
     monkeypatch.setattr(torch_ops, "_kset", lambda name: kset)
     return kset

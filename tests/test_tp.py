@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import random_prompts
 from ddtree_gen import model as M
 from ddtree_gen.model import tensor_parallel as TP
 from ddtree_gen.model.cache import make_block_table
@@ -36,11 +37,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def prompts_for(batch: int, vocab: int, max_len: int = 40, seed: int = 5) -> list[list[int]]:
-    rng = np.random.default_rng(seed + batch)
-    lens = rng.integers(1, max_len + 1, size=batch)
-    if batch > 1:
-        lens[0], lens[1] = 1, max_len
-    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
+    return random_prompts(batch, vocab, max_len, seed)
 
 
 # ------------------------------------------------------------ the emulated process group

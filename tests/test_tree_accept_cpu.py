@@ -165,15 +165,29 @@ def accept_cases(spec) -> list:
     return [c for c in ACCEPT_CASES if not (spec.kv_fp8 and c[0] == "kv-odd-pointer")]
 
 
+def assert_refused(launcher, spec, args, change, case, name):
+    """change(args, spec), then launcher(FakeKernelSet(spec), **args) must raise ArgumentError naming `name`."""
+    change(args, spec)
+    with pytest.raises(ArgumentError) as e:
+        launcher(FakeKernelSet(spec), **args)
+    assert name in str(e.value), f"{case}: message does not name {name!r}: {e.value}"
+
+
+def assert_out_refused(launcher, spec, args, out, field, value):
+    """launcher(..., out=out with `field` replaced by value(spec)) must raise ArgumentError naming out.field (or
+    the devices, for an output on another device)."""
+    out = out._replace(**{field: value(spec)})
+    with pytest.raises(ArgumentError) as e:
+        launcher(FakeKernelSet(spec), **args, out=out)
+    msg = str(e.value)
+    assert f"out.{field}" in msg or "devices" in msg, msg
+
+
 @pytest.mark.parametrize("case,change,name", ACCEPT_CASES, ids=[c[0] for c in ACCEPT_CASES])
 def test_tree_accept_argument_errors(spec, fake_device, case, change, name):
     if case not in {c[0] for c in accept_cases(spec)}:
         pytest.skip(f"not an error for kv_dtype {spec.kv_dtype!r} (test_fp8_cpu.py)")
-    args = accept_args(spec)
-    change(args, spec)
-    with pytest.raises(ArgumentError) as e:
-        tree_accept(FakeKernelSet(spec), **args)
-    assert name in str(e.value), f"{case}: message does not name {name!r}: {e.value}"
+    assert_refused(tree_accept, spec, accept_args(spec), change, case, name)
 
 
 OUT_CASES = [
@@ -189,11 +203,7 @@ OUT_CASES = [
 
 @pytest.mark.parametrize("case,field,value", OUT_CASES, ids=[c[0] for c in OUT_CASES])
 def test_tree_accept_out_errors(spec, fake_device, case, field, value):
-    out = accept_out(spec)._replace(**{field: value(spec)})
-    with pytest.raises(ArgumentError) as e:
-        tree_accept(FakeKernelSet(spec), **accept_args(spec), out=out)
-    msg = str(e.value)
-    assert f"out.{field}" in msg or "devices" in msg, msg
+    assert_out_refused(tree_accept, spec, accept_args(spec), accept_out(spec), field, value)
 
 
 def test_tree_accept_out_missing_field(spec, fake_device):
@@ -365,11 +375,7 @@ BUILD_CASES = [
 
 @pytest.mark.parametrize("case,change,name", BUILD_CASES, ids=[c[0] for c in BUILD_CASES])
 def test_tree_build_argument_errors(spec, fake_device, case, change, name):
-    args = build_args(spec)
-    change(args, spec)
-    with pytest.raises(ArgumentError) as e:
-        tree_build(FakeKernelSet(spec), **args)
-    assert name in str(e.value), f"{case}: message does not name {name!r}: {e.value}"
+    assert_refused(tree_build, spec, build_args(spec), change, case, name)
 
 
 BUILD_OUT_CASES = [
@@ -383,11 +389,7 @@ BUILD_OUT_CASES = [
 
 @pytest.mark.parametrize("case,field,value", BUILD_OUT_CASES, ids=[c[0] for c in BUILD_OUT_CASES])
 def test_tree_build_out_errors(spec, fake_device, case, field, value):
-    out = build_out(spec)._replace(**{field: value(spec)})
-    with pytest.raises(ArgumentError) as e:
-        tree_build(FakeKernelSet(spec), **build_args(spec), out=out)
-    msg = str(e.value)
-    assert f"out.{field}" in msg or "devices" in msg, msg
+    assert_out_refused(tree_build, spec, build_args(spec), build_out(spec), field, value)
 
 
 @pytest.mark.parametrize("dp,kp,budget", [(None, None, 0), (None, None, "max"), (1, 1, 1), (15, 1, 15), (1, 64, 64)],

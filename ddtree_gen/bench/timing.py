@@ -52,6 +52,15 @@ def graph_time_ms(fn, *, per_graph=20, warmup=3, reps=20) -> float:
     return ms / per_graph
 
 
+def call_time_ms(fn) -> float:
+    """Median ms of one fn(): CUDA events for a call over 2 ms, else a CUDA-graph replay of as many calls as
+    make about 2 ms (host launch overhead would dominate the short calls); the tuning scripts' timer."""
+    eager = gpu_time_ms(fn, warmup=3, reps=10)
+    if eager > 2.0:
+        return gpu_time_ms(fn, warmup=1, reps=15)
+    return graph_time_ms(fn, per_graph=max(1, min(20, int(2.0 / max(eager, 1e-3)))), warmup=3, reps=15)
+
+
 def checked_graph_time_ms(fn, what: str, min_ms: float) -> float:
     """graph_time_ms(fn), refused when it is faster than `min_ms`, the call's FLOPs at the matmul peak measured
     in the same run: no kernel beats that, so such a time is a failed measurement (bench kv-dtype once printed
