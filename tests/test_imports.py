@@ -17,9 +17,9 @@ PACKAGE = Path(ddtree_gen.__file__).resolve().parent
 # Lower layers first. A module may import its own layer or a lower one, never a higher one.
 LAYERS = [
     ["errors", "paths", "types", "fileio", "bf16", "fp8", "trees", "archs", "spec", "needs"],   # leaves (archs: build targets)
-    ["resources", "kdtr", "inputs"],                                     # resource model, bundle format, inputs
+    ["resources", "kdtr", "inputs", "reference"],                        # resource model, bundle format, inputs, numpy
     ["plans"],                                                           # the kernel registry (build data)
-    ["render", "compile", "reference"],
+    ["render", "compile"],
     ["artifacts", "arrays"],                                             # build products; caller arrays
     ["runtime", "callplan"],                                             # modules per device, launches; one call compiled
     ["kernels"],                                                         # launchers
