@@ -9,8 +9,10 @@ them directly.
 """
 from __future__ import annotations
 
+from .. import reference
+from ..plans import tree_verify_mma as plans
 from ..types import AttentionOutput
-from .tensor_core import attention
+from .tensor_core import attention, tensor_core_declaration
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -35,3 +37,9 @@ def tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_l
     with an external prefix kernel through merge_states. Same arguments as tree_verify_mma."""
     return attention(kset, "tree_verify_tail_mma", True, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens,
                      tree_mask, softmax_scale, out, lse, validate, workspace, num_splits, kv_scale)
+
+
+DECLARATIONS = [
+    tensor_core_declaration(plans.KERNELS[0], tree_verify, reference.tree_verify),
+    tensor_core_declaration(plans.KERNELS[1], tree_verify_tail, reference.tree_verify_tail),
+]

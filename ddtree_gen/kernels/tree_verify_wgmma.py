@@ -8,9 +8,13 @@ or with impl="wgmma"; kset.tree_verify_wgmma calls them directly.
 """
 from __future__ import annotations
 
+from .. import reference
+from ..plans import tree_verify_wgmma as plans
+from ..plans.declaration import Declaration
+from ..plans.tree_verify import tensor_core_sanitizer_cases
 from ..plans.tree_verify_wgmma import DEQUANT_PARTS
 from ..types import AttentionOutput
-from .tensor_core import attention, attention_dequant
+from .tensor_core import attention, attention_dequant, tensor_core_declaration
 
 
 def tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
@@ -63,3 +67,28 @@ def tree_verify_dequant_parts(kset, q_nope, q_pe, kv_cache, block_table, prefix_
     loaded. num_splits here is the part count (default: parts_for). Same arguments as tree_verify_dequant."""
     return attention_dequant(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
                              out, lse, validate, workspace, num_splits, kv_scale, kv_workspace, name=DEQUANT_PARTS)
+
+
+DECLARATIONS = [
+    tensor_core_declaration(plans.KERNELS[0], tree_verify, reference.tree_verify),
+    tensor_core_declaration(plans.KERNELS[1], tree_verify_tail, reference.tree_verify_tail),
+    # not a `serves` of its own: tree_verify(fp8_path="dequant") runs it (with kv_dequant before it)
+    Declaration(plans.KERNELS[2], launcher=tree_verify_dequant, reference=reference.tree_verify,
+                output=AttentionOutput, sanitize=tensor_core_sanitizer_cases,
+                missing={"torch_ops": "served by the torch op of tree_verify (fp8_path='dequant'), which runs it",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
+    # not a `serves` of its own either: tree_verify (impl "auto" / "wgmma", num_splits not given) runs it at B >= PARTS_MIN_B
+    Declaration(plans.KERNELS[3], launcher=tree_verify_parts, reference=reference.tree_verify,
+                output=AttentionOutput, sanitize=tensor_core_sanitizer_cases,
+                missing={"torch_ops": "served by the torch op of tree_verify, which runs it at B >= PARTS_MIN_B",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
+    # the dequantize path (fp8_path "dequant", or None where it takes that path) runs it at B >= PARTS_MIN_B
+    Declaration(plans.KERNELS[4], launcher=tree_verify_dequant_parts,
+                reference=reference.tree_verify, output=AttentionOutput, sanitize=tensor_core_sanitizer_cases,
+                missing={"torch_ops": "served by the torch op of tree_verify (an fp8 spec's dequantize path), which "
+                                      "runs it at B >= PARTS_MIN_B",
+                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
+                                    "inputs and outputs of this kernel too"}),
+]

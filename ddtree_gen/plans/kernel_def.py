@@ -29,6 +29,9 @@ class KernelDef:
     # spell(config) -> the parts of a variant's procedural name (plans/variant.Variant.name); None: no knobs
     policy: Callable[[Spec, str], dict] | None = None
     spell: Callable[[dict], tuple] | None = None
+    # (public launcher, impl): the impl= of a public launcher this kernel serves, e.g. ("tree_verify", "mma")
+    # (kernels/tree_verify.py sends impl="mma" to the kernel that declares it); None: none
+    serves: tuple | None = None
 
     def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
         """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,

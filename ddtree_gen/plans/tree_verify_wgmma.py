@@ -27,9 +27,8 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
-from .declaration import Declaration
 from .kernel_def import KernelDef
-from .split_kv import BM, MAX_PARTS, check_spec, tensor_core_declaration
+from .split_kv import BM, MAX_PARTS, check_spec
 
 BN = 64
 STAGES = 2
@@ -292,10 +291,12 @@ ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PT
 
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
-              plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell),
+              plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
+              serves=("tree_verify", "wgmma")),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
-              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell),
+              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell,
+              serves=("tree_verify_tail", "wgmma")),
     # an fp8 spec's only: the bf16-cache seesaw (KV_FP8 off in its template) over kv_dequant's bf16 workspace
     KernelDef(name=DEQUANT, template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma_dequant",
               plan=dequant_plan, context={"tail": False, "KV_FP8": False}, archs=ARCHS, kv_dtypes=("fp8_e4m3",),
@@ -348,29 +349,3 @@ def split_table(spec, arch: str = PRIMARY) -> dict:
 
 split_kv.register_family("wgmma", split_table)
 
-
-DECLARATIONS = [
-    tensor_core_declaration(KERNELS[0], "kernels.tree_verify_wgmma:tree_verify", "tree_verify", "wgmma",
-                            "sanitize:_verify_mma_cases"),
-    tensor_core_declaration(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
-                            "sanitize:_verify_mma_cases"),
-    # not a `serves` of its own: tree_verify(fp8_path="dequant") runs it (with kv_dequant before it)
-    Declaration(KERNELS[2], launcher="kernels.tree_verify_wgmma:tree_verify_dequant", reference="reference:tree_verify",
-                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify (fp8_path='dequant'), which runs it",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
-    # not a `serves` of its own either: tree_verify (impl "auto" / "wgmma", num_splits not given) runs it at B >= PARTS_MIN_B
-    Declaration(KERNELS[3], launcher="kernels.tree_verify_wgmma:tree_verify_parts", reference="reference:tree_verify",
-                output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify, which runs it at B >= PARTS_MIN_B",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
-    # the dequantize path (fp8_path "dequant", or None where it takes that path) runs it at B >= PARTS_MIN_B
-    Declaration(KERNELS[4], launcher="kernels.tree_verify_wgmma:tree_verify_dequant_parts",
-                reference="reference:tree_verify", output="types:AttentionOutput", sanitize="sanitize:_verify_mma_cases",
-                missing={"torch_ops": "served by the torch op of tree_verify (an fp8 spec's dequantize path), which "
-                                      "runs it at B >= PARTS_MIN_B",
-                         "bundles": "the math of tree_verify: its bundles (refs/<spec>/tree_verify-*.kdtr) hold the "
-                                    "inputs and outputs of this kernel too"}),
-]
