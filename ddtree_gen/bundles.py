@@ -1,6 +1,8 @@
 """The KDTR bundles in refs/: small sets of reference inputs and outputs, regenerated with fixed seeds.
 
-(The numpy references themselves are ddtree_gen.reference; this module writes and checks what they give.)
+(The numpy references themselves are ddtree_gen.reference; this module writes and checks what they give. Each
+kernel's cases, their inputs and how the reference runs on them are its declaration's Bundles: `bundle_inputs` and
+any `bundle_run` of its plan module, plans/<family>.py.)
 
 `ddtree-gen refs` rewrites refs/<spec>/<kernel>-<case>.kdtr from the numpy references;
 `ddtree-gen refs --check` recomputes every bundle's outputs from its stored inputs and
@@ -17,10 +19,8 @@ import zlib
 
 import numpy as np
 
-from . import bf16, fp8, inputs, kdtr, paths, reference, registry
+from . import fp8, kdtr, paths, registry
 from .spec import Spec
-from .trees import ancestor_mask
-from .types import TreeAcceptOutput
 
 INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask", "first_child", "next_sibling",
             "accept_lens", "accepted_nodes", "out_tokens", "new_prefix_lens", "kv_cache_after", "kv_caches_after",
@@ -29,144 +29,6 @@ INT_KEYS = {"num_nodes", "tokens", "parents", "depths", "positions", "tree_mask"
 
 def _seed(spec: Spec, kernel: str, case: str) -> int:
     return zlib.crc32(f"{spec.name}/{kernel}/{case}".encode())
-
-
-def _topk(rng, b, dp, kp, mode):
-    ids = rng.integers(0, 32000, size=(b, dp, kp), dtype=np.int32)
-    if mode == "ties":
-        lps = np.full((b, dp, kp), -1.0, np.float32)
-    else:
-        lps = -np.sort(rng.exponential(1.0, size=(b, dp, kp)).astype(np.float32), axis=-1)
-        lps = np.ascontiguousarray(lps)
-    if mode == "nan-inf":
-        lps[:, :, 1::3] = -np.inf
-        lps[:, 1::2, 2::4] = np.nan
-    return ids, lps
-
-
-def _tree_build_inputs(spec, rng, case):
-    n, d = spec.max_tree_size, spec.max_depth
-    b = 3
-    dp, kp, budget, mode = {"full": (d, n - 1, n - 1, "plain"), "ties": (d, 4, n - 1, "ties"),
-                            "nan-inf": (d, 8, n - 1, "nan-inf"), "chain": (d, 1, n - 1, "plain"),
-                            "budget0": (2, 2, 0, "plain")}[case]
-    ids, lps = _topk(rng, b, dp, kp, mode)
-    return {"topk_ids": ids, "topk_logprobs": lps, "root_tokens": rng.integers(0, 32000, b, dtype=np.int32),
-            "prefix_lens": np.array([0, 63, 100000], np.int32), "budget": np.array(budget, np.int32)}
-
-
-def _paged(spec, rng, lens, extra_pages=2):
-    """A kv cache (bf16 bits, or e4m3 bytes for an fp8 spec) and a block table that is a random
-    permutation of pages (never contiguous)."""
-    table, num_pages = inputs.block_table(rng, lens, spec.page_size, extra_pages=extra_pages)
-    values = rng.standard_normal(inputs.cache_shape(spec, num_pages))
-    kv = fp8.from_float(values.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(values)
-    return kv, table
-
-
-def _verify_inputs(spec, rng, case):
-    h, r, p = spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
-    nq = 3
-    prefix = np.array([70], np.int32)
-    q_lens = np.array([3], np.int32)
-    kv, table = _paged(spec, rng, prefix + q_lens)
-    mask = ancestor_mask([-1, 0, 0], spec.mask_words)[None]
-    out = {"q_nope": bf16.to_bits(rng.standard_normal((1, nq, h, r))),
-           "q_pe": bf16.to_bits(rng.standard_normal((1, nq, h, p))),
-           "kv_cache": kv, "block_table": table, "prefix_lens": prefix, "q_lens": q_lens, "tree_mask": mask,
-           "softmax_scale": np.array(192 ** -0.5, np.float64)}
-    if spec.kv_fp8:   # a scale in [0.01, 2], exactly a float32
-        out["kv_scale"] = np.array(rng.uniform(0.01, 2.0), np.float32)
-    return out
-
-
-def _merge_inputs(spec, rng, case):
-    h, r = spec.num_heads, spec.kv_lora_rank
-    lse_a = rng.standard_normal((1, 2, h)).astype(np.float32)
-    lse_b = rng.standard_normal((1, 2, h)).astype(np.float32)
-    lse_a[0, 0, ::4] = -np.inf
-    lse_b[0, 0, 1::4] = np.inf
-    lse_a[0, 1, ::3] = -np.inf
-    lse_b[0, 1, ::3] = -np.inf   # both sides empty
-    return {"o_a": bf16.to_bits(rng.standard_normal((1, 2, h, r))), "lse_a": lse_a,
-            "o_b": bf16.to_bits(rng.standard_normal((1, 2, h, r))), "lse_b": lse_b}
-
-
-def _accept_inputs(spec, rng, case):
-    n = spec.max_tree_size
-    tb = _tree_build_inputs(spec, rng, "full")
-    tb["prefix_lens"] = np.array([0, 63, 130], np.int32)
-    tree = reference.tree_build(**{k: v for k, v in tb.items() if k != "budget"}, budget=int(tb["budget"]),
-                                max_tree_size=n)
-    target = rng.integers(0, 32000, (3, n), dtype=np.int32)
-    # follow a few first children so that something is accepted (request 0: the full first-child chain)
-    for b, steps in enumerate([spec.max_depth, 3, 0]):
-        cur = 0
-        for _ in range(steps):
-            c = int(tree.first_child[b, cur])
-            if c < 0:
-                break
-            nxt = int(tree.next_sibling[b, c])
-            pick = nxt if (b == 1 and nxt > 0) else c   # request 1 takes a sibling
-            target[b, cur] = tree.tokens[b, pick]
-            cur = pick
-    kv, table = _paged(spec, rng, tb["prefix_lens"] + n)
-    return {"num_nodes": tree.num_nodes, "tokens": tree.tokens, "first_child": tree.first_child,
-            "next_sibling": tree.next_sibling, "target_tokens": target, "prefix_lens": tb["prefix_lens"],
-            "kv_cache": kv, "block_table": table}
-
-
-class _Tree:
-    def __init__(self, a):
-        self.num_nodes, self.tokens = a["num_nodes"], a["tokens"]
-        self.first_child, self.next_sibling = a["first_child"], a["next_sibling"]
-
-
-def _commit_inputs(spec, rng, case):
-    """kv_commit of 2 requests (prefix 0, and 63: moves across a page boundary) in 2 layer caches stacked
-    [2, num_pages, page_size, R+P] over one block table: request 0 accepts D nodes, request 1 three, each path
-    of increasing node ids."""
-    n, d = spec.max_tree_size, spec.max_depth
-    prefix = np.array([0, 63], np.int32)
-    lens = np.array([d, min(3, d)], np.int32)
-    nodes = np.full((2, d + 1), -1, np.int32)
-    nodes[:, 0] = 0
-    for b in range(2):
-        nodes[b, 1:lens[b] + 1] = np.sort(rng.choice(np.arange(1, n), lens[b], replace=False))
-    kv, table = _paged(spec, rng, prefix + n, extra_pages=0)
-    other = rng.standard_normal(kv.shape)
-    other = fp8.from_float(other.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(other)
-    return {"accept_lens": lens, "accepted_nodes": nodes, "prefix_lens": prefix, "kv_caches": np.stack([kv, other]),
-            "block_table": table}
-
-
-# --------------------------------------------------------------------- reference runs of stored inputs
-
-def _run_tree_build(spec, a):
-    out = reference.tree_build(a["topk_ids"], a["topk_logprobs"], a["root_tokens"], a["prefix_lens"],
-                               int(a["budget"]), max_tree_size=spec.max_tree_size)
-    return dict(out._asdict())
-
-
-def _run_attention(spec, a, kernel):
-    out = registry.reference(kernel)(a["q_nope"], a["q_pe"], a["kv_cache"], a["block_table"], a["prefix_lens"],
-                                     a["q_lens"], a["tree_mask"], float(a["softmax_scale"]),
-                                     kv_scale=float(a["kv_scale"]) if "kv_scale" in a else None)
-    return {"out": out.out.astype(np.float32), "lse": out.lse.astype(np.float32)}
-
-
-def _run_tree_accept(spec, a):
-    kv = a["kv_cache"].copy()
-    out = reference.tree_accept(_Tree(a), a["target_tokens"], a["prefix_lens"], kv, a["block_table"],
-                                max_depth=spec.max_depth)
-    return dict(out._asdict()) | {"kv_cache_after": kv}
-
-
-def _run_kv_commit(spec, a):
-    kv = a["kv_caches"].copy()
-    acc = TreeAcceptOutput(a["accept_lens"], a["accepted_nodes"], None, None)
-    reference.kv_commit(acc, a["prefix_lens"], kv, a["block_table"])
-    return {"kv_caches_after": kv}
 
 
 def _scalar(v):
@@ -180,8 +42,7 @@ def run_reference(spec, kernel: str, a: dict) -> dict:
     name), its record's fields as outputs (float64 as float32)."""
     run = registry.bundle_cases()[kernel].run
     if run:
-        fn = registry.resolve(run)
-        return fn(spec, a, kernel) if "kernel" in inspect.signature(fn).parameters else fn(spec, a)
+        return run(spec, a)
     ref = registry.reference(kernel)
     params = inspect.signature(ref).parameters
     kwargs = {k: _scalar(a[k]) if k in a else getattr(spec, k) for k in params
@@ -197,7 +58,7 @@ def bundle_path(spec: Spec, kernel: str, case: str):
 
 def make(spec: Spec, kernel: str, case: str) -> dict:
     seed = _seed(spec, kernel, case)
-    make_inputs = registry.resolve(registry.bundle_cases()[kernel].inputs)
+    make_inputs = registry.bundle_cases()[kernel].inputs
     inputs = make_inputs(spec, np.random.default_rng(seed), case)
     outputs = run_reference(spec, kernel, inputs)
     arrays = {f"in.{k}": np.asarray(v) for k, v in inputs.items()}

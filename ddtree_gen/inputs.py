@@ -3,12 +3,15 @@
 Everything is built with numpy from a numpy Generator (the same seed gives the same inputs), then uploaded
 where a caller wants device arrays (upload: CuPy, optionally misaligned). Pieces and knobs:
 
-* values: bf16 bits (bounded, normal, any finite), an fp8 spec's e4m3 bytes (normal, any finite), a kv_scale,
-  any bit pattern of a cache element (cache_bits);
+* values: bf16 bits (bounded, normal, any finite), an fp8 spec's e4m3 bytes (normal, any finite; kv_finite: the
+  spec's kind), a kv_scale, any bit pattern of a cache element (cache_bits);
 * the paged cache: block_table (pages from a random permutation, never contiguous; spare columns and pages;
-  unused entries 0, -1 or garbage that points outside the cache) and bad_pages (used entries out of range);
+  unused entries 0, -1 or garbage that points outside the cache; equal_block_table: requests of one length),
+  paged_cache (a cache of normal values with its table) and bad_pages (used entries out of range);
 * trees: tree_masks (the ancestor masks of chain / star / binary / random trees, optionally with junk bits
-  at and past q_len) and accept_tree (a tree whose accepted path is known);
+  at and past q_len), accept_tree (a tree whose accepted path is known) and reference_tree (the numpy
+  reference's tree of a random top-k table);
+* the pieces the kernels' sanitizer cases and bundles (plans/<family>.py) share are among these;
 * per kernel: tree_verify (VerifyInputs: host arrays, .device() uploads), tree_build_inputs, accept_tree, and
   verify_inputs (the benches' large batches: the structure from here, the values drawn on the GPU) and
   chain_verify_inputs (the tuning scripts' timing batches: chain trees, drawn on the GPU).
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import fp8
+from . import bf16, fp8, reference
 from .trees import ancestor_mask, tree_parents
 
 CHAIN = 17    # accept_tree's accepted path runs through nodes CHAIN, CHAIN + 1, ...: every move is a real one
@@ -64,6 +67,11 @@ def e4m3_finite(rng, shape) -> np.ndarray:
 def kv_scale(rng) -> float:
     """A kv_scale in [0.01, 2], exactly a float32 (the kernels apply it in fp32)."""
     return float(np.float32(rng.uniform(0.01, 2.0)))
+
+
+def kv_finite(spec, rng, shape) -> np.ndarray:
+    """Random finite KV-cache elements of the spec's kv_dtype, magnitude < 2: bf16 bits, or e4m3 bytes (no NaN)."""
+    return (e4m3_finite if spec.kv_fp8 else bf16_finite)(rng, shape)
 
 
 def kv_dtype(spec):
@@ -111,6 +119,20 @@ def block_table(rng, tokens, page_size: int, *, extra_pages: int = 0, spare_colu
     return table, num_pages
 
 
+def equal_block_table(spec, rng, b: int, tokens: int, extra: int = 2) -> tuple[np.ndarray, int]:
+    """block_table of `b` requests of `tokens` cache positions each, on the spec's pages, `extra` pages spare."""
+    return block_table(rng, [tokens] * b, spec.page_size, extra_pages=extra)
+
+
+def paged_cache(spec, rng, lens, extra_pages: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(kv cache, block table) for requests of `lens` positions: the table a random permutation of pages (never
+    contiguous, block_table), the cache N(0, 1) values as bf16 bits, or e4m3 bytes for an fp8 spec (no NaN byte)."""
+    table, num_pages = block_table(rng, lens, spec.page_size, extra_pages=extra_pages)
+    values = rng.standard_normal(cache_shape(spec, num_pages))
+    kv = fp8.from_float(values.astype(np.float32)) if spec.kv_fp8 else bf16.to_bits(values)
+    return kv, table
+
+
 def bad_pages(table: np.ndarray, num_pages: int) -> np.ndarray:
     """A copy of `table` whose used entries point outside the cache: request 0's first page -1, request 1's
     second num_pages + 5, every page of request 2 2**31 - 1 (as many of these as the table has)."""
@@ -125,6 +147,15 @@ def bad_pages(table: np.ndarray, num_pages: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------- trees
+
+def reference_tree(spec, rng, b: int, dp: int, kp: int, budget: int, prefix):
+    """The TreeBuildOutput of the numpy reference (reference.tree_build) on a random top-k table of b requests,
+    D' = dp, K' = kp (token ids below 50, descending log-probs), roots 0..b-1, prefix lengths `prefix`."""
+    ids = rng.integers(0, 50, (b, dp, kp), dtype=np.int32)
+    lps = (-np.sort(rng.exponential(1.0, (b, dp, kp)), axis=2)).astype(np.float32)
+    return reference.tree_build(ids, lps, np.arange(b, dtype=np.int32), np.asarray(prefix, np.int32), budget,
+                                spec.max_tree_size)
+
 
 def tree_masks(rng, q_lens, kinds, nq: int, words: int, *, junk_bits: bool = False) -> np.ndarray:
     """[B, nq, words] uint32: request i's rows < q_lens[i] hold the ancestor mask of a tree of kind kinds[i]

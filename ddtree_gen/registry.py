@@ -1,45 +1,51 @@
-"""The kernel declarations (plans/: one Declaration per kernel) with their strings resolved.
+"""The kernel declarations, collected: one Declaration per kernel, made next to its launcher (kernels/<family>.py).
 
-The declarations name a kernel's launcher, numpy reference, output record, torch ops, sanitizer cases and
-bundle inputs as "module:attribute" strings, so that plans/ imports nothing above it; this module, above the
-launchers, turns them into the objects. kernel_set (the KernelSet methods), torch_ops, sanitize, bundles,
-`ddtree-gen list` and the tests iterate it. A string names a module of ddtree_gen, relative to the package.
+A declaration holds the kernel's facets as objects (plans/declaration.py): its launcher, numpy reference, output
+record, torch ops, sanitizer cases and bundle inputs. This module, above the launchers, gathers every kernels/
+module's DECLARATIONS (kernels.declarations()) in build order (plans.all_kernels()); kernel_set (the KernelSet
+methods), torch_ops, sanitize, bundles, `ddtree-gen list` and the tests iterate it.
 """
 from __future__ import annotations
 
-import functools
-import importlib
+import inspect
 
-from .plans import FACETS, Declaration, declaration, declarations
+from . import kernels
+from .plans import FACETS, Declaration, all_kernels, by_name
 
-__all__ = ["FACETS", "Declaration", "declaration", "declarations", "resolve", "launcher", "reference", "output",
+__all__ = ["FACETS", "Declaration", "declaration", "declarations", "launcher", "reference", "output",
            "torch_ops", "sanitizer_cases", "bundle_cases", "problems"]
 
+_ORDER = {k.name: i for i, k in enumerate(all_kernels())}
+_COLLECTED = tuple(kernels.declarations())
+_DECLS = tuple(sorted(_COLLECTED, key=lambda d: _ORDER.get(d.name, len(_ORDER))))
+_BY_NAME: dict = {}
+for _d in _DECLS:
+    _BY_NAME.setdefault(_d.name, _d)
+del _d
 
-@functools.lru_cache(maxsize=None)
-def resolve(ref: str):
-    """The object a declaration's "module:attribute" string names (module relative to ddtree_gen)."""
-    module, sep, attr = ref.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{ref!r}: expected 'module:attribute'")
-    return getattr(importlib.import_module(f"ddtree_gen.{module}"), attr)
+
+def declarations() -> list[Declaration]:
+    """Every kernel's declaration, in build order."""
+    return list(_DECLS)
+
+
+def declaration(name: str) -> Declaration:
+    return _BY_NAME[name]
 
 
 def launcher(name: str):
     """Kernel `name`'s launcher, launch(kset, ...): the KernelSet method of that name."""
-    return resolve(declaration(name).launcher)
+    return declaration(name).launcher
 
 
 def reference(name: str):
     """The numpy reference of kernel `name` (None: the declaration says why it has none)."""
-    ref = declaration(name).reference
-    return resolve(ref) if ref else None
+    return declaration(name).reference
 
 
 def output(name: str):
     """The record kernel `name`'s launcher returns (None: it returns nothing, or the declaration says why)."""
-    ref = declaration(name).output
-    return resolve(ref) if ref else None
+    return declaration(name).output
 
 
 def torch_ops() -> list:
@@ -49,7 +55,7 @@ def torch_ops() -> list:
 
 def sanitizer_cases() -> dict:
     """Kernel name -> its sanitizer cases, cases(spec, rng) -> (case name, inputs), ... (kernels with cases only)."""
-    return {d.name: resolve(d.sanitize) for d in declarations() if d.sanitize}
+    return {d.name: d.sanitize for d in declarations() if d.sanitize}
 
 
 def bundle_cases() -> dict:
@@ -57,22 +63,33 @@ def bundle_cases() -> dict:
     return {d.name: d.bundles for d in declarations() if d.bundles}
 
 
+def _first_parameter(fn) -> str | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
+
+
 def problems() -> list[str]:
-    """What is wrong with the declarations: a facet neither declared nor explained, a string that does not
-    resolve, a torch op's name twice, a launcher that does not take the kernel set first."""
-    out = [p for d in declarations() for p in d.problems()]
-    refs = []
-    for d in declarations():
-        refs += [(d.name, f, getattr(d, f)) for f in ("launcher", "reference", "output", "sanitize") if getattr(d, f)]
-        refs += [(d.name, "torch_ops", r) for op in d.torch_ops for r in (op.fake, op.impl) if r]
-        refs += [(d.name, "bundles", r) for r in ((d.bundles.inputs, d.bundles.run) if d.bundles else ()) if r]
-    for name, facet, ref in refs:
-        if ref.startswith("torch_ops:"):
-            continue   # torch is optional: torch_ops resolves its own when it registers the ops (tests/test_torch_ops_cpu)
-        try:
-            resolve(ref)
-        except (ImportError, AttributeError, ValueError) as e:
-            out.append(f"{name}: {facet} {ref!r} does not resolve ({type(e).__name__}: {e})")
+    """What is wrong with the declarations: a facet neither declared nor explained or not the object it stands for
+    (Declaration.problems), a kernel of plans/ with no declaration or with two, a declaration of a build that is not
+    plans/' KernelDef of its name, a launcher or torch op implementation that does not take the kernel set first, a
+    torch op's name twice."""
+    decls = declarations()
+    out = [p for d in decls for p in d.problems()]
+    names = [d.name for d in decls]
+    out += [f"{k.name}: a kernel of plans/ with no declaration in kernels/" for k in all_kernels() if k.name not in names]
+    out += [f"{n}: declared {names.count(n)} times" for n in sorted({n for n in names if names.count(n) > 1})]
+    for d in decls:
+        if d.name not in _ORDER or d.build is not by_name(d.name):
+            out.append(f"{d.name}: its build is not plans/' KernelDef of that name (plans.by_name)")
+        if callable(d.launcher) and _first_parameter(d.launcher) != "kset":
+            out.append(f"{d.name}: launcher {d.launcher.__qualname__} does not take the kernel set first (kset)")
+        for op in d.torch_ops:
+            if callable(op.impl) and _first_parameter(op.impl) != "kset":
+                out.append(f"{d.name}: torch op {op.name}'s impl {op.impl.__qualname__} does not take the kernel "
+                           f"set first (kset)")
     ops = [op.name for _, op in torch_ops()]
     out += [f"torch op {n!r} declared twice" for n in sorted({n for n in ops if ops.count(n) > 1})]
     return out

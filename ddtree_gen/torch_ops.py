@@ -23,8 +23,9 @@ tensor subclass (_direct_entry; docs/engine.md):
     out, lse = ops.tree_verify("kimi-k2.6-tp8", q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree[6],
                                softmax_scale)
 
-The ops are those of the kernels' declarations (plans/: Declaration.torch_ops, a schema and a fake each);
-an op without an `impl` of its own calls the kernel's launcher with its arguments positionally. The first
+The ops are those of the kernels' declarations (kernels/<family>.py: Declaration.torch_ops, a schema and a fake
+each, the fake and any implementation of its own next to the launcher); an implementation takes the kernel set of
+the op's spec first, and an op without one calls the kernel's launcher with its arguments positionally. The first
 argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the
 plain launcher's record as a tuple, in the record's order (its declaration's output: DraftTopkOutput,
 TreeBuildOutput, AttentionOutput, TreeAcceptOutput). Every op has a fake (meta) implementation, so torch.compile traces it without
@@ -39,10 +40,7 @@ import functools
 import torch
 
 from . import registry
-from .errors import ArgumentError
 from .kernel_set import load
-from .kernels import kv_commit as _commit
-from .kernels import tree_accept as _accept
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,84 +83,14 @@ def implementation(op: str):
     return _IMPLS[op]
 
 
-# --------------------------------------------------------------- the implementations named by declarations
-
-def tree_verify(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                impl="auto", kv_scale=None, fp8_path=None):
-    return _kset(spec).tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                   softmax_scale, impl=impl, kv_scale=kv_scale, fp8_path=fp8_path)
-
-
-def tree_verify_tail(spec, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
-                     impl="auto", kv_scale=None):
-    return _kset(spec).tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask,
-                                        softmax_scale, impl=impl, kv_scale=kv_scale)
-
-
-def tree_accept(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
-                block_table):
-    return _accept.direct(_kset(spec), num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens,
-                          kv_cache, block_table)
-
-
-def tree_walk(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
-    """tree_accept without a cache: the walk alone (kv_commit then moves every layer's entries)."""
-    return _accept.direct(_kset(spec), num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens)
-
-
-def kv_commit(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
-    _commit.direct(_kset(spec), accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table)
-
-
-def kv_commit_stacked(spec, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table):
-    """kv_commit of one stacked [layers, num_pages, page_size, R+P] cache (a tensor, not a list: the dispatcher
-    converts one argument instead of one per layer)."""
-    _commit.stacked(_kset(spec), accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table)
-
-
-# --------------------------------------------------------------------- fakes (spec: a Spec)
-
-def tree_build_fake(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
-    n, w = spec.max_tree_size, spec.mask_words
-    b = topk_ids.shape[0]
-    i32 = dict(dtype=torch.int32)
-    return (topk_ids.new_empty((b,), **i32), *(topk_ids.new_empty((b, n), **i32) for _ in range(4)),
-            topk_ids.new_empty((b, n), dtype=torch.float32), topk_ids.new_empty((b, n, w), dtype=torch.uint32),
-            topk_ids.new_empty((b, n), **i32), topk_ids.new_empty((b, n), **i32))
-
-
-def attention_fake(spec, q_nope, *args):
-    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:3], dtype=torch.float32)
-
-
-def merge_states_fake(spec, o_a, lse_a, o_b, lse_b):
-    return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
-
-
-def _walk_fake(spec, tokens):
-    d1, b = spec.max_depth + 1, tokens.shape[0]
-    return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
-
-
-def tree_accept_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache,
-                     block_table):
-    return _walk_fake(spec, tokens)
-
-
-def tree_walk_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
-    return _walk_fake(spec, tokens)
-
-
-def kv_commit_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
-    return None
-
-
-def kv_commit_stacked_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table):
-    """No outputs; a kv_cache of another rank is refused when traced, as the launcher refuses it."""
-    if kv_cache.dim() != 4:
-        raise ArgumentError(f"kv_cache: {kv_cache.dim()} dimensions {tuple(kv_cache.shape)}, expected 4: [layers, "
-                            f"num_pages, page_size, R+P]")
-    return None
+def _bound(impl):
+    """A declared implementation, impl(kset, *args), as torch calls it: with the spec's name first (its kernel set:
+    _kset, looked up at each call)."""
+    def run(spec, *args):
+        return impl(_kset(spec), *args)
+    run.__name__ = run.__qualname__ = impl.__name__
+    run.__doc__ = impl.__doc__
+    return run
 
 
 # --------------------------------------------------------------------- the direct entries
@@ -216,10 +144,10 @@ direct = _Direct()
 
 def _register():
     for decl, op in registry.torch_ops():
-        impl = registry.resolve(op.impl) if op.impl else _positional(decl.name)
+        impl = _bound(op.impl) if op.impl else _positional(decl.name)
         _LIB.define(op.schema)
         _LIB.impl(op.name, impl, "CUDA")
-        torch.library.register_fake(f"ddtree::{op.name}", lib=_LIB)(_with_spec(registry.resolve(op.fake)))
+        torch.library.register_fake(f"ddtree::{op.name}", lib=_LIB)(_with_spec(op.fake))
         _IMPLS[op.name] = impl
         setattr(direct, op.name, _direct_entry(op.name, impl))
 

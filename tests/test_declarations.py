@@ -1,7 +1,7 @@
-"""The kernel declarations (plans/: one Declaration per kernel, resolved by ddtree_gen.registry), on the CPU.
+"""The kernel declarations (kernels/: one Declaration per kernel, collected by ddtree_gen.registry), on the CPU.
 
 Every registered kernel declares each facet (launcher, reference, output record, torch ops, sanitizer cases,
-bundles) or says in `missing` why it has none; every string resolves; the KernelSet methods are the launchers
+bundles) as the object itself or says in `missing` why it has none; the KernelSet methods are the launchers
 with their signatures; the CPU stand-in and KernelSet answer what a launcher asks (kernels.KernelSetLike).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_every_facet_is_declared_or_explained(decl):
     assert decl.problems() == []
 
 
-def test_the_declarations_are_the_registry_and_resolve():
+def test_the_declarations_are_the_registry():
     assert [d.name for d in registry.declarations()] == [k.name for k in all_kernels()]
     assert all(d.build is by_name(d.name) for d in registry.declarations())
     assert registry.problems() == []
@@ -39,14 +39,27 @@ def test_a_missing_facet_without_a_reason_is_a_problem():
     assert "not a facet" in odd.problems()[0]
 
 
-def test_a_string_that_does_not_resolve_is_named(monkeypatch):
+def test_a_facet_that_is_not_its_object_is_named(monkeypatch):
+    """A facet given as a "module:attribute" string (the declarations before issue 40) or as anything else that is
+    not the object is named, as is a launcher or op implementation that does not take the kernel set first."""
     bad = Declaration(**{**registry.declaration("draft_topk").__dict__, "reference": "reference:no_such_function",
-                         "bundles": Bundles("plans.no_such_module:inputs", ("x",))})
+                         "bundles": Bundles("plans.no_such_module:inputs", ("x",)), "output": "DraftTopkOutput",
+                         "launcher": lambda spec, logits: None})
     decls = [bad if d.name == "draft_topk" else d for d in registry.declarations()]
     monkeypatch.setattr(registry, "declarations", lambda: decls)
     problems = registry.problems()
-    assert any("reference 'reference:no_such_function' does not resolve" in p for p in problems), problems
-    assert any("bundles 'plans.no_such_module:inputs' does not resolve" in p for p in problems), problems
+    assert any("reference 'reference:no_such_function' is a string, not the object" in p for p in problems), problems
+    assert any("bundles 'plans.no_such_module:inputs' is a string, not the object" in p for p in problems), problems
+    assert any("output 'DraftTopkOutput' is not a type" in p for p in problems), problems
+    assert any("draft_topk: launcher" in p and "does not take the kernel set first" in p for p in problems), problems
+
+
+def test_every_kernel_of_plans_is_declared_once(monkeypatch):
+    decls = registry.declarations()
+    monkeypatch.setattr(registry, "declarations", lambda: [d for d in decls if d.name != "kv_commit"] + decls[:1])
+    problems = registry.problems()
+    assert "kv_commit: a kernel of plans/ with no declaration in kernels/" in problems, problems
+    assert "tree_build: declared 2 times" in problems, problems
 
 
 @pytest.mark.parametrize("decl", registry.declarations(), ids=lambda d: d.name)

@@ -34,7 +34,7 @@ def _cases(gpu: bool) -> list:
 
 def _torch_op_names() -> set:
     """The torch ops of the kernels' declarations (read without importing torch)."""
-    from ddtree_gen.plans import declarations
+    from ddtree_gen.registry import declarations
     return {op.name for d in declarations() for op in d.torch_ops}
 
 

@@ -13,7 +13,7 @@ import ddtree_gen.torch_ops  # noqa: E402
 def test_ops_are_registered_with_the_kv_cache_mutation():
     from ddtree_gen import registry
     ops = torch.ops.ddtree
-    names = [op.name for _, op in registry.torch_ops()]   # every declared op (plans/: Declaration.torch_ops)
+    names = [op.name for _, op in registry.torch_ops()]   # every declared op (kernels/: Declaration.torch_ops)
     assert {"tree_build", "tree_verify", "tree_accept", "tree_walk", "kv_commit", "draft_topk"} <= set(names)
     for name in names:
         assert hasattr(ops, name), name
@@ -168,17 +168,17 @@ def test_stacked_commit_refuses_a_list_and_another_rank(spec, monkeypatch):
     # the implementation (what the dispatcher runs on a GPU), CPU tensors standing for device 0's, on a stand-in
     # kernel set that refuses to launch
     _stand_in_device0(spec, monkeypatch)
+    stacked = torch_ops.implementation("kv_commit_stacked")
     with pytest.raises(ArgumentError, match=r"^kv_cache: a list of 2 caches, expected one \[layers, "):
-        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
+        stacked(spec.name, lens, nodes, prefix, [_kv(spec, 4)] * 2, table)
     with pytest.raises(ArgumentError, match=r"^kv_cache: 3 dimensions \(4, .*one layer's cache: add a leading"):
-        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 4), table)
+        stacked(spec.name, lens, nodes, prefix, _kv(spec, 4), table)
     with pytest.raises(ArgumentError, match=r"^kv_cache: 5 dimensions .*expected 4: \[layers, num_pages"):
-        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 1, 2, 4), table)
+        stacked(spec.name, lens, nodes, prefix, _kv(spec, 1, 2, 4), table)
     with pytest.raises(ArgumentError, match=r"^kv_cache: page_size"):
-        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 2, 4).transpose(1, 2).contiguous(),
-                                    table)
+        stacked(spec.name, lens, nodes, prefix, _kv(spec, 2, 4).transpose(1, 2).contiguous(), table)
     with pytest.raises(LaunchReached):   # a [layers, num_pages, page_size, R+P] cache passes every check
-        torch_ops.kv_commit_stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)
+        stacked(spec.name, lens, nodes, prefix, _kv(spec, 3, 4), table)
 
 
 # ------------------------------------------------------------------ the direct entries (torch_ops.direct)

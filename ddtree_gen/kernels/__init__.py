@@ -1,12 +1,19 @@
-"""The launchers, one module per kernel family, and KernelSetLike: what a launcher asks of its kernel set.
+"""The launchers, one module per kernel family, with the kernels' declarations, and KernelSetLike: what a launcher
+asks of its kernel set.
 
 A launcher is `launch(kset, *args, **kwargs)`: it checks its arguments (kernels/checks.py, once
-per call signature) and launches through the runtime. Each kernel's declaration (ddtree_gen.plans)
-names its launcher; ddtree_gen.kernel_set makes it the KernelSet method of the kernel's name. The build
-data of each kernel (template, entry, resource plan) is in ddtree_gen.plans, which imports nothing from here.
+per call signature) and launches through the runtime. Next to it, its module declares the kernel
+(`DECLARATIONS = [Declaration(...)]`, plans/declaration.py): the launcher, reference, output record, torch ops
+(their fakes and implementations are here too), sanitizer cases and bundles, as the objects themselves. A module
+of this package with DECLARATIONS is found by being here (declarations(); docs/adding-a-kernel.md);
+ddtree_gen.registry collects them and ddtree_gen.kernel_set makes each launcher the KernelSet method of the
+kernel's name. The build data of each kernel (template, entry, resource plan) and the inputs of its cases are in
+ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Protocol, runtime_checkable
 
 
@@ -42,4 +49,12 @@ class KernelSetLike(Protocol):
         """Launch kernel `name` on `device`'s current stream."""
 
 
-__all__ = ["KernelSetLike"]
+def declarations() -> list:
+    """The DECLARATIONS of every module of this package that has them, by module name (ddtree_gen.registry orders
+    them by build order)."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
+    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
+    return [d for m in modules for d in getattr(m, "DECLARATIONS", ())]
+
+
+__all__ = ["KernelSetLike", "declarations"]

@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import arrays as ar
+from .. import reference
+from ..plans import draft_topk as plans
+from ..plans.declaration import Bundles, Declaration, TorchOp
 from ..errors import ArgumentError
 from ..plans.draft_topk import CHUNK, CMAX, MAX_VOCAB, chunks
 from ..reference import DraftTopkOutput, temperature_arg
@@ -128,6 +131,14 @@ def torch_fake(spec, logits, k, temperature=1.0):
     import torch
     b, dp = logits.shape[:2]
     return (logits.new_empty((b, dp, k), dtype=torch.int32), logits.new_empty((b, dp, k), dtype=torch.float32))
+
+
+DECLARATIONS = [Declaration(
+    plans.KERNELS[0], launcher=launch, reference=reference.draft_topk, output=DraftTopkOutput,
+    torch_ops=(TorchOp("draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
+                       fake=torch_fake),),
+    sanitize=plans.sanitizer_cases,
+    bundles=Bundles(plans.bundle_inputs, plans.BUNDLE_CASES))]
 
 
 __all__ = ["launch", "workspace_elems", "CHUNK"]

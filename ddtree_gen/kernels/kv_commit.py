@@ -6,14 +6,17 @@
 kv_caches: a sequence of per-layer caches (same shape [num_pages, page_size, R+P] bf16, or e4m3 bytes
 for an fp8 spec: uint8 / torch.float8_e4m3fn; same dtype and device) or one stacked
 [layers, num_pages, page_size, R+P] tensor; at most MAX_LAYERS layers, each 16-byte aligned. Per layer
-the semantics are tree_accept's commit (docs/contract.md).
+the semantics are tree_accept's commit (docs/contract.md). Also its torch ops' fakes and its declaration.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import arrays as ar
+from .. import reference
 from ..errors import ArgumentError
+from ..plans import kv_commit as plans
+from ..plans.declaration import Bundles, Declaration, TorchOp
 from ..plans.kv_commit import MAX_LAYERS
 from ..runtime import ParamStruct, Prepared, Step, run_call
 from .checks import INT32_MAX
@@ -119,3 +122,29 @@ def _prepare(kset, arrays, stacked, name="kv_caches") -> Prepared:
     steps = (Step("kv_commit", (b, num_layers), (0, 1, 2, 3, layers, np.int32(num_pages),
                                                  np.int32(table.shape[1]))),) if b else ()
     return Prepared(device=device, kind=lens.kind, steps=steps, aligned=aligned, returns=(None, ()))
+
+
+def torch_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_caches, block_table):
+    """torch.ops.ddtree.kv_commit's fake (meta) implementation: no outputs."""
+    return None
+
+
+def stacked_torch_fake(spec, accept_lens, accepted_nodes, prefix_lens, kv_cache, block_table):
+    """torch.ops.ddtree.kv_commit_stacked's fake: no outputs; a kv_cache of another rank is refused when traced, as the
+    launcher refuses it."""
+    if kv_cache.dim() != 4:
+        raise ArgumentError(f"kv_cache: {kv_cache.dim()} dimensions {tuple(kv_cache.shape)}, expected 4: [layers, "
+                            f"num_pages, page_size, R+P]")
+    return None
+
+
+DECLARATIONS = [Declaration(
+    plans.KERNELS[0], launcher=launch, reference=reference.kv_commit,
+    torch_ops=(TorchOp("kv_commit(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+                       "Tensor(a!)[] kv_caches, Tensor block_table) -> ()", fake=torch_fake, impl=direct),
+               # the layers as one [layers, num_pages, page_size, R+P] tensor: no list for the dispatcher to convert
+               TorchOp("kv_commit_stacked(str spec, Tensor accept_lens, Tensor accepted_nodes, Tensor prefix_lens, "
+                       "Tensor(a!) kv_cache, Tensor block_table) -> ()", fake=stacked_torch_fake, impl=stacked)),
+    sanitize=plans.sanitizer_cases,
+    bundles=Bundles(plans.bundle_inputs, plans.BUNDLE_CASES, run=plans.bundle_run),
+    missing={"output": "none: it moves the caches in place and returns None"})]

@@ -15,6 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import arrays as ar
+from .. import reference
+from ..plans import kv_dequant as plans
+from ..plans.declaration import Bundles, Declaration
 from ..errors import ArgumentError
 from ..reference import KvDequantOutput
 from ..runtime import Prepared, Step, run_call, sm_count
@@ -113,6 +116,13 @@ def _prepare(kset, arrays, has_out) -> Prepared:
              if b * max_pages else ())
     return Prepared(device=device, kind=kv.kind, steps=steps, new=new, aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), returns=(KvDequantOutput, (4, 5)))
+
+
+DECLARATIONS = [Declaration(
+    plans.KERNELS[0], launcher=launch, reference=reference.kv_dequant, output=KvDequantOutput,
+    sanitize=plans.sanitizer_cases, bundles=Bundles(plans.bundle_inputs, plans.BUNDLE_CASES),
+    missing={"torch_ops": "a step of tree_verify(fp8_path='dequant'), whose torch op takes fp8_path; not an op of "
+                          "its own"})]
 
 
 __all__ = ["launch", "dequant_grid", "dequant_step", "check_inputs", "check_workspace_pages"]

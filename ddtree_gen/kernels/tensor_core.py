@@ -32,9 +32,11 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import by_name, declaration
+from ..plans import by_name
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
-from ..plans.split_kv import parts_workspace_elems, workspace_elems
+from ..plans.split_kv import COMBINE_DEF, parts_workspace_elems, workspace_elems
+from ..plans.declaration import Declaration
+from ..plans.tree_verify import tensor_core_sanitizer_cases
 from ..plans.kv_dequant import workspace_layout as dequant_layout
 from ..plans.tree_verify_wgmma import WORKSPACE_READERS, parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
@@ -106,7 +108,7 @@ def pieces(kset, name: str, tail: bool, b: int, nq: int, max_pages: int, num_spl
     if parts:
         return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
-    family = declaration(by_name(name).kernel).serves[1]
+    family = by_name(by_name(name).kernel).serves[1]
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
 
 
@@ -229,3 +231,30 @@ def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> Attention
                     returns=(AttentionOutput, (3, 4)))
     # a low-level call: checked every time (not cached)
     return run_call(kset, lambda: prep, arrays, (), cache=False)
+
+
+
+# ------------------------------------------------------------------------- declarations
+
+_SERVED = ("served by the torch op of {0} (impl='{1}'), which dispatches to it")
+_SAME_BUNDLES = ("the math of {0}: its bundles (refs/<spec>/{0}-*.kdtr) hold the inputs and outputs of this "
+                 "kernel too")
+
+
+def tensor_core_declaration(kdef, launcher, reference) -> Declaration:
+    """The declaration of a tensor-core kernel serving `public`(impl=`impl`) (its build's serves), of either family:
+    `reference` is public's; its cases the tree_verify cases with forced split-KV; its op and bundles public's."""
+    public, impl = kdef.serves
+    return Declaration(kdef, launcher=launcher, reference=reference, output=AttentionOutput,
+                       sanitize=tensor_core_sanitizer_cases,
+                       missing={"torch_ops": _SERVED.format(public, impl), "bundles": _SAME_BUNDLES.format(public)})
+
+
+DECLARATIONS = [
+    Declaration(COMBINE_DEF, launcher=combine, output=AttentionOutput,
+                missing={"reference": "a step of the tensor-core tree_verify kernels with num_splits > 1 (checked "
+                                      "through their references); its math is merge_states' over the chunks",
+                         "torch_ops": "a step of the tensor-core tree_verify kernels, not an op of its own",
+                         "sanitize": "launched by the tensor-core tree_verify kernels' cases with num_splits > 1",
+                         "bundles": "a step of the tensor-core tree_verify kernels (their bundles are tree_verify's)"}),
+]

@@ -1,10 +1,14 @@
-"""tree_accept's launcher: walk the draft tree with the target's tokens and commit the accepted KV."""
+"""tree_accept's launcher (walk the draft tree with the target's tokens and commit the accepted KV), its torch ops'
+fakes and its declaration."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import arrays as ar
+from .. import reference
 from ..errors import ArgumentError
+from ..plans import tree_accept as plans
+from ..plans.declaration import Bundles, Declaration, TorchOp
 from ..runtime import IsAligned, Prepared, Step, run_call
 from ..types import TreeAcceptOutput
 from .checks import INT32_MAX, host_copy
@@ -155,3 +159,31 @@ def _prepare_walk(kset, arrays, has_out, validate, tokens, num_nodes, first, nxt
                                         *(i for i, _, _ in new))),) if b else ()
     return Prepared(device=device, kind=tokens.kind, steps=steps, new=new,
                     returns=(TreeAcceptOutput, tuple(range(first_out, first_out + len(TreeAcceptOutput._fields)))))
+
+
+def _walk_fake(spec, tokens):
+    d1, b = spec.max_depth + 1, tokens.shape[0]
+    return (tokens.new_empty((b,)), tokens.new_empty((b, d1)), tokens.new_empty((b, d1)), tokens.new_empty((b,)))
+
+
+def torch_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens, kv_cache, block_table):
+    """torch.ops.ddtree.tree_accept's fake (meta) implementation: the outputs' shapes, for torch.compile."""
+    return _walk_fake(spec, tokens)
+
+
+def walk_torch_fake(spec, num_nodes, tokens, first_child, next_sibling, target_tokens, prefix_lens):
+    """torch.ops.ddtree.tree_walk's fake (meta) implementation."""
+    return _walk_fake(spec, tokens)
+
+
+DECLARATIONS = [Declaration(
+    plans.KERNELS[0], launcher=launch, reference=reference.tree_accept, output=TreeAcceptOutput,
+    torch_ops=(TorchOp("tree_accept(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                       "Tensor target_tokens, Tensor prefix_lens, Tensor(a!) kv_cache, Tensor block_table) "
+                       "-> (Tensor, Tensor, Tensor, Tensor)", fake=torch_fake, impl=direct),
+               # the walk alone (no cache): kv_commit then moves every layer's entries
+               TorchOp("tree_walk(str spec, Tensor num_nodes, Tensor tokens, Tensor first_child, Tensor next_sibling, "
+                       "Tensor target_tokens, Tensor prefix_lens) -> (Tensor, Tensor, Tensor, Tensor)",
+                       fake=walk_torch_fake, impl=direct)),
+    sanitize=plans.sanitizer_cases,
+    bundles=Bundles(plans.bundle_inputs, plans.BUNDLE_CASES, run=plans.bundle_run))]

@@ -1,10 +1,14 @@
-"""tree_build's launcher: best-first DDTree draft-tree expansion, one warp per request."""
+"""tree_build's launcher (best-first DDTree draft-tree expansion, one warp per request), its torch op's fake and its
+declaration."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import arrays as ar
+from .. import reference
 from ..errors import ArgumentError
+from ..plans import tree_build as plans
+from ..plans.declaration import Bundles, Declaration, TorchOp
 from ..runtime import Prepared, Step, run_call
 from ..types import TreeBuildOutput
 
@@ -45,3 +49,22 @@ def _prepare(kset, arrays, budget, has_out) -> Prepared:
     steps = (Step("tree_build", (b,), (0, 1, 2, 3, np.int32(dp), np.int32(kp), np.int32(budget), *outs)),) if b else ()
     return Prepared(device=device, kind=ids.kind, steps=steps, new=new,
                     returns=(TreeBuildOutput, tuple(range(first_out, first_out + len(TreeBuildOutput._fields)))))
+
+
+def torch_fake(spec, topk_ids, topk_logprobs, root_tokens, prefix_lens, budget):
+    """torch.ops.ddtree.tree_build's fake (meta) implementation: the outputs' shapes, for torch.compile."""
+    import torch
+    n, w = spec.max_tree_size, spec.mask_words
+    b = topk_ids.shape[0]
+    i32 = dict(dtype=torch.int32)
+    return (topk_ids.new_empty((b,), **i32), *(topk_ids.new_empty((b, n), **i32) for _ in range(4)),
+            topk_ids.new_empty((b, n), dtype=torch.float32), topk_ids.new_empty((b, n, w), dtype=torch.uint32),
+            topk_ids.new_empty((b, n), **i32), topk_ids.new_empty((b, n), **i32))
+
+
+DECLARATIONS = [Declaration(
+    plans.KERNELS[0], launcher=launch, reference=reference.tree_build, output=TreeBuildOutput,
+    torch_ops=(TorchOp("tree_build(str spec, Tensor topk_ids, Tensor topk_logprobs, Tensor root_tokens, "
+                       "Tensor prefix_lens, int budget) -> (" + ", ".join(["Tensor"] * 9) + ")", fake=torch_fake),),
+    sanitize=plans.sanitizer_cases,
+    bundles=Bundles(plans.bundle_inputs, plans.BUNDLE_CASES, run=plans.bundle_run))]

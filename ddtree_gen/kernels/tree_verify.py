@@ -15,7 +15,7 @@ device, asks `route` what the call runs, then builds the CUDA-core or the tensor
      (the CUDA-core kernels: one block per (request, query row, group of heads), keys streamed through shared memory
      with an online softmax), or "auto" (the default): the first of wgmma, mma whose kernels (with the combine kernel)
      the kernel set has loaded and that run on the arrays' device, else the CUDA-core one. The kernel of each
-     tensor-core impl is the one that declares it serves (launcher, impl) (plans/: Declaration.serves). On a GPU
+     tensor-core impl is the one that declares it serves (launcher, impl) (plans/: KernelDef.serves). On a GPU
      other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the wgmma kernels do not run (they are built for sm_90a
      only), and the mma.sync ones only where the device allows their shared memory (A100, B200: yes; L4, L40S, RTX
      cards: no): see archs.py and KernelSet.unavailable. An fp8 spec has no mma.sync kernels (plans: KernelDef
@@ -44,7 +44,10 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import DEFAULT_BUILD, by_name, declarations
+from ..plans import DEFAULT_BUILD, all_kernels, by_name
+from .. import reference
+from ..plans import tree_verify as _plans
+from ..plans.declaration import Bundles, Declaration, TorchOp
 from ..plans.tree_verify import MERGE_WARPS
 from ..plans.split_kv import COMBINE
 from ..plans.kv_dequant import workspace_elems
@@ -57,8 +60,8 @@ from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, ch
 
 IMPLS = ("auto", "wgmma", "mma", "simple")
 TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
-# (launcher, impl) -> the tensor-core kernel that serves it: its declaration's `serves` (plans/)
-_SERVED_BY = {d.serves: d.name for d in declarations() if d.serves}
+# (launcher, impl) -> the tensor-core kernel that serves it: its KernelDef's `serves` (plans/)
+_SERVED_BY = {k.serves: k.name for k in all_kernels() if k.serves}
 FP8_PATHS = ("fused", "dequant")
 # fp8_path=None (the default) takes the dequantize path only where the bf16 workspace it would allocate for the call,
 # plans.kv_dequant.workspace_elems(spec, B, max_pages) x 2 bytes (B x max_pages pages of page_size x (R + P) bf16,
@@ -487,3 +490,55 @@ def _prepare_merge(kset, arrays) -> Prepared:
     return Prepared(device=oa.device, kind=oa.kind, steps=steps, new=((4, oa.shape, "bf16"), (5, lead, "float32")),
                     aligned=tuple(ptrs.aligned), disjoint=tuple(ptrs.disjoint),
                     returns=(AttentionOutput, (4, 5)))
+
+
+# ------------------------------------------------------------------ the torch ops and the declarations
+
+def torch_tree_verify(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                      impl="auto", kv_scale=None, fp8_path=None):
+    """torch.ops.ddtree.tree_verify's implementation: the op's arguments (after spec) as kset.tree_verify takes them."""
+    return kset.tree_verify(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                            impl=impl, kv_scale=kv_scale, fp8_path=fp8_path)
+
+
+def torch_tree_verify_tail(kset, q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                           impl="auto", kv_scale=None):
+    """torch.ops.ddtree.tree_verify_tail's implementation (as torch_tree_verify, without fp8_path)."""
+    return kset.tree_verify_tail(q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree_mask, softmax_scale,
+                                 impl=impl, kv_scale=kv_scale)
+
+
+def attention_torch_fake(spec, q_nope, *args):
+    """The fake (meta) implementation of tree_verify's and tree_verify_tail's ops: out like q_nope, lse [B, Nq, H]."""
+    import torch
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:3], dtype=torch.float32)
+
+
+def merge_torch_fake(spec, o_a, lse_a, o_b, lse_b):
+    """merge_states' op's fake (meta) implementation."""
+    return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
+
+
+# the torch ops' attention arguments (tree_verify, tree_verify_tail: the same schema)
+ATTENTION_ARGS = ("Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor prefix_lens, "
+                  "Tensor q_lens, Tensor tree_mask, float softmax_scale, str impl='auto', float? kv_scale=None")
+
+DECLARATIONS = [
+    Declaration(_plans.KERNELS[0], launcher=tree_verify, reference=reference.tree_verify, output=AttentionOutput,
+                # tree_verify's own last argument: an fp8 spec's path (None / "fused" / "dequant": fp8_default)
+                torch_ops=(TorchOp(f"tree_verify(str spec, {ATTENTION_ARGS}, str? fp8_path=None) -> (Tensor, Tensor)",
+                                   fake=attention_torch_fake, impl=torch_tree_verify),),
+                sanitize=_plans.sanitizer_cases,
+                bundles=Bundles(_plans.bundle_inputs, _plans.BUNDLE_CASES, run=_plans.bundle_run)),
+    Declaration(_plans.KERNELS[1], launcher=tree_verify_tail, reference=reference.tree_verify_tail,
+                output=AttentionOutput,
+                torch_ops=(TorchOp(f"tree_verify_tail(str spec, {ATTENTION_ARGS}) -> (Tensor, Tensor)",
+                                   fake=attention_torch_fake, impl=torch_tree_verify_tail),),
+                sanitize=_plans.sanitizer_cases,
+                bundles=Bundles(_plans.bundle_inputs, _plans.BUNDLE_CASES, run=_plans.tail_bundle_run)),
+    Declaration(_plans.KERNELS[2], launcher=merge_states, reference=reference.merge_states, output=AttentionOutput,
+                torch_ops=(TorchOp("merge_states(str spec, Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) "
+                                   "-> (Tensor, Tensor)", fake=merge_torch_fake),),
+                sanitize=_plans.merge_sanitizer_cases,
+                bundles=Bundles(_plans.merge_bundle_inputs, _plans.MERGE_BUNDLE_CASES)),
+]

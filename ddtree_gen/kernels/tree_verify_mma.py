@@ -8,6 +8,9 @@ run); kset.tree_verify_mma calls them directly.
 """
 from __future__ import annotations
 
+from .. import reference
+from ..plans import tree_verify_mma as plans
+from .tensor_core import tensor_core_declaration
 from .tree_verify import family_launcher
 
 tree_verify = family_launcher("tree_verify", "mma", """Tree attention over the prefix and the tree (docs/contract.md
@@ -22,3 +25,9 @@ tree_verify = family_launcher("tree_verify", "mma", """Tree attention over the p
 tree_verify_tail = family_launcher("tree_verify_tail", "mma", """tree_verify_mma over the tree tail alone (keys
     prefix_len + j with mask bit j set), for merging with an external prefix kernel through merge_states. Same
     arguments as tree_verify_mma.""")
+
+
+DECLARATIONS = [
+    tensor_core_declaration(plans.KERNELS[0], tree_verify, reference.tree_verify),
+    tensor_core_declaration(plans.KERNELS[1], tree_verify_tail, reference.tree_verify_tail),
+]

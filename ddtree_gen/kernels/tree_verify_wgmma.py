@@ -9,6 +9,9 @@ kernel unless build= names a dequantize build).
 """
 from __future__ import annotations
 
+from .. import reference
+from ..plans import tree_verify_wgmma as plans
+from .tensor_core import tensor_core_declaration
 from .tree_verify import family_launcher
 
 tree_verify = family_launcher("tree_verify", "wgmma", """Tree attention over the prefix and the tree (docs/contract.md
@@ -23,3 +26,9 @@ tree_verify = family_launcher("tree_verify", "wgmma", """Tree attention over the
 tree_verify_tail = family_launcher("tree_verify_tail", "wgmma", """tree_verify_wgmma over the tree tail alone (keys
     prefix_len + j with mask bit j set), for merging with an external prefix kernel through merge_states. Same
     arguments as tree_verify_wgmma (its only build: "default").""")
+
+
+DECLARATIONS = [
+    tensor_core_declaration(plans.KERNELS[0], tree_verify, reference.tree_verify),
+    tensor_core_declaration(plans.KERNELS[1], tree_verify_tail, reference.tree_verify_tail),
+]

@@ -1,10 +1,12 @@
-"""The kernel registry: one declaration per kernel (plans/declaration.py), one module per kernel family.
+"""The kernels' build data: one module per kernel family, each with the KernelDefs of its kernels (KERNELS).
 
-Each family module defines the resource plans (sympy formulas of the spec, see resources.py), the
-KernelDefs of its kernels and their DECLARATIONS (the launcher, reference, torch op, ... named by strings,
-resolved in ddtree_gen/registry.py). A module of this package with DECLARATIONS is a family: a new kernel's
-module is found by being here (docs/adding-a-kernel.md). The build layer (render, compile, artifacts) and the
-runtime read this registry; nothing here imports a launcher (ddtree_gen.kernels) or the runtime.
+Each family module defines the resource plans (sympy formulas of the spec, see resources.py), the KernelDefs
+of its kernels, and the inputs of their sanitizer cases and bundles (`sanitizer_cases`, `bundle_inputs`). A
+module of this package with KERNELS is a family: a new kernel's module is found by being here
+(docs/adding-a-kernel.md). The kernels' declarations (declaration.py: launcher, reference, torch ops, ...) are
+made next to their launchers, in ddtree_gen/kernels/, and collected by ddtree_gen.registry. The build layer
+(render, compile, artifacts) and the runtime read this package; nothing here imports a launcher
+(ddtree_gen.kernels) or the runtime.
 """
 from __future__ import annotations
 
@@ -23,15 +25,13 @@ def _families() -> list:
     names = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("declaration", "kernel_def")]
     names.sort(key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
     modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
-    return [m for m in modules if hasattr(m, "DECLARATIONS")]
+    return [m for m in modules if hasattr(m, "KERNELS")]
 
 
-_DECLS = tuple(d for m in _families() for d in m.DECLARATIONS)
-_ALL = tuple(d.build for d in _DECLS)
+_ALL = tuple(k for m in _families() for k in m.KERNELS)
 _BUILDS = tuple(b for k in _ALL for b in k.build_defs())
 _BY_NAME = {k.name: k for k in _BUILDS}
-_DECL_BY_NAME = {d.name: d for d in _DECLS}
-assert len(_DECL_BY_NAME) == len(_DECLS), "two declarations of one kernel name"
+assert len({k.name for k in _ALL}) == len(_ALL), "two KernelDefs of one kernel name"
 assert len(_BY_NAME) == len(_BUILDS), "two builds of one name"
 
 
@@ -48,7 +48,10 @@ def all_builds() -> list[KernelDef]:
 
 def builds_of(kernel: str) -> list[KernelDef]:
     """The builds of declared kernel `kernel` (KeyError: no such kernel), its default first."""
-    return list(_DECL_BY_NAME[kernel].build.build_defs())
+    kdef = _BY_NAME[kernel]
+    if kdef.of:
+        raise KeyError(f"{kernel}: a build, not a kernel (its kernel: {kdef.of})")
+    return list(kdef.build_defs())
 
 
 def by_name(name: str) -> KernelDef:
@@ -56,14 +59,5 @@ def by_name(name: str) -> KernelDef:
     return _BY_NAME[name]
 
 
-def declarations() -> list[Declaration]:
-    """Every kernel's declaration, in build order (its strings unresolved: ddtree_gen.registry resolves them)."""
-    return list(_DECLS)
-
-
-def declaration(name: str) -> Declaration:
-    return _DECL_BY_NAME[name]
-
-
 __all__ = ["DEFAULT_BUILD", "FACETS", "Build", "Bundles", "Declaration", "KernelDef", "TorchOp", "all_builds",
-           "all_kernels", "builds_of", "by_name", "declaration", "declarations"]
+           "all_kernels", "builds_of", "by_name"]

@@ -1,4 +1,4 @@
-"""draft_topk's declaration (docs/adding-a-kernel.md): its resource plan (the drafter's top-k per depth: one block per
+"""draft_topk's build data (docs/adding-a-kernel.md; its declaration: kernels/draft_topk.py): its resource plan (the drafter's top-k per depth: one block per
 row where there are 1.5 rows an SM and a row holds 4 chunks (kernels/draft_topk.ROWS_PER_SM, ROWS_MIN_CHUNKS), else one block per chunk of a row and a merge per row; SCHEDULES below), and the
 inputs of its bundles and sanitizer cases (its output record, DraftTopkOutput, is beside its numpy reference)."""
 from __future__ import annotations
@@ -9,7 +9,6 @@ import sympy
 from ..bf16 import to_bits
 from ..errors import SpecError
 from ..resources import N, Plan
-from .declaration import Bundles, Declaration, TorchOp
 from .kernel_def import KernelDef
 
 THREADS = 256
@@ -116,6 +115,9 @@ KERNELS = [KernelDef(name="draft_topk", template="draft_topk.cu.j2", entry="ddtr
                      policy=policy, spell=spell)]
 
 
+BUNDLE_CASES = ("bf16", "edges")
+
+
 def bundle_inputs(spec, rng, case) -> dict:
     """The inputs of refs/<spec>/draft_topk-<case>.kdtr: "bf16" (a vocabulary above one chunk: the merge) or
     "edges" (float32 rows of ties, NaN and -inf, all -inf, +inf, +-0; k = N-1)."""
@@ -160,11 +162,3 @@ def sanitizer_cases(spec, rng):
     yield "bf16 edge rows", dict(logits=to_bits(edge), k=kmax)
     yield "k = V", dict(logits=rows(1, 1, kmax).astype(np.float32), k=kmax)
 
-
-DECLARATIONS = [Declaration(
-    KERNELS[0], launcher="kernels.draft_topk:launch", reference="reference:draft_topk",
-    output="reference:DraftTopkOutput",
-    torch_ops=(TorchOp("draft_topk(str spec, Tensor logits, int k, float temperature=1.0) -> (Tensor, Tensor)",
-                       fake="kernels.draft_topk:torch_fake"),),
-    sanitize="plans.draft_topk:sanitizer_cases",
-    bundles=Bundles("plans.draft_topk:bundle_inputs", ("bf16", "edges")))]

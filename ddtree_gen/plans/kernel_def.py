@@ -67,6 +67,9 @@ class KernelDef:
         return (self, *(replace(self, name=f"{self.name}/{b.name}", policy=b.policy, kv_dtypes=b.kv_dtypes,
                                 context={**self.context, **b.context}, builds=(), pick=None, of=self.name,
                                 build=b.name) for b in self.builds))
+    # (public launcher, impl): the impl= of a public launcher this kernel serves, e.g. ("tree_verify", "mma")
+    # (kernels/tree_verify.py sends impl="mma" to the kernel that declares it); None: none
+    serves: tuple | None = None
 
     def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
         """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,

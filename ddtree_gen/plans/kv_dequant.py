@@ -22,7 +22,6 @@ import sympy
 from ..errors import SpecError
 from ..fp8 import from_float
 from ..resources import P, PAGE, R, Plan
-from .declaration import Bundles, Declaration
 from .kernel_def import KernelDef
 
 THREADS = 256                    # threads per block of the default build
@@ -126,6 +125,9 @@ def _e4m3(rng, shape) -> np.ndarray:
     return from_float(rng.standard_normal(shape).astype(np.float32))
 
 
+BUNDLE_CASES = ("pages",)
+
+
 def bundle_inputs(spec, rng, case) -> dict:
     """The inputs of refs/<spec>/kv_dequant-<case>.kdtr, "pages": three requests of two page indices over a cache of
     four pages: one whose keys end inside its second page, one whose first entry is outside the cache (-1) and whose
@@ -153,10 +155,3 @@ def sanitizer_cases(spec, rng):
                                          prefix_lens=np.array([page, 2**31 - 2, -1], np.int32),
                                          q_lens=np.array([page, 2, 1], np.int32))
 
-
-DECLARATIONS = [Declaration(
-    KERNELS[0], launcher="kernels.kv_dequant:launch", reference="reference:kv_dequant",
-    output="reference:KvDequantOutput", sanitize="plans.kv_dequant:sanitizer_cases",
-    bundles=Bundles("plans.kv_dequant:bundle_inputs", ("pages",)),
-    missing={"torch_ops": "a step of tree_verify(fp8_path='dequant'), whose torch op takes fp8_path; not an op of "
-                          "its own"})]

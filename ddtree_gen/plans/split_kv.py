@@ -14,7 +14,8 @@ the other, both import this one.
 * The workspace: fp32 partials of every chunk (or seesaw part) and their lse, then the seesaw kernel's
   request spans (workspace_elems, parts_workspace_elems).
 * The combine kernel (tree_verify_mma_combine: the name of its launcher, binaries and generated file; its
-  template is templates/tree_verify_combine.cu.j2) merges the partials of either family.
+  template is templates/tree_verify_combine.cu.j2) merges the partials of either family. Its declaration, and the
+  helper of the tensor-core kernels' declarations: kernels/tensor_core.py.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import sympy
 from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import SM90_MAX_REGS_PER_THREAD, R, Plan, evaluate
-from .declaration import Declaration
 from .kernel_def import KernelDef
 
 TUNING_FILE = Path(__file__).with_name("tree_verify_tuning.json")
@@ -207,26 +207,3 @@ COMBINE_DEF = KernelDef(name=COMBINE, template="tree_verify_combine.cu.j2", entr
                         plan=combine_plan)
 KERNELS = [COMBINE_DEF]
 
-
-# ------------------------------------------------------------------------- declarations
-
-_SERVED = ("served by the torch op of {0} (impl='{1}'), which dispatches to it")
-_SAME_BUNDLES = ("the math of {0}: its bundles (refs/<spec>/{0}-*.kdtr) hold the inputs and outputs of this "
-                 "kernel too")
-
-
-def tensor_core_declaration(kdef, launcher, public, impl, sanitize) -> Declaration:
-    """The declaration of a tensor-core kernel serving `public`(impl=`impl`), of either family."""
-    return Declaration(kdef, launcher=launcher, reference=f"reference:{public}", output="types:AttentionOutput",
-                       serves=(public, impl), sanitize=sanitize,
-                       missing={"torch_ops": _SERVED.format(public, impl), "bundles": _SAME_BUNDLES.format(public)})
-
-
-DECLARATIONS = [
-    Declaration(COMBINE_DEF, launcher="kernels.tensor_core:combine", output="types:AttentionOutput",
-                missing={"reference": "a step of the tensor-core tree_verify kernels with num_splits > 1 (checked "
-                                      "through their references); its math is merge_states' over the chunks",
-                         "torch_ops": "a step of the tensor-core tree_verify kernels, not an op of its own",
-                         "sanitize": "launched by the tensor-core tree_verify kernels' cases with num_splits > 1",
-                         "bundles": "a step of the tensor-core tree_verify kernels (their bundles are tree_verify's)"}),
-]

@@ -27,7 +27,7 @@ from ..errors import SpecError
 from ..resources import SM80_SMEM_PER_BLOCK, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from . import split_kv
 from .kernel_def import KernelDef
-from .split_kv import BM, O_REGS, WARPS, check_spec, tensor_core_declaration
+from .split_kv import BM, O_REGS, WARPS, check_spec
 
 THREADS = 32 * WARPS
 DEFAULT_CONFIG = {"BN": 64, "STAGES": 2}
@@ -158,16 +158,9 @@ def spell(config) -> tuple:
 KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the configuration per target: config_for)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
               plan=verify_plan, context={"tail": False}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell),
+              policy=config_for, spell=spell, serves=("tree_verify", "mma")),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
               plan=tail_plan, context={"tail": True}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell),
+              policy=config_for, spell=spell, serves=("tree_verify_tail", "mma")),
 ]
 
-
-DECLARATIONS = [
-    tensor_core_declaration(KERNELS[0], "kernels.tree_verify_mma:tree_verify", "tree_verify", "mma",
-                            "sanitize:_verify_mma_cases"),
-    tensor_core_declaration(KERNELS[1], "kernels.tree_verify_mma:tree_verify_tail", "tree_verify_tail", "mma",
-                            "sanitize:_verify_mma_cases"),
-]

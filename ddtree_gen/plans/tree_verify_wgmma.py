@@ -27,9 +27,8 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
-from .declaration import Declaration
 from .kernel_def import DEFAULT_BUILD, Build, KernelDef
-from .split_kv import BM, MAX_PARTS, check_spec, tensor_core_declaration
+from .split_kv import BM, MAX_PARTS, check_spec
 
 BN = 64
 STAGES = 2
@@ -329,10 +328,11 @@ def pick(spec, *, fp8_path, b: int, nq: int, max_keys: int, sms: int, num_splits
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
               plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
-              builds=BUILDS, pick=pick),
+              builds=BUILDS, pick=pick, serves=("tree_verify", "wgmma")),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
-              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell),
+              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell,
+              serves=("tree_verify_tail", "wgmma")),
 ]
 
 
@@ -373,10 +373,3 @@ def split_table(spec, arch: str = PRIMARY) -> dict:
 
 split_kv.register_family("wgmma", split_table)
 
-
-DECLARATIONS = [
-    tensor_core_declaration(KERNELS[0], "kernels.tree_verify_wgmma:tree_verify", "tree_verify", "wgmma",
-                            "sanitize:_verify_mma_cases"),
-    tensor_core_declaration(KERNELS[1], "kernels.tree_verify_wgmma:tree_verify_tail", "tree_verify_tail", "wgmma",
-                            "sanitize:_verify_mma_cases"),
-]
