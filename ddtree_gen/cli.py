@@ -72,11 +72,11 @@ def cmd_build(args) -> int:
             if isinstance(b, DdtreeError):
                 e = b
                 failed.append((spec.name, kdef.name, arch, str(e)))
-                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} FAILED", flush=True)
+                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{_kernel_width()}} {arch:<6} FAILED", flush=True)
                 continue
             compiled += b.status == "compiled"
             took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
-            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<24} {arch:<6} {b.status}{took}", flush=True)
+            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{_kernel_width()}} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
             rows.append((spec.name, kdef.name, arch, v.plan(), b.report))
         if len(built) == len(variants) and not args.kernel:   # only a complete, successful set is written
@@ -131,12 +131,13 @@ def _check(args, specs) -> int:
 
 def _spec_summary(spec) -> str:
     """One line per spec for `build --check`: its kv_dtype, targets and kernel count (and what it does not get)."""
-    from .plans import all_kernels
+    from .plans import all_builds, all_kernels
     built = [k for k in all_kernels() if k.archs_for(spec)]
-    skipped = [k.name for k in all_kernels() if spec.kv_dtype not in k.kv_dtypes]
-    unfit = [k.name for k in all_kernels() if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
+    # the builds it does not get (a kernel's further builds too: tree_verify_wgmma/parts reads bf16 caches only)
+    skipped = [k.name for k in all_builds() if spec.kv_dtype not in k.kv_dtypes]
+    unfit = [k.name for k in all_builds() if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
     line = (f"{spec.name}: kv_dtype={spec.kv_dtype} targets={','.join(spec.archs)}, {len(built)} kernels, "
-            f"{sum(len(k.archs_for(spec)) for k in built)} variants")
+            f"{sum(len(k.archs_for(spec)) for k in all_builds())} variants")
     line += f" (not built for {spec.kv_dtype}: {', '.join(skipped)})" if skipped else ""
     return line + (f" (not built for its shape: {', '.join(unfit)}; `ddtree-gen list` says why)" if unfit else "")
 
@@ -157,8 +158,8 @@ def _resource_table(rows) -> None:
 
 def _kernel_width() -> int:
     """The kernel column's width: the longest kernel name (at least 24), so that the columns line up."""
-    from .plans import all_kernels
-    return max(24, *(len(k.name) for k in all_kernels()))
+    from .plans import all_builds
+    return max(24, *(len(k.name) for k in all_builds()))
 
 
 def cmd_list(args) -> int:
@@ -169,7 +170,8 @@ def cmd_list(args) -> int:
               f"page={spec.page_size} N={spec.max_tree_size} D={spec.max_depth} kv_dtype={spec.kv_dtype} "
               f"targets={','.join(spec.archs)}")
         state = artifacts.generated_state(spec)
-        for kdef in (d.build for d in registry.declarations()):   # every declared kernel, in build order
+        # every declared kernel in build order, each followed by its further builds ("<kernel>/<build>")
+        for kdef in (b for d in registry.declarations() for b in d.build.build_defs()):
             order = kdef.archs_for(spec)
             if not order:
                 why = (f"it reads {', '.join(kdef.kv_dtypes)} caches, the spec's kv_dtype is {spec.kv_dtype}"

@@ -6,7 +6,7 @@ CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio 
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
 --ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose);
 --parts the seesaw on the chunks grid and on the balanced "parts" grid, each by name ("seesaw" is the default kernel
-set: where tree_verify_wgmma_parts ships, B >= 8 runs it), --l2-hint with L2 evict-first key loads; --p-store the seesaw with
+set: where tree_verify_wgmma's parts build ships, B >= 8 runs it), --l2-hint with L2 evict-first key loads; --p-store the seesaw with
 its P tiles stored by stmatrix (the default: 32-bit stores); --rescale the seesaw's other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]

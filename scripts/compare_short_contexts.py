@@ -35,7 +35,7 @@ def main() -> None:
     from ddtree_gen.spec import find_spec
 
     spec = find_spec(args.spec)
-    ks = load(spec, kernels=["tree_verify_wgmma", "tree_verify_wgmma_parts", COMBINE])
+    ks = load(spec, kernels=["tree_verify_wgmma", COMBINE])
     chunks = load(spec, kernels=["tree_verify_wgmma", COMBINE])          # no parts kernel: the chunks grid always
     parts = variant_set([variant(by_name("tree_verify_wgmma"), spec, grid="parts")], also=[COMBINE])
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES

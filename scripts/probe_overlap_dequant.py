@@ -76,8 +76,7 @@ def main() -> None:
 
     s16, s8 = find_spec("kimi-k2.6-tp8"), find_spec("kimi-k2.6-tp8-fp8")
     k16 = load(s16, kernels=list(VERIFY_KERNELS))
-    k8 = load(s8, kernels=list(VERIFY_KERNELS) + ["kv_dequant", "tree_verify_wgmma_dequant",
-                                                  "tree_verify_wgmma_dequant_parts"])
+    k8 = load(s8, kernels=list(VERIFY_KERNELS) + ["kv_dequant"])
     lo, hi = 0, -5   # stream priorities: lower is more urgent; CUDA clamps a value outside the device's range
     nq, rows = 65, []
     for b, l in shapes:

@@ -144,12 +144,12 @@ def stress(n: int) -> int:
     from ddtree_gen.kernel_set import load
     from ddtree_gen.spec import find_spec
     bad = 0
-    # (kimi-k2.6-tp8 at B >= 8 with num_splits None runs its parts-grid build, tree_verify_wgmma_parts: the 8 and
+    # (kimi-k2.6-tp8 at B >= 8 with num_splits None runs its parts-grid build, tree_verify_wgmma/parts: the 8 and
     # the 16 requests of mixed lengths, whose parts cut requests and walk several each)
     mixed = [4096, 100, 2000, 65, 3000, 1, 700, 4096, 1500, 64, 2500, 900, 33, 4000, 1200, 350]
     for name, lens in (("kimi-k2.6-tp8", [300, 1000]), ("kimi-k2.6-tp8", [4096] * 8), ("kimi-k2.6-tp8", mixed),
                        ("kimi-k2.6", [3000])):
-        ks = load(find_spec(name), kernels=["tree_verify_wgmma", "tree_verify_mma_combine", "tree_verify_wgmma_parts"])
+        ks = load(find_spec(name), kernels=["tree_verify_wgmma", "tree_verify_mma_combine"])
         x = verify_inputs(ks.spec, len(lens), np.array(lens), 65, seed=7)
         for splits in (1, 2, None):
             first = ks.tree_verify_wgmma(**x, num_splits=splits)

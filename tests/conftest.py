@@ -190,13 +190,12 @@ class LaunchReached(AssertionError):
 
 
 def cuda_core_kernels(spec) -> list:
-    """The kernels the spec gets, without the tensor-core tree_verify kernels (the combine kernel stays; an fp8
-    spec's dequantize-path kernel tree_verify_wgmma_dequant, a wgmma one, goes too): FakeKernelSet's default, so
-    that impl="auto" (and an fp8 spec's fp8_path=None) is the CUDA-core kernel."""
+    """The kernels the spec gets, without the tensor-core tree_verify kernels (the combine kernel stays; their builds
+    go with them, an fp8 spec's dequantize path's too): FakeKernelSet's default, so that impl="auto" (and an fp8
+    spec's fp8_path=None) is the CUDA-core kernel."""
     from ddtree_gen import registry
-    from ddtree_gen.plans.tree_verify_wgmma import DEQUANT
     return [d.name for d in registry.declarations()
-            if d.build.archs_for(spec) and not (d.serves and d.serves[1] in ("mma", "wgmma")) and d.name != DEQUANT]
+            if d.build.archs_for(spec) and not (d.serves and d.serves[1] in ("mma", "wgmma"))]
 
 
 class FakeKernelSet(StandInKernelSet):

@@ -19,7 +19,7 @@ from ddtree_gen import archs, artifacts, callplan, runtime
 from ddtree_gen.compile import OPTIONS, options
 from ddtree_gen.errors import ArgumentError, DdtreeError, SpecError
 from ddtree_gen.kernel_set import KernelSet, load
-from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans import all_builds, all_kernels, by_name
 from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.plans.variant import default_config, variant
 from ddtree_gen.resources import PtxasReport
@@ -120,14 +120,17 @@ def test_spec_archs_field():
 
 def test_spec_archs_limit_what_is_built():
     s = parse_spec(dict(VALID, archs=["sm_80"]), "t.toml")
-    pairs = artifacts.variants(s, all_kernels())
+    pairs = artifacts.variants(s, all_builds())
     assert {v.target for v in pairs} == {"sm_80"}
     assert not any("wgmma" in v.kernel.name for v in pairs)        # wgmma has no sm_80 build: not built at all
-    bf16 = parse_spec(VALID, "t.toml")   # every kernel but the fp8 spec's own (kv_dequant, tree_verify_wgmma_dequant[_parts]);
-    built = [k for k in all_kernels() if k.builds_for(bf16)]   # the wgmma ones have one target
-    wgmma = [k for k in built if "wgmma" in k.name]          # (tree_verify_wgmma_parts where H <= 8)
-    assert len(built) == len(all_kernels()) - 3 - (0 if by_name("tree_verify_wgmma_parts").builds_for(bf16) else 1)
-    assert len(artifacts.variants(bf16, all_kernels())) == 2 * len(built) - len(wgmma)
+    bf16 = parse_spec(VALID, "t.toml")   # every build but the fp8 spec's own (the declarations' kv_dtypes) and the unfit
+    fp8_only = [k for k in all_builds() if "bf16" not in k.kv_dtypes]
+    unfit = [k for k in all_builds() if "bf16" in k.kv_dtypes and k.unfit(bf16)]
+    built = [k for k in all_builds() if k.builds_for(bf16)]
+    assert fp8_only and len(built) == len(all_builds()) - len(fp8_only) - len(unfit)
+    one_target = [k for k in built if k.archs == ("sm_90a",)]   # the wgmma kernels and their builds
+    assert one_target and all("wgmma" in k.name for k in one_target)
+    assert len(artifacts.variants(bf16, all_builds())) == 2 * len(built) - len(one_target)
 
 
 def test_cache_key_differs_by_target():
@@ -149,8 +152,8 @@ def test_generated_manifests_list_targets():
         m = json.loads((artifacts.paths.generated_dir() / spec.name / artifacts.MANIFEST).read_text())
         assert set(m["targets"]) == set(spec.archs)
         assert m["targets"]["sm_80"]["binary"] == "ptx" and m["targets"]["sm_90a"]["binary"] == "cubin"
-        assert set(m["kernels"]) == {k.name for k in all_kernels() if k.archs_for(spec)}   # fp8: no mma.sync
-        for k in all_kernels():
+        assert set(m["kernels"]) == {k.name for k in all_builds() if k.archs_for(spec)}   # fp8: no mma.sync
+        for k in all_builds():
             if not k.builds_for(spec):
                 continue
             entry = m["kernels"][k.name]
@@ -183,8 +186,10 @@ def test_load_forces_one_target(tmp_path, monkeypatch):
     monkeypatch.delenv(archs.ENV)
     auto = load("kimi-k2.6-tp8", kernels=kernels)
     assert auto is not forced and auto.forced_arch is None and auto.archs == BOTH
-    assert sorted(built) == sorted([("tree_build", "sm_80"), ("tree_build", "sm_90a"),
-                                    ("tree_verify_wgmma", "sm_90a"), ("tree_build", "sm_80")])
+    wgmma_builds = [(b.name, "sm_90a") for b in by_name("tree_verify_wgmma").build_defs()   # each build it ships
+                    if b.builds_for(find_spec("kimi-k2.6-tp8"))]                          # for a bf16 cache
+    assert sorted(built) == sorted([("tree_build", "sm_80"), ("tree_build", "sm_90a"), ("tree_build", "sm_80"),
+                                    *wgmma_builds])
     with pytest.raises(ArgumentError, match="arch: unknown target"):
         load("kimi-k2.6-tp8", kernels=kernels, arch="sm_75")
     only90 = parse_spec(dict(VALID, archs=["sm_90a"]), "t.toml")
@@ -223,9 +228,10 @@ class RecordingSet(KernelSet):
 
 
 def fake_set(spec, names=None, arch=None) -> RecordingSet:
-    """A kernel set of every target of `names` (default: all kernels) with fake binaries (nothing is compiled)."""
+    """A kernel set of every target of `names` (default: all kernels; a kernel's name: each of its builds, a build's
+    key: that one) with fake binaries (nothing is compiled)."""
     report = PtxasReport(registers=32, smem=0, stack=0, spill_stores=0, spill_loads=0)
-    kdefs = [k for k in all_kernels() if names is None or k.name in names]
+    kdefs = [k for k in all_builds() if names is None or k.name in names or k.kernel in names]
     built = {k.name: {a: artifacts.Built(variant(k, spec, a), "", "key", b"fake", report, "cached")
                       for a in k.archs_for(spec) if arch is None or a == arch} for k in kdefs}
     return RecordingSet(spec, built, arch=arch)

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
-from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans import all_builds, by_name
 from ddtree_gen.plans.variant import default_config, variant
 from ddtree_gen.spec import find_spec, load_spec, spec_paths
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_NAMES = [p.stem for p in spec_paths(REPO / "specs")]
-KERNELS = all_kernels()
+KERNELS = all_builds()   # every build of every declared kernel: what a spec compiles
 
 
 def _variants(name: str) -> list:
@@ -701,7 +701,7 @@ def _fake_gpu(monkeypatch, spec_launch=None):
         launched: list = []
 
         def __init__(self, spec):
-            super().__init__(spec, [k.name for k in all_kernels() if k.archs_for(spec)])
+            super().__init__(spec, [k.name for k in all_builds() if k.archs_for(spec)])
 
         def launch(self, name, **kwargs):
             if spec_launch is None:
@@ -753,7 +753,7 @@ def test_sanitize_worker_loop(monkeypatch, capsys, in_session):
     for k in registered:
         if not k.builds_for(spec):   # an fp8 spec's kernel: skipped with the reason
             assert f"kimi-k2.6-tp8 {k.name}: " in out and k.why_not_built(spec) in out
-        elif k.name in registry.sanitizer_cases():
+        elif k.kernel in registry.sanitizer_cases():   # a build runs its kernel's cases
             assert f"kimi-k2.6-tp8 {k.name} [" in out and "FAILED" not in out
         else:
             assert f"kimi-k2.6-tp8 {k.name}: " in out  # a note: launched by another kernel, or no cases

@@ -218,13 +218,14 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
     """kv_lora_rank 320 passes the loader; the mma.sync and wgmma kernels need a multiple of 128: the build
     builds the others and says per kernel what it skipped and why, and so do list, --check and load()."""
     import ddtree_gen
-    from ddtree_gen.plans import all_kernels, by_name
+    from ddtree_gen.plans import all_builds, by_name
     path = _shape_spec(tmp_path / "mine", "rank-320", 320)
     spec = find_spec(str(path))
-    skipped = {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma", "tree_verify_tail_wgmma",
-               "tree_verify_wgmma_parts"}   # (the shipped spec's H = 8: the parts grid is built for it, not here)
-    fp8_only = {"kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma_dequant_parts"}   # a bf16 spec's: not its kv_dtype
-    assert {k.name for k in all_kernels() if not k.builds_for(spec)} == skipped | fp8_only
+    # the tensor-core tree_verify kernels and their builds (from the declarations), but the fp8 spec's only
+    fp8_only = {k.name for k in all_builds() if "bf16" not in k.kv_dtypes}   # a bf16 spec's: not its kv_dtype
+    skipped = {k.name for k in all_builds() if k.serves and k.serves[1] in ("mma", "wgmma")} - fp8_only
+    assert {"tree_verify_mma", "tree_verify_wgmma", "tree_verify_wgmma/parts"} <= skipped
+    assert {k.name for k in all_builds() if not k.builds_for(spec)} == skipped | fp8_only
     assert all(by_name(k).archs_for(spec) == () for k in skipped)
     rc, out = _run(capsys, "build", str(path))
     assert rc == 0, out

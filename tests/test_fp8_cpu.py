@@ -26,7 +26,7 @@ from ddtree_gen.kernels import kv_commit as kv_commit_mod
 from ddtree_gen.kernels import tree_accept as tree_accept_mod
 from ddtree_gen.kernels import tree_verify as tv
 from ddtree_gen.kernels import tree_verify_mma as mma_launchers
-from ddtree_gen.plans import all_kernels, by_name
+from ddtree_gen.plans import all_builds, all_kernels, by_name
 from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import KV_DTYPES, all_specs, find_spec, load_spec, parse_spec
 from ddtree_gen.types import TreeAcceptOutput
@@ -90,19 +90,19 @@ def test_kv_dtype_in_a_spec_file(tmp_path):
 # --------------------------------------------------------------------- the registry per kv_dtype
 
 def test_registry_per_kv_dtype():
-    """The mma.sync tree_verify kernels and the seesaw's parts-grid build read bf16 caches only; the dequantize path's
-    kernels (kv_dequant, tree_verify_wgmma_dequant and its parts-grid build) are an fp8 spec's only; every other
-    kernel is built for both kv_dtypes."""
-    fp8_only = ("kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma_dequant_parts")
-    bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma_parts")
-    for k in all_kernels():
+    """The mma.sync tree_verify kernels and the seesaw's parts-grid build read bf16 caches only; the dequantize path
+    (kv_dequant, tree_verify_wgmma's dequant and dequant_parts builds) is an fp8 spec's only; every other build is
+    built for both kv_dtypes."""
+    fp8_only = ("kv_dequant", "tree_verify_wgmma/dequant", "tree_verify_wgmma/dequant_parts")
+    bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma/parts")
+    for k in all_builds():
         want = ("bf16",) if k.name in bf16_only else ("fp8_e4m3",) if k.name in fp8_only else KV_DTYPES
         assert k.kv_dtypes == want, k.name
         assert k.builds_for(BF16) == ("bf16" in want) and k.builds_for(FP8) == ("fp8_e4m3" in want), k.name
         assert bool(k.archs_for(FP8)) == k.builds_for(FP8), k.name
-    pairs = {v.kernel.name for v in artifacts.variants(FP8, all_kernels())}
-    assert pairs == {k.name for k in all_kernels()} - set(bf16_only)
-    assert {v.kernel.name for v in artifacts.variants(BF16, all_kernels())} == {k.name for k in all_kernels()} - set(
+    pairs = {v.kernel.name for v in artifacts.variants(FP8, all_builds())}
+    assert pairs == {k.name for k in all_builds()} - set(bf16_only)
+    assert {v.kernel.name for v in artifacts.variants(BF16, all_builds())} == {k.name for k in all_builds()} - set(
         fp8_only)
     assert "tree_verify_mma_combine" in pairs and "merge_states" in pairs    # fp32 / bf16 outputs: built for fp8
     why = by_name("tree_verify_mma").why_not_built(FP8)
@@ -125,12 +125,12 @@ def test_list_and_build_check_show_kv_dtype(capsys):
     out = capsys.readouterr().out
     # the counts and the list come from the declarations (ddtree_gen/plans), so adding a kernel needs no edit here
     built = [k for k in all_kernels() if k.archs_for(FP8)]
-    not_fp8 = [k.name for k in all_kernels() if "fp8_e4m3" not in k.kv_dtypes]
-    assert {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma_parts"} <= set(not_fp8)
+    not_fp8 = [k.name for k in all_builds() if "fp8_e4m3" not in k.kv_dtypes]
+    assert {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma/parts"} <= set(not_fp8)
     assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, {len(built)} kernels, "
-            f"{sum(len(k.archs_for(FP8)) for k in built)} variants (not built for fp8_e4m3: "
+            f"{sum(len(k.archs_for(FP8)) for k in all_builds())} variants (not built for fp8_e4m3: "
             f"{', '.join(not_fp8)})") in out
-    assert len(built) + len(not_fp8) == len(all_kernels())
+    assert len([k for k in all_builds() if k.archs_for(FP8)]) + len(not_fp8) == len(all_builds())
     assert re.search(r"kv_dequant +- +not built: it reads fp8_e4m3 caches, the spec's kv_dtype is bf16", out) is None
     cli.main(["list", BF16.name])
     assert re.search(r"kv_dequant +- +not built: it reads fp8_e4m3 caches, the spec's kv_dtype is bf16",
@@ -166,7 +166,7 @@ def test_kernel_set_of_an_fp8_spec(fake_devices):
         path, why = tv.fp8_default(ks, "auto", device, b, max_pages)
         assert path == ("dequant" if device == 0 else "fused"), (device, why)
         if device:
-            assert why.startswith("tree_verify_wgmma_dequant: not available on device"), why
+            assert why.startswith("tree_verify_wgmma/dequant: not available on device"), why
         # on the H200 the workspace is given (a new one would be allocated on a GPU this machine lacks)
         kvw = {"kv_workspace": new((workspace_elems(FP8, b, max_pages),), np.uint16)} if device == 0 else {}
         with pytest.raises(LaunchReached):

@@ -22,13 +22,13 @@ from ddtree_gen import hf  # noqa: E402
 from ddtree_gen.trees import pack_tree_mask, tree_parents  # noqa: E402
 
 KERNELS = ["tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine", "tree_accept",
-           "kv_commit", "kv_dequant", "tree_verify_wgmma_dequant"]
+           "kv_commit", "kv_dequant"]
 KV_SCALE = 1 / 16      # |latent| <~ 10 after kv_a_layernorm (norm weights <= 2): e4m3 values within 448
 
 
 def _kset(cfg, kv_dtype):
     spec = hf.spec_for(cfg, kv_dtype=kv_dtype)
-    names = [k for k in KERNELS if not (kv_dtype == "bf16" and k in ("kv_dequant", "tree_verify_wgmma_dequant"))
+    names = [k for k in KERNELS if not (kv_dtype == "bf16" and k in ("kv_dequant",))
              and not (kv_dtype != "bf16" and k == "tree_verify_mma")]
     return ddtree_gen.load(spec, kernels=names)
 

@@ -32,7 +32,7 @@ from verify_cases import fresh_seed, make_inputs, to_device, to_host
 
 pytestmark = pytest.mark.gpu
 
-KERNELS = ("kv_dequant", "tree_verify_wgmma_dequant", "tree_verify_wgmma", "tree_verify_mma_combine")
+KERNELS = ("kv_dequant", "tree_verify_wgmma", "tree_verify_mma_combine")   # (tree_verify_wgmma: each of its builds)
 POISON_KV = 0xABCD          # a bf16 NaN pattern kv_dequant never writes (its NaN is sign | 0x7ff0)
 POISON_TABLE = 0x5EEDBEEF     # an int32 no table entry can be (B * max_pages is far smaller)
 
@@ -211,12 +211,12 @@ def test_dequant_path_matches_fused(spec, knobs):
 
 def test_dequant_path_parts_grid(spec):
     """At B >= PARTS_MIN_B with a block table of at least PARTS_MIN_KEYS keys (num_splits not given) the dequantize path,
-    fp8_path "dequant" and None, runs its parts-grid build (tree_verify_wgmma_dequant_parts): with kv_scale = 2^k its
+    fp8_path "dequant" and None, runs its parts-grid build (tree_verify_wgmma/dequant_parts): with kv_scale = 2^k its
     bits (out, lse) are the bf16 twin's parts build of the same slab order on the dequantized cache (exact in bf16);
     with the batch's kv_scale (not a power of two) it meets the float64 bar; rows >= q_len untouched (poisoned)."""
     from ddtree_gen import bf16, fp8
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.kernels.tensor_core import grid_kernel
+    from ddtree_gen.kernels.which import which_kernel
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
     from ddtree_gen.plans.variant import variant
@@ -224,7 +224,7 @@ def test_dequant_path_parts_grid(spec):
     if not spec.kv_fp8 or not by_name(DEQUANT_PARTS).builds_for(spec):
         pytest.skip(f"spec {spec.name!r}: {by_name(DEQUANT_PARTS).why_not_built(spec)}")
     import cupy
-    ks = _load(spec, KERNELS + (DEQUANT_PARTS,))
+    ks = _load(spec, KERNELS)
     twin = bf16_twin(spec)
     ks_twin = variant_set([variant(by_name(PARTS_KERNEL), twin, rope_early=True, s_order="slab")],
                           also=["tree_verify_mma_combine"])
@@ -237,13 +237,13 @@ def test_dequant_path_parts_grid(spec):
     inp = make_inputs(spec, rng, lens, qlens, "random", seed=seed, bf16=WGMMA.bf16, junk_bits=True)
     b, max_pages = inp.block_table.shape
     assert max_pages * spec.page_size >= PARTS_MIN_KEYS and b >= PARTS_MIN_B
-    assert grid_kernel(ks, DEQUANT, b, inp.shape[1], max_pages, None, None, cupy.cuda.Device().id) == DEQUANT_PARTS
+    assert which_kernel(ks, b, inp.shape[1], max_pages, device=cupy.cuda.Device().id, fp8_path="dequant").kernel == DEQUANT_PARTS
     scale = SCALES["mla"]
     kv_scale = 2.0 ** int(rng.integers(-4, 2))
     dequant = bf16.to_bits(fp8.dequantize(inp.kv_cache, kv_scale))
     out, lse = poisoned(inp.shape)
-    ks_twin.tree_verify_wgmma_parts(**inp.device(kv_cache=dequant, kv_scale=None), softmax_scale=scale, out=out,
-                                    lse=lse)
+    ks_twin.tree_verify_wgmma(**inp.device(kv_cache=dequant, kv_scale=None), softmax_scale=scale, out=out, lse=lse,
+                              build="parts")
     want = to_host(out), to_host(lse)
     heads = heads_to_check(spec.num_heads, rng, 4)
     ref = reference_for("tree_verify", inp, scale, heads)

@@ -55,9 +55,9 @@ SCALES = {"mla": 192 ** -0.5, "one": 1.0}
 LAUNCHERS = ("tree_verify", "tree_verify_tail")
 CUDA_CORE_KERNELS = ("tree_verify", "tree_verify_tail", "merge_states")
 MMA_KERNELS = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_mma_combine")
-# (tree_verify_wgmma_parts: built for the bf16 specs with H <= 8, where tree_verify_wgmma's calls at B >= 8 with the
+# (tree_verify_wgmma's parts build: built for the bf16 seesaw specs, where tree_verify_wgmma's calls at B >= 2 with the
 # launcher's own split count run it: the matrix's B = 64 case)
-WGMMA_KERNELS = ("tree_verify_wgmma", "tree_verify_tail_wgmma", "tree_verify_wgmma_parts")
+WGMMA_KERNELS = ("tree_verify_wgmma", "tree_verify_tail_wgmma")   # (with their builds: the parts grid)
 TENSOR_CORE_KERNELS = MMA_KERNELS + WGMMA_KERNELS
 
 
@@ -280,8 +280,7 @@ def parts_set(spec):
     if spec.kv_fp8 or schedule_for(spec, "tree_verify_wgmma") != "seesaw":
         pytest.skip(f"spec {spec.name!r}: its tree_verify_wgmma is not the bf16 seesaw (the parts grid is its build)")
     parts = variant(by_name("tree_verify_wgmma"), spec, grid="parts")
-    ks = variant_set([parts], also=[k for k in TENSOR_CORE_KERNELS if k not in ("tree_verify_wgmma",
-                                                                                "tree_verify_wgmma_parts")])
+    ks = variant_set([parts], also=[k for k in TENSOR_CORE_KERNELS if k != "tree_verify_wgmma"])
     skip_unless_runs(ks, "tree_verify_wgmma")
     return ks
 

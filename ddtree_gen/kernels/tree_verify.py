@@ -148,15 +148,17 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits, direct: bool = Fals
                 "simple")
     if not _built_for(kset, _kernel(name, impl)):
         spec = kset.spec
+        if direct:   # a family's own launcher: the caller named the kernel, not impl
+            raise ArgumentError(by_name(_kernel(name, impl)).why_not_built(spec))
         others = [k for k in IMPLS if k in ("auto", "simple") or _built_for(kset, _kernel(name, k))]
         raise ArgumentError(f"impl: {impl!r}: {by_name(_kernel(name, impl)).why_not_built(spec)}; "
                             f"pass impl={' or '.join(map(repr, others))}")
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
-    # (a family's own launcher, `direct`: the combine kernel is checked where the call splits, in
-    # tensor_core.prepare_attention)
-    missing = [k for k in (_kernel(name, impl), *(() if direct else (COMBINE,)))
-               if not _loaded(kset, k) and k not in kset.requested]
+    # (a family's own launcher, `direct`: its build is checked by the route, _build, and the combine kernel where the
+    # call splits, in tensor_core.prepare_attention)
+    missing = [] if direct else [k for k in (_kernel(name, impl), COMBINE)
+                                 if not _loaded(kset, k) and k not in kset.requested]
     if missing:
         raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
                             f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")

@@ -102,8 +102,9 @@ class KernelDef:
                     self.plan_for(spec, arch).check_fits()
                 except (SpecError, BuildError) as e:
                     why = str(e)
-                    prefix = f"spec {spec.name!r}, kernel {self.name}: "
-                    why = why[len(prefix):] if why.startswith(prefix) else why
+                    for name in (self.name, self.kernel):   # a build's plan names the kernel it builds
+                        prefix = f"spec {spec.name!r}, kernel {name}: "
+                        why = why[len(prefix):] if why.startswith(prefix) else why
                     break
             cache[spec] = why
         return cache[spec]
