@@ -311,7 +311,7 @@ def _ws(spec, new, b=B, max_pages=MAX_PAGES, **kw):
 @pytest.mark.parametrize("name", FP8_SPECS)
 @pytest.mark.parametrize("splits", [1, 3, None])
 def test_dequant_path_launch_plan(name, splits, fake_device):
-    """fp8_path="dequant": kv_dequant into the kv workspace, then tree_verify_wgmma_dequant with the fused call's
+    """fp8_path="dequant": kv_dequant into the kv workspace, then tree_verify_wgmma/dequant with the fused call's
     arguments but for the cache (the workspace's pages), its block table (after them), num_pages (B * max_pages)
     and the tensor map (bf16, swizzled, of the workspace); the same split count, scale_log2, v_scale; the combine
     after it as in the fused call (fp8_path="fused"). The default (fp8_path=None: fp8_default) launches the same."""
@@ -359,7 +359,7 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     "chunks"), (PARTS_MIN_B, {}, False, "chunks"), (PARTS_MIN_B, {"short": True}, True, "chunks")],
     ids=["B=min", "B=min-1", "num_splits given", "not loaded", "fewer than PARTS_MIN_KEYS keys"])
 def test_dequant_path_parts_grid(b, kw, loaded, want, fake_device):
-    """The dequantize path takes its parts-grid build (tree_verify_wgmma_dequant_parts) by the bf16 parts rule: B >=
+    """The dequantize path takes its parts-grid build (tree_verify_wgmma/dequant_parts) by the bf16 parts rule: B >=
     PARTS_MIN_B, a block table of at least PARTS_MIN_KEYS keys, num_splits not given, the build loaded; with the
     part count of parts_for (one block per (row tile, part)), after the same kv_dequant; fp8_path=None takes the same,
     and the build's launcher by name too. Otherwise the chunks-grid build, as before."""

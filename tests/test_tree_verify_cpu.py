@@ -719,7 +719,7 @@ def test_wave_model_of_untuned_shapes():
         assert 1 <= s <= 32 and (s == 1 or -(-base * s // 132) / s < -(-base // 132))   # a split gains waves
 
 
-# ------------------------------------------------------------------ the parts grid (tree_verify_wgmma_parts)
+# ------------------------------------------------------------------ the parts grid (tree_verify_wgmma/parts)
 
 @pytest.mark.parametrize("b,kw,loaded,want", [
     (PARTS_MIN_B, {}, True, "parts"), (64, {"impl": "wgmma"}, True, "parts"), (PARTS_MIN_B - 1, {}, True, "chunks"),
