@@ -8,13 +8,14 @@ kernel set: kernels.KernelSetLike), for CPU tests and host-side profiling.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import types
 
 from . import archs, artifacts, registry, runtime
 from .errors import ArgumentError
 from .plans import KernelDef, all_builds, by_name
-from .runtime import Binary, DeviceModules
+from .runtime import Binary, DeviceModules, DeviceOffer
 from .spec import Spec, find_spec
 
 __all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
@@ -60,6 +61,9 @@ class KernelSet:
             self._first[kdef.name] = next(iter(builds))
             modules[kdef.name] = per_arch
         self._modules = DeviceModules(modules, forced=arch)
+        self._spec_builds = _spec_builds(spec)
+        # a build the spec does not get (an mma.sync one for an fp8 spec): why, once (no build on any device)
+        self._not_built = {n: k.why_not_built(spec) for n, k in self._defs.items() if n not in self._spec_builds}
         self.prepared_calls: dict = {}   # call signature -> runtime.Prepared (see runtime.run_call)
 
     def tree_verify_schedule(self, b: int, nq: int, max_pages: int, **kw):
@@ -104,8 +108,8 @@ class KernelSet:
         kdef = self._defs.get(name)
         if kdef is None:
             return f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
-        if not kdef.builds_for(self.spec):   # the mma.sync kernels for an fp8 spec: no build on any device
-            return kdef.why_not_built(self.spec)
+        if name in self._not_built:   # the mma.sync kernels for an fp8 spec: no build on any device
+            return self._not_built[name]
         info = runtime.device_info(device)
         return (f"{name}: not available on {info.describe(device)}: "
                 f"{archs.why_not(info.cc, kdef.archs_for(self.spec), self.forced_arch)}")
@@ -120,6 +124,11 @@ class KernelSet:
     def kernels_on(self, device: int) -> list[str]:
         """The kernels of this set that run on `device` (their default build does)."""
         return [k for k in self.kernels if self.unavailable(k, device) is None]
+
+    def offer(self, device: int | None) -> DeviceOffer:
+        """What this set offers on `device` (None: not known), as data (runtime.DeviceOffer): the one question
+        tree_verify's route asks of it."""
+        return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds})
 
     def plan(self, name, device: int | None = None):
         """The resource plan of `name`'s build for `device` (None: its first target here)."""
@@ -164,8 +173,12 @@ class StandInKernelSet:
         unknown = [k for k in self.builds if k not in names]
         if unknown:
             raise ArgumentError(f"kernels: unknown kernel {unknown[0]!r}")
+        self._spec_builds = _spec_builds(spec)
         self.prepared_calls: dict = {}
         self.launches: list = []
+
+    def offer(self, device: int | None) -> DeviceOffer:
+        return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds})
 
     @property
     def kernels(self) -> list[str]:
@@ -194,13 +207,37 @@ class StandInKernelSet:
         return by_name(name).plan_for(self.spec)     # the sm_90a build's
 
     def constants(self, name, device: int | None = None) -> dict:
-        return self.plan(name).template_constants()
+        return _stand_in_constants(name, self.spec)
 
     def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
         self.launches.append((name, grid, args))
 
     def __repr__(self):
         return f"StandInKernelSet({self.spec.name!r}, kernels={self.kernels})"
+
+
+def _spec_builds(spec) -> frozenset:
+    """Every build `spec` gets (plans: KernelDef.builds_for), by key."""
+    return frozenset(k.name for k in all_builds() if k.builds_for(spec))
+
+
+def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
+    """kset's DeviceOffer on `device`: for each build it was loaded with, its target there or why it has none."""
+    targets, why = {}, {}
+    for name in kset.requested:
+        reason = kset.unavailable(name, device) if device is not None else "the arrays' device is not known"
+        if reason is None:
+            targets[name] = kset.arch_for(name, device)
+        else:
+            why[name] = reason
+    return DeviceOffer(kset.spec, device, frozenset(kset.builds), frozenset(kset.requested), spec_builds, targets,
+                       why, consts)
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_in_constants(name: str, spec) -> dict:
+    """A stand-in's template constants of build `name` (its sm_90a plan's), computed once per process."""
+    return by_name(name).plan_for(spec).template_constants()
 
 
 def _method(name: str, launch):

@@ -34,7 +34,7 @@ from .callplan import (EMPTY_US, OUTPUT_ALIGN, TENSOR_MAP_WORDS, VIEW_US, IsAlig
 from .errors import ArgumentError, BuildError
 
 __all__ = ["Step", "IsAligned", "TensorMap", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo",
-           "device_info"]
+           "DeviceOffer", "device_info"]
 
 
 @dataclass
@@ -410,6 +410,40 @@ def current_stream(device: int, kind: str) -> int:
     if kind == "torch":
         return cuda["torch_stream"](device)
     return cuda["cupy_stream"](device).ptr
+
+
+@dataclass(frozen=True)
+class DeviceOffer:
+    """What a kernel set offers on one device, as data: the one answer a launcher's route asks of the set
+    (KernelSet.offer), so that the route and the launch plan read it instead of asking the set again.
+    device None: not known (the call's checks will say why); then no build runs."""
+    spec: object                 # the set's Spec
+    device: int | None
+    builds: frozenset            # the builds with a binary in the set (KernelSet.builds)
+    requested: frozenset         # the builds it was loaded with (KernelSet.requested)
+    spec_builds: frozenset       # every build the spec gets (plans: KernelDef.builds_for), loaded or not
+    targets: dict                # build -> the target it runs as on `device` (absent: it does not run there)
+    why: dict                    # build -> why it does not run there (KernelSet.unavailable), for each requested one
+    consts: dict                 # build -> the template constants of that target's build
+
+    def unavailable(self, name: str) -> str | None:
+        """None if build `name` runs on the device, else why not (KernelSet.unavailable's message)."""
+        if name in self.targets:
+            return None
+        return self.why.get(name) or f"{name}: not loaded in this kernel set of spec {self.spec.name!r}"
+
+    def runs(self, name: str) -> bool:
+        return name in self.targets
+
+    def require(self, name: str) -> str:
+        """The target `name` runs as; ArgumentError (unavailable()'s message) if it does not run on the device."""
+        if name not in self.targets:
+            raise ArgumentError(self.unavailable(name))
+        return self.targets[name]
+
+    def constants(self, name: str) -> dict:
+        """The template constants of build `name` on the device (a build that does not run: its first target's)."""
+        return self.consts[name]
 
 
 @dataclass(frozen=True)

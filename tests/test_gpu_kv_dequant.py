@@ -167,9 +167,11 @@ def _same_bits(got, want, tag):
 
 def _default_paths(ks) -> set:
     """The paths the fp8_path=None calls prepared in ks took (their plans' first kernel: kv_dequant or not)."""
+    # (a cached call's key: (code, VerifyCall.key(), signatures); VerifyCall.key(): (launcher, impl, fp8_path, ...))
     return {"dequant" if prep.steps[0].kernel == "kv_dequant" else "fused"
             for key, prep in ks.prepared_calls.items()
-            if isinstance(key, tuple) and getattr(key[0], "co_name", None) == "prepare_fp8_default" and prep.steps}
+            if isinstance(key, tuple) and len(key) == 3 and isinstance(key[1], tuple) and key[1][:1] == ("tree_verify",)
+            and key[1][2] is None and prep.steps}
 
 
 def _batch(spec, rng, seed):

@@ -39,6 +39,9 @@ class KernelSetLike(Protocol):
     def require(self, name: str, device: int) -> str:
         """The target `name` runs as on `device`; ArgumentError (unavailable()'s message) if none."""
 
+    def offer(self, device: int | None):
+        """What the set offers on `device` as data (runtime.DeviceOffer): what tree_verify's route reads."""
+
     def plan(self, name: str, device: int | None = None):
         """The resource plan of `name`'s build for `device`."""
 

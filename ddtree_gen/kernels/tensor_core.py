@@ -19,7 +19,7 @@ kernel designs, templates/tree_verify_combine.cu.j2 the combine, docs/perf.md th
   take scale_log2 = softmax_scale x kv_scale x log2(e) and v_scale = kv_scale (1 for bf16), the factor
   of their output, both in fp32. The mma.sync kernels are not built for an fp8 spec (an ArgumentError
   naming the kernel and the kv_dtype); the wgmma ones read its e4m3 tiles.
-* The kernel must run on the arrays' device (KernelSet.require: the wgmma kernels have an sm_90a
+* The kernel must run on the arrays' device (runtime.DeviceOffer.require: the wgmma kernels have an sm_90a
   build only, the mma.sync kernels' sm_80 build needs 150 KB of shared memory per block): an
   ArgumentError names the kernel, the device and why, before anything is allocated. BN (and the
   tuned split table) are those of the build that runs there (plans/split_kv.py).
@@ -83,40 +83,32 @@ def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int,
     return sa
 
 
-def holds_parts(spec, workspace, b: int, nq: int, parts: int) -> bool:
-    """Whether a caller's workspace (None: the launcher allocates one) holds the partials of `parts` parts of the parts
-    grid (float32, at least parts_workspace_elems): a workspace sized for the chunks grid's split count need not
-    (B = 64: one chunk, none needed), and then the chunks grid runs, as the caller sized it for."""
-    if workspace is None:
-        return True
-    wa, _ = ar.view(workspace, "workspace")
-    return wa.dtype == "float32" and math.prod(wa.shape) >= parts_workspace_elems(spec, b, nq, parts)
-
-
-def pieces(kset, name: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, device: int, arch: str):
-    """(parts, count) of a call of build `name` (the route's choice already): parts True for a build on the "parts"
-    grid (the knob grid="parts": plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts
-    on the device, one block per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a
-    request. From shapes only (num_splits: the caller's count, checked)."""
-    spec = kset.spec
-    consts = kset.constants(name, device)
+def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
+    """(parts, count) of a call of build `name` of tensor-core `family` ("wgmma", "mma"; the route's choice already)
+    on the offer's device: parts True for a build on the "parts" grid (the knob grid="parts":
+    plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts on the device, one block
+    per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a request. From shapes only
+    (num_splits: the caller's count, checked)."""
+    spec = offer.spec
+    consts = offer.constants(name)
     parts = bool(consts.get("PARTS"))
     if num_splits is not None:
         return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
     max_keys = nq if tail else max_pages * spec.page_size
-    sms = sm_count(device) if b else DEFAULT_SMS
+    sms = sm_count(offer.device) if b else DEFAULT_SMS
     if parts:
         return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
-    family = by_name(by_name(name).kernel).serves[1]
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
 
 
-def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_splits, kv_scale=None) -> Prepared:
-    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` (kernels/tree_verify.route's
-    choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...)."""
-    spec = kset.spec
-    if not by_name(name).builds_for(spec):   # the mma.sync kernels and an fp8 spec
+def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
+                      kv_scale=None) -> Prepared:
+    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` of tensor-core `family`
+    (kernels/tree_verify.route's choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...), on
+    what the kernel set offers on the arrays' device (runtime.DeviceOffer)."""
+    spec = offer.spec
+    if name not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
         raise ArgumentError(by_name(name).why_not_built(spec))
     ptrs = PointerChecks(_INDEX)
     inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
@@ -125,26 +117,28 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
     dequant = name in WORKSPACE_READERS
-    arch = kset.require(name, qn.device)
-    consts = kset.constants(name, qn.device)
+    if offer.device != qn.device:   # (the offer is of q_nope's device; the checks found every array on it)
+        raise AssertionError(f"the offer of device {offer.device}, the call's arrays on {qn.device}")
+    arch = offer.require(name)
+    consts = offer.constants(name)
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
-        if KV_DEQUANT not in kset.builds:
+        if KV_DEQUANT not in offer.builds:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
-        kset.require(KV_DEQUANT, qn.device)
+        offer.require(KV_DEQUANT)
     bn = consts["BN"]
-    parts, splits = pieces(kset, name, tail, b, nq, max_pages, num_splits, qn.device, arch)
+    parts, splits = pieces(offer, name, family, tail, b, nq, max_pages, num_splits, arch)
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(qn.device) if b else DEFAULT_SMS
     if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
-    if splits > 1 and COMBINE not in kset.builds:
+    if splits > 1 and COMBINE not in offer.builds:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
                             f"spec {spec.name!r} (load it, or pass num_splits=1)")
     if splits > 1:
-        kset.require(COMBINE, qn.device)
+        offer.require(COMBINE)
     if b * splits * row_tiles > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
@@ -174,7 +168,7 @@ def prepare_attention(kset, name, tail, arrays, softmax_scale, validate, num_spl
         if dequant:
             if max_pages:   # (none: the kernel reads no key, nor the table)
                 steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
-                                          kset.constants(KV_DEQUANT, qn.device), sms))
+                                          offer.constants(KV_DEQUANT), sms))
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
         tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)

@@ -54,7 +54,7 @@ from ..plans.kv_dequant import workspace_elems
 from ..plans.tree_verify_wgmma import DEQUANT, DEQUANT_BUILDS
 from ..runtime import Prepared, Step, run_call, sm_count
 from ..types import AttentionOutput
-from .tensor_core import KV_DEQUANT, KVW, WS, holds_parts, prepare_attention
+from .tensor_core import KV_DEQUANT, KVW, WS, prepare_attention
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 
@@ -62,6 +62,8 @@ IMPLS = ("auto", "wgmma", "mma", "simple")
 TENSOR_CORE_IMPLS = ("wgmma", "mma")   # in the order "auto" prefers them
 # (launcher, impl) -> the tensor-core kernel that serves it: its KernelDef's `serves` (plans/)
 _SERVED_BY = {k.serves: k.name for k in all_kernels() if k.serves}
+# tensor-core kernel -> (the names of its builds, the default first; its rule that picks one: KernelDef.pick or None)
+_BUILDS_OF = {k.name: ((DEFAULT_BUILD, *(b.name for b in k.builds)), k.pick) for k in all_kernels() if k.serves}
 FP8_PATHS = ("fused", "dequant")
 # fp8_path=None (the default) takes the dequantize path only where the bf16 workspace it would allocate for the call,
 # plans.kv_dequant.workspace_elems(spec, B, max_pages) x 2 bytes (B x max_pages pages of page_size x (R + P) bf16,
@@ -113,22 +115,12 @@ def _kernel(name: str, kind: str) -> str:
     return _SERVED_BY[(name, kind)]
 
 
-def _loaded(kset, build: str) -> bool:
-    """Whether build `build` is loaded in kset (KernelSet.builds: it has a binary there)."""
-    return build in kset.builds
+def _runs(offer, build: str) -> bool:
+    """Whether `build` runs on the offer's device (device None: not known; the call's checks will say why)."""
+    return offer.device is None or offer.runs(build)
 
 
-def _built_for(kset, kernel: str) -> bool:
-    """Whether the spec of kset gets kernel `kernel` at all (its kv_dtype: KernelDef.kv_dtypes)."""
-    return by_name(kernel).builds_for(kset.spec)
-
-
-def _runs(kset, build: str, device) -> bool:
-    """Whether `build` runs on `device` (None: not known; the call's checks will say why)."""
-    return device is None or kset.unavailable(build, device) is None
-
-
-def _pick_impl(kset, name: str, impl, workspace, num_splits, direct: bool = False) -> tuple:
+def _pick_impl(offer, name: str, impl, workspace, num_splits, direct: bool = False) -> tuple:
     """The implementations `impl` may send launcher `name` to, in order of preference: ("simple",),
     one tensor-core kind ("wgmma" / "mma": impl asks for it), or for "auto" the loaded tensor-core
     kinds the spec is built with, followed by "simple" (the first that runs on the call's device is
@@ -143,33 +135,33 @@ def _pick_impl(kset, name: str, impl, workspace, num_splits, direct: bool = Fals
         return ("simple",)
     if impl == "auto":
         return (*(kind for kind in TENSOR_CORE_IMPLS
-                  if _built_for(kset, _kernel(name, kind))
-                  and all(_loaded(kset, k) for k in (_kernel(name, kind), COMBINE))),
+                  if _kernel(name, kind) in offer.spec_builds and _kernel(name, kind) in offer.builds
+                  and COMBINE in offer.builds),
                 "simple")
-    if not _built_for(kset, _kernel(name, impl)):
-        spec = kset.spec
+    kernel = _kernel(name, impl)
+    if kernel not in offer.spec_builds:
+        spec = offer.spec
         if direct:   # a family's own launcher: the caller named the kernel, not impl
-            raise ArgumentError(by_name(_kernel(name, impl)).why_not_built(spec))
-        others = [k for k in IMPLS if k in ("auto", "simple") or _built_for(kset, _kernel(name, k))]
-        raise ArgumentError(f"impl: {impl!r}: {by_name(_kernel(name, impl)).why_not_built(spec)}; "
+            raise ArgumentError(by_name(kernel).why_not_built(spec))
+        others = [k for k in IMPLS if k in ("auto", "simple") or _kernel(name, k) in offer.spec_builds]
+        raise ArgumentError(f"impl: {impl!r}: {by_name(kernel).why_not_built(spec)}; "
                             f"pass impl={' or '.join(map(repr, others))}")
     # a kernel the set was asked for but holds no build of for its targets (wgmma when sm_80 is forced)
     # has its launcher: the launch says why it cannot run on the arrays' device
     # (a family's own launcher, `direct`: its build is checked by the route, _build, and the combine kernel where the
     # call splits, in tensor_core.prepare_attention)
-    missing = [] if direct else [k for k in (_kernel(name, impl), COMBINE)
-                                 if not _loaded(kset, k) and k not in kset.requested]
+    missing = [] if direct else [k for k in (kernel, COMBINE) if k not in offer.builds and k not in offer.requested]
     if missing:
         raise ArgumentError(f"impl: {impl!r} needs {' and '.join(missing)}, not loaded in this kernel set of "
-                            f"spec {kset.spec.name!r} (load them, or pass impl='auto' or 'simple')")
+                            f"spec {offer.spec.name!r} (load them, or pass impl='auto' or 'simple')")
     return (impl,)
 
 
-def _first_that_runs(kset, name, kinds, device) -> str:
-    """The first of `kinds` (_pick_impl's candidates) whose kernel and the combine kernel run on `device` (None:
-    not known, the checks will say why); "simple" is always last and always runs."""
+def _first_that_runs(offer, name, kinds) -> str:
+    """The first of `kinds` (_pick_impl's candidates) whose kernel and the combine kernel run on the offer's device
+    (None: not known, the checks will say why); "simple" is always last and always runs."""
     for kind in kinds:
-        if kind == "simple" or (_runs(kset, _kernel(name, kind), device) and _runs(kset, COMBINE, device)):
+        if kind == "simple" or (_runs(offer, _kernel(name, kind)) and _runs(offer, COMBINE)):
             return kind
     raise AssertionError(f"no implementation in {kinds}")
 
@@ -177,20 +169,22 @@ def _first_that_runs(kset, name, kinds, device) -> str:
 def auto_impl(kset, device: int, name: str = "tree_verify") -> str:
     """The implementation ("wgmma", "mma" or "simple") that launcher `name` (tree_verify or tree_verify_tail)
     with impl="auto" runs on `device`: the one rule of the dispatcher, for the benches to report."""
-    return _first_that_runs(kset, name, _pick_impl(kset, name, "auto", None, None), device)
+    offer = kset.offer(device)
+    return _first_that_runs(offer, name, _pick_impl(offer, name, "auto", None, None))
 
 
 def why_not(kset, impl: str, device: int, name: str = "tree_verify") -> str | None:
     """Why launcher `name` with `impl` cannot run on `device` in kset: the ArgumentError's message a launch
     would raise (not built for the spec, not loaded, no build for the device); None if it can ("auto" and
     "simple" always can)."""
+    offer = kset.offer(device)
     try:
-        kinds = _pick_impl(kset, name, impl, None, None)
+        kinds = _pick_impl(offer, name, impl, None, None)
     except ArgumentError as e:
         return str(e)
     if len(kinds) > 1 or kinds == ("simple",):
         return None
-    return kset.unavailable(_kernel(name, kinds[0]), device) or kset.unavailable(COMBINE, device)
+    return offer.unavailable(_kernel(name, kinds[0])) or offer.unavailable(COMBINE)
 
 
 def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool = False,
@@ -207,20 +201,24 @@ def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool =
          plans.kv_dequant.workspace_elems(spec, B, max_pages) bf16, is at most KV_WORKSPACE_LIMIT bytes.
     Otherwise "dequant". A bf16 spec: (None, reason): it has no fp8 path. The launcher decides once per call
     signature (shapes, device), so benches and engines may ask here what a call runs."""
-    spec = kset.spec
+    return _fp8_default(kset.offer(device), impl, b, max_pages, kv_workspace, name)
+
+
+def _fp8_default(offer, impl, b: int, max_pages: int, kv_workspace: bool, name: str) -> tuple[str | None, str]:
+    spec = offer.spec
     if not spec.kv_fp8:
         return None, f"spec {spec.name!r} has kv_dtype {spec.kv_dtype!r}: no fp8 path"
     if name != "tree_verify":
         return "fused", f"{name} has no dequantize path"
     if not isinstance(impl, str) or impl not in ("auto", "wgmma"):
         return "fused", f"impl={impl!r}: the dequantize path runs on the wgmma kernels (impl 'auto' or 'wgmma')"
-    missing = [k for k in DEQUANT_KERNELS if not _loaded(kset, k)]
+    missing = [k for k in DEQUANT_KERNELS if k not in offer.builds]
     if missing:
         return "fused", f"{' and '.join(missing)} not loaded in this kernel set"
-    if device is None:
+    if offer.device is None:
         return "fused", "the arrays' device is not known"
     for k in DEQUANT_KERNELS:
-        why = kset.unavailable(k, device)
+        why = offer.unavailable(k)
         if why:
             return "fused", why
     if kv_workspace:
@@ -232,12 +230,12 @@ def fp8_default(kset, impl, device, b: int, max_pages: int, kv_workspace: bool =
     return "dequant", f"the workspace is {mib}, within KV_WORKSPACE_LIMIT = {KV_WORKSPACE_LIMIT // 2**20} MiB"
 
 
-def _fp8_choice(kset, impl, fp8_path, kv_workspace) -> str | None:
+def _fp8_choice(offer, impl, fp8_path, kv_workspace) -> str | None:
     """What tree_verify's fp8_path asks, before any shape is read: "fused" (an fp8 spec's fp8_path="fused"), "dequant"
     (fp8_path="dequant": impl "auto" or "wgmma", its kernels loaded), "auto" (an fp8 spec's fp8_path=None:
     fp8_default decides per call signature) or None (a bf16 spec: no fp8 path). ArgumentError naming the argument
     otherwise."""
-    spec = kset.spec
+    spec = offer.spec
     if fp8_path is not None:
         if not isinstance(fp8_path, str) or fp8_path not in FP8_PATHS:
             raise ArgumentError(f"fp8_path: {fp8_path!r}, expected None (the default: fp8_default's choice), "
@@ -258,46 +256,48 @@ def _fp8_choice(kset, impl, fp8_path, kv_workspace) -> str | None:
     if impl not in ("auto", "wgmma"):
         raise ArgumentError(f"fp8_path: 'dequant' runs on the wgmma kernels ({KV_DEQUANT}, {DEQUANT}), but impl="
                             f"{impl!r} was asked (pass impl='auto' or 'wgmma', or fp8_path=None)")
-    missing = [k for k in (KV_DEQUANT, DEQUANT) if k not in kset.builds and k not in kset.requested]
+    missing = [k for k in (KV_DEQUANT, DEQUANT) if k not in offer.builds and k not in offer.requested]
     if missing:
         raise ArgumentError(f"fp8_path: 'dequant' needs {' and '.join(missing)}, not loaded in this kernel set of spec "
                             f"{spec.name!r} (load them, or pass fp8_path=None)")
     return "dequant"
 
 
-def _build(kset, kernel: str, call: VerifyCall, path, b: int, nq: int, max_pages: int, device) -> str:
+def _build(offer, kernel: str, call: VerifyCall, path, b: int, nq: int, max_pages: int) -> str:
     """The build of tensor-core kernel `kernel` the call runs (a kernel set's key): the one it names (`build=`), else
     the kernel's rule (KernelDef.pick: tree_verify_wgmma's parts grid, dequantize path), else its default."""
-    kdef = by_name(kernel)
-    names = (DEFAULT_BUILD, *(b.name for b in kdef.builds))
+    names, pick = _BUILDS_OF[kernel]
+    spec = offer.spec
     if call.build is not None:
         if call.build not in names:
             raise ArgumentError(f"build: {call.build!r}, {kernel} ships {', '.join(map(repr, names))}")
         key = kernel if call.build == DEFAULT_BUILD else f"{kernel}/{call.build}"
-        if not by_name(key).builds_for(kset.spec):
-            raise ArgumentError(f"build: {by_name(key).why_not_built(kset.spec)}")
+        if key not in offer.spec_builds:
+            raise ArgumentError(f"build: {by_name(key).why_not_built(spec)}")
         if (call.build in DEQUANT_BUILDS) != (path == "dequant"):
             raise ArgumentError(f"build: {call.build!r} " + ("is the dequantize path's: pass fp8_path='dequant'"
                                                               if path != "dequant" else
                                                               "reads the spec's cache, not the dequantize path's "
                                                               "workspace (fp8_path='dequant')"))
-        if key not in kset.builds and key not in kset.requested:
-            raise ArgumentError(f"build: {key} is not loaded in this kernel set of spec {kset.spec.name!r}")
+        if key not in offer.builds and key not in offer.requested:
+            raise ArgumentError(f"build: {key} is not loaded in this kernel set of spec {spec.name!r}")
         return key
-    if kdef.pick is None:
+    if pick is None:
         return kernel
-    keys = max_pages * kset.spec.page_size
-    sms = sm_count(device) if b and device is not None else 0
-
-    def runs(build):
-        key = f"{kernel}/{build}"
-        return key in kset.builds and device is not None and kset.unavailable(key, device) is None
-
-    def holds(parts):
-        return holds_parts(kset.spec, call.arrays[WS], b, nq, parts)
-    build = kdef.pick(kset.spec, fp8_path=path, b=b, nq=nq, max_keys=keys, sms=sms, num_splits=call.num_splits,
-                      runs=runs, holds=holds)
+    runnable = frozenset(n for n in names[1:] if offer.runs(f"{kernel}/{n}") and f"{kernel}/{n}" in offer.builds)
+    build = pick(spec, fp8_path=path, b=b, nq=nq, max_keys=max_pages * spec.page_size,
+                 sms=sm_count(offer.device) if b and offer.device is not None else 0, num_splits=call.num_splits,
+                 runnable=runnable, workspace=_workspace_elems(call.arrays[WS]))
     return kernel if build == DEFAULT_BUILD else f"{kernel}/{build}"
+
+
+def _workspace_elems(workspace) -> int | None:
+    """The float32 elements of a caller's workspace (None: not given, the launcher allocates it; 0: not float32, the
+    checks will say so): what the parts rule needs to know of it."""
+    if workspace is None:
+        return None
+    wa, _ = ar.view(workspace, "workspace")
+    return math.prod(wa.shape) if wa.dtype == "float32" else 0
 
 
 def _shape(x, name: str) -> tuple | None:
@@ -312,16 +312,21 @@ def _shape(x, name: str) -> tuple | None:
 def route(kset, call: VerifyCall, b: int, nq: int, max_pages: int, device) -> Route:
     """What `call` runs for B requests of Nq rows over a block table of max_pages columns on `device` (None: not
     known; the call's checks will say why): the one decision of every tree_verify call, from shapes and the device
-    only (a CUDA graph's replays take it), made once per call signature; which.schedule reports it.
+    only (a CUDA graph's replays take it), made once per call signature; which.schedule reports it."""
+    return _route(kset.offer(device), call, b, nq, max_pages)
+
+
+def _route(offer, call: VerifyCall, b: int, nq: int, max_pages: int) -> Route:
+    """route() on what the kernel set offers on the call's device (runtime.DeviceOffer: the set asked once):
     1. fp8: an fp8 spec's tree_verify takes the path fp8_path asks, or fp8_default's (fp8_path=None);
     2. impl: the dequantize path runs wgmma; else impl's candidates (_pick_impl), the first that runs on the device;
     3. build: the tensor-core kernel's build (_build: `build=`, else its pick rule)."""
     path, reason = None, ""
     kv_workspace = call.arrays[KVW] if len(call.arrays) > KVW else None
-    if not call.tail and (call.fp8_path is not None or kv_workspace is not None or kset.spec.kv_fp8):
-        path = _fp8_choice(kset, call.impl, call.fp8_path, kv_workspace)
+    if not call.tail and (call.fp8_path is not None or kv_workspace is not None or offer.spec.kv_fp8):
+        path = _fp8_choice(offer, call.impl, call.fp8_path, kv_workspace)
         if path == "auto":
-            path, reason = fp8_default(kset, call.impl, device, b, max_pages, kv_workspace is not None)
+            path, reason = _fp8_default(offer, call.impl, b, max_pages, kv_workspace is not None, call.name)
             if path != "dequant" and kv_workspace is not None:
                 raise ArgumentError(f"kv_workspace: only the dequantize path takes it, but fp8_path=None takes the "
                                     f"fused kernel here: {reason} (pass fp8_path='dequant', or no kv_workspace)")
@@ -330,30 +335,32 @@ def route(kset, call: VerifyCall, b: int, nq: int, max_pages: int, device) -> Ro
     if path == "dequant":
         kind = "wgmma"
     else:
-        kinds = _pick_impl(kset, call.name, call.impl, call.arrays[WS], call.num_splits, call.direct)
+        kinds = _pick_impl(offer, call.name, call.impl, call.arrays[WS], call.num_splits, call.direct)
         # one kind asked: that one (its launch says why, where it cannot run on the device); "auto": the first that runs
-        kind = kinds[0] if len(kinds) == 1 else _first_that_runs(kset, call.name, kinds, device)
+        kind = kinds[0] if len(kinds) == 1 else _first_that_runs(offer, call.name, kinds)
     if kind == "simple":
         if call.build is not None:
             raise ArgumentError(f"build: {call.build!r}: only the tensor-core kernels ship builds, but the call runs "
                                 f"the CUDA-core kernel (impl='simple' or 'auto' without one that runs)")
         return Route("simple", call.name, call.name, path, reason)
     kernel = _kernel(call.name, kind)
-    return Route(kind, kernel, _build(kset, kernel, call, path, b, nq, max_pages, device), path, reason)
+    return Route(kind, kernel, _build(offer, kernel, call, path, b, nq, max_pages), path, reason)
 
 
 def prepare(kset, call: VerifyCall) -> Prepared:
-    """The checks and launch plan of one call signature: its route, then the CUDA-core kernel's plan (_prepare_simple)
-    or the tensor-core one's (tensor_core.prepare_attention)."""
+    """The checks and launch plan of one call signature: what the kernel set offers on the arrays' device (asked
+    once), the call's route, then the CUDA-core kernel's plan (_prepare_simple) or the tensor-core one's
+    (tensor_core.prepare_attention)."""
     q = _shape(call.arrays[0], "q_nope")
     table = _shape(call.arrays[3], "block_table")
     known = q is not None and len(q[0]) == 4 and table is not None and len(table[0]) == 2
     b, nq = (q[0][0], q[0][1]) if known else (0, 0)
-    r = route(kset, call, b, nq, table[0][1] if known else 0, q[1] if known else None)
+    offer = kset.offer(q[1] if known else None)
+    r = _route(offer, call, b, nq, table[0][1] if known else 0)
     if r.impl == "simple":
-        return _prepare_simple(kset, call)
-    return prepare_attention(kset, r.build, call.tail, call.arrays, call.softmax_scale, call.validate, call.num_splits,
-                             call.kv_scale)
+        return _prepare_simple(offer, call)
+    return prepare_attention(offer, r.build, r.impl, call.tail, call.arrays, call.softmax_scale, call.validate,
+                             call.num_splits, call.kv_scale)
 
 
 def verify(kset, call: VerifyCall) -> AttentionOutput:
@@ -361,16 +368,18 @@ def verify(kset, call: VerifyCall) -> AttentionOutput:
     return run_call(kset, lambda: prepare(kset, call), call.arrays, call.key(), cache=not call.validate)
 
 
-def _prepare_simple(kset, call: VerifyCall) -> Prepared:
+def _prepare_simple(offer, call: VerifyCall) -> Prepared:
     """The CUDA-core kernel of `call.name`: checks and launch plan of one call signature."""
-    spec, name, arrays = kset.spec, call.name, call.arrays
+    spec, name, arrays = offer.spec, call.name, call.arrays
     ptrs = PointerChecks(INDEX)
     inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], call.softmax_scale, call.kv_scale,
                                                          q_align=4)
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    groups = kset.constants(name, qn.device)["HEAD_GROUPS"]
+    if name not in offer.consts:   # not loaded in the kernel set
+        raise ArgumentError(offer.unavailable(name))
+    groups = offer.constants(name)["HEAD_GROUPS"]
     if groups * nq * b > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied

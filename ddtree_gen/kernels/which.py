@@ -55,8 +55,9 @@ def schedule(kset, b: int, nq: int, max_pages: int, *, device: int = 0, impl: st
     if choice.impl == "simple":
         groups = kset.constants(name, device)["HEAD_GROUPS"]
         return Schedule(choice.kernel, "rows", 1, groups * nq * b, False, 0, choice.fp8_path)
-    parts, count = pieces(kset, choice.kernel, name == "tree_verify_tail", b, nq, max_pages, num_splits, device,
-                          kset.require(choice.kernel, device))
+    offer = kset.offer(device)
+    parts, count = pieces(offer, choice.kernel, choice.impl, name == "tree_verify_tail", b, nq, max_pages, num_splits,
+                          offer.require(choice.kernel))
     row_tiles = -(-nq * spec.num_heads // BM)
     blocks = (count * row_tiles if parts else b * count * row_tiles) if b else 0
     need = parts_workspace_elems(spec, b, nq, count) if parts else split_workspace_elems(spec, b, nq, count)

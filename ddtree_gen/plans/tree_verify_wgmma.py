@@ -309,20 +309,22 @@ BUILDS = (
 )
 
 
-def pick(spec, *, fp8_path, b: int, nq: int, max_keys: int, sms: int, num_splits, runs, holds) -> str:
+def pick(spec, *, fp8_path, b: int, nq: int, max_keys: int, sms: int, num_splits, runnable: frozenset,
+         workspace: int | None) -> str:
     """The build of tree_verify_wgmma a call runs (a build name, plans/kernel_def.Build): the dequantize path's
     ("dequant") where fp8_path is "dequant", else the default (the chunks grid); and that one's parts-grid build
     ("parts", "dequant_parts") where num_splits is not given, B >= PARTS_MIN_B, the block table spans at least
-    PARTS_MIN_KEYS keys (or fewer and the makespan model says the parts pay: parts_pay), the build runs (`runs(name)`:
-    loaded in the kernel set and running on the call's device) and `holds(parts)` (a caller's workspace holds the
-    partials of parts_for's count: one sized for the chunks grid need not, and then the chunks grid runs)."""
+    PARTS_MIN_KEYS keys (or fewer and the makespan model says the parts pay: parts_pay), the build is in `runnable`
+    (loaded in the kernel set and running on the call's device) and a caller's workspace (`workspace`: its float32
+    elements, None: not given) holds the partials of parts_for's count: one sized for the chunks grid need not,
+    and then the chunks grid runs, as the caller sized it for."""
     base = "dequant" if fp8_path == "dequant" else DEFAULT_BUILD
     grid = "dequant_parts" if base == "dequant" else "parts"
-    if (num_splits is None and b >= PARTS_MIN_B and runs(grid)
-            and (max_keys >= PARTS_MIN_KEYS or parts_pay(spec, b, nq, max_keys, sms))
-            and holds(parts_for(spec, b, nq, max_keys, sms))):
-        return grid
-    return base
+    if not (num_splits is None and b >= PARTS_MIN_B and grid in runnable
+            and (max_keys >= PARTS_MIN_KEYS or parts_pay(spec, b, nq, max_keys, sms))):
+        return base
+    parts = parts_for(spec, b, nq, max_keys, sms)
+    return grid if workspace is None or workspace >= split_kv.parts_workspace_elems(spec, b, nq, parts) else base
 
 
 KERNELS = [
