@@ -363,34 +363,6 @@ def test_misaligned_rows_use_scalar_loads(spec, fake_alloc):
     assert prep.steps[0].args[5] == IsAligned(0, 16)
 
 
-@pytest.mark.parametrize("rows_b,v", [(64, 129280), (1, 129280), (2, 1000)])
-def test_launch_plan_stream_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
-    """The "stream" build (template constant STREAM = 1): stage 0 on at most SMs x MIN_BLOCKS blocks (a grid
-    stride over the rows x chunks, passed as `total`), stage 1 and the workspace as in the chunks schedule."""
-    from ddtree_gen.kernels import draft_topk as mod
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
-    from ddtree_gen.plans.variant import variant
-    stream = variant(by_name("draft_topk"), spec, schedule="stream").plan().template_constants()
-    assert stream["STREAM"] == 1 and stream["MIN_BLOCKS"] == MIN_BLOCKS
-    ks = LaunchLog(spec)
-    assert ks.constants("draft_topk")["STREAM"] == 0            # the default build: rows (STREAM 0)
-    monkeypatch.setattr(ks, "constants", lambda name, device=None: stream)
-    monkeypatch.setattr(mod, "sm_count", lambda device: 132)
-    dp, k = min(spec.max_depth, 15), min(spec.max_tree_size - 1, 64)
-    draft_topk(ks, _logits(rows_b, dp, v), k)
-    c, rows = chunks(v, "bf16"), rows_b * dp
-    assert ks.seen[0][1]["grid"] == (min(rows * c, 132 * MIN_BLOCKS),)
-    a = ks.seen[0][1]["args"]
-    assert int(a[-2]) == rows * c and int(a[-1]) == 0
-    if c > 1:
-        assert ks.seen[1][1]["grid"] == (rows,) and int(ks.seen[1][1]["args"][-1]) == 1
-        assert int(ks.seen[1][1]["args"][-2]) == rows * c
-    assert len(ks.seen) == 1 + (c > 1)
-    with pytest.raises(Exception, match="schedule 'nope'"):
-        variant(by_name("draft_topk"), spec, schedule="nope").plan()
-
-
 # 210 rows: stage 2; 195: not; V = 49152 (3 chunks a row): not, at any batch; 65536 (4 chunks): stage 2
 @pytest.mark.parametrize("rows_b,v", [(64, 129280), (14, 163840), (13, 129280), (8, 129280), (1, 1000), (64, 49152),
                                       (64, 65536)])
@@ -404,7 +376,7 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     from ddtree_gen.plans.variant import variant
     plan = variant(by_name("draft_topk"), spec, schedule="rows").plan()
     consts = plan.template_constants()
-    assert consts["ROWS"] == 1 and consts["STREAM"] == 0 and consts["STATIC_SMEM"] == 0
+    assert consts["ROWS"] == 1 and consts["STATIC_SMEM"] == 0
     assert consts["DYNAMIC_SMEM"] * consts["MIN_BLOCKS"] <= 227 * 1024   # MIN_BLOCKS blocks fit an H100 / H200 SM
     ks = LaunchLog(spec)
     monkeypatch.setattr(ks, "constants", lambda name, device=None: consts)
@@ -431,30 +403,33 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
             assert ks.seen[1][1]["grid"] == (rows,) and int(ks.seen[1][1]["args"][-1]) == 1
 
 
-def test_row_end_and_min_blocks_options(spec):
-    """The rows build's options: row_end "block" (the default) or "warps", min_blocks "auto" (4 where they fit) or 1-4;
-    their variant names, their
-    template constants and shared memory (both ends fit the default's blocks an SM), and clear errors."""
-    from ddtree_gen.errors import SpecError
+def test_schedule_and_min_blocks_options(spec):
+    """The build options: schedule "rows" (the default) or "chunks", min_blocks "auto" (4 where they fit) or 1-4;
+    their variant names, their template constants and shared memory, and clear errors (also for the options
+    removed in issue 40: schedule "stream", row_end)."""
+    from ddtree_gen.errors import BuildError, SpecError
     from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
+    from ddtree_gen.plans.draft_topk import MIN_BLOCKS, SCHEDULES, plan
     from ddtree_gen.plans.variant import variant
     kdef = by_name("draft_topk")
-    block, warps = variant(kdef, spec), variant(kdef, spec, row_end="warps")
-    assert block.stem == "draft_topk" and warps.stem == "draft_topk.warps"
+    assert SCHEDULES == ("chunks", "rows")
+    rows, ch = variant(kdef, spec), variant(kdef, spec, schedule="chunks")
+    assert rows.stem == "draft_topk" and ch.stem == "draft_topk.chunks"
     assert variant(kdef, spec, min_blocks=2).stem == "draft_topk.mb2"
     assert variant(kdef, spec, schedule="chunks", min_blocks=2).stem == "draft_topk.chunks.mb2"
-    cb, cw = block.plan().template_constants(), warps.plan().template_constants()
-    assert cb["ROW_END_BLOCK"] == 1 and cw["ROW_END_BLOCK"] == 0 and cb["MIN_BLOCKS"] == MIN_BLOCKS
-    assert cw["MIN_BLOCKS"] == MIN_BLOCKS - 1   # "auto": the warps' end's 70 KB fit 3 blocks an SM, not 4
-    assert cw["DYNAMIC_SMEM"] * MIN_BLOCKS > 227 * 1024 >= cw["DYNAMIC_SMEM"] * (MIN_BLOCKS - 1)
-    assert cb["BCAP"] == 16 * cb["KP"]   # the block's candidates: < 8 per entry above the k-th, k ties a warp
-    assert cb["DYNAMIC_SMEM"] < cw["DYNAMIC_SMEM"]
-    assert cb["DYNAMIC_SMEM"] * MIN_BLOCKS <= 227 * 1024
-    assert variant(kdef, spec, schedule="chunks").plan().template_constants()["ROW_END_BLOCK"] == 0
-    with pytest.raises(SpecError, match="row_end 'nope'"):
-        variant(kdef, spec, row_end="nope").plan()
-    with pytest.raises(SpecError, match="row_end 'warps' is an option of the rows schedule"):
-        variant(kdef, spec, schedule="stream", row_end="warps").plan()
+    cr, cc = rows.plan().template_constants(), ch.plan().template_constants()
+    assert cr["ROWS"] == 1 and cc["ROWS"] == 0 and cr["MIN_BLOCKS"] == MIN_BLOCKS
+    assert not {"STREAM", "ROW_END_BLOCK", "ECAP"} & set(cr)
+    assert cr["BCAP"] == 16 * cr["KP"]   # the block's candidates: < 8 per entry above the k-th, k ties a warp
+    assert cr["DYNAMIC_SMEM"] * MIN_BLOCKS <= 227 * 1024
+    assert cc["STATIC_SMEM"] < cr["DYNAMIC_SMEM"] and cc["DYNAMIC_SMEM"] == 0
+    with pytest.raises(SpecError, match="schedule 'stream', one of chunks, rows"):
+        variant(kdef, spec, schedule="stream").plan()
+    with pytest.raises(SpecError, match="schedule 'nope'"):
+        variant(kdef, spec, schedule="nope").plan()
+    with pytest.raises(BuildError, match="no knob 'row_end' \\(its knobs: schedule, min_blocks\\)"):
+        variant(kdef, spec, row_end="warps")
+    with pytest.raises(SpecError, match="no build option 'row_end', its options: schedule, min_blocks"):
+        plan(spec, {"schedule": "rows", "row_end": "block", "min_blocks": "auto"})
     with pytest.raises(SpecError, match="min_blocks 5"):
         variant(kdef, spec, min_blocks=5).plan()

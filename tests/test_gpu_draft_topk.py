@@ -1,12 +1,11 @@
 """draft_topk on the GPU against reference.draft_topk: ids bit for bit, log-probs within
 1e-5 + 2^-22 |ref| of the float64 log-softmax (docs/contract.md section 5a), on every spec.
 
-Every test runs on every build of the schedule option (plans/draft_topk.SCHEDULES): "chunks", "stream" and
-"rows" (the default build and variant builds), and on the rows build made to stream a row per block on every call
-("rows streaming"; by default it does so only where the rows fill the GPU), and so on the rows build whose warps
-end a row each ("rows-warps streaming": the build option row_end="warps"). Fresh random inputs each run: the seed is in every failure message, and DDTREE_TEST_SEED=<seed>
-replays it. Every output is poisoned before the launch (ids 0x7BADBEEF, log-probs NaN) and every
-element is checked, so an element the kernel forgets to write shows up.
+Every test runs on every build of the schedule option (plans/draft_topk.SCHEDULES): "chunks" and "rows" (the
+default build and a variant build), and on the rows build made to stream a row per block on every call ("rows
+streaming"; by default it does so only where the rows fill the GPU). Fresh random inputs each run: the seed is in
+every failure message, and DDTREE_TEST_SEED=<seed> replays it. Every output is poisoned before the launch (ids
+0x7BADBEEF, log-probs NaN) and every element is checked, so an element the kernel forgets to write shows up.
 """
 import os
 import secrets
@@ -27,15 +26,12 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def load_schedule(spec, schedule):
-    """The kernel set with draft_topk built with `schedule` ("rows-warps": rows with row_end="warps"): the default
-    build for its default, else a variant."""
+    """The kernel set with draft_topk built with `schedule`: the default build for its default, else a variant."""
     import ddtree_gen
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.plans import by_name
     from ddtree_gen.plans.variant import default_config, variant
     kdef = by_name("draft_topk")
-    if schedule == "rows-warps":
-        return variant_set([variant(kdef, spec, schedule="rows", row_end="warps")])
     if default_config(kdef, spec)["schedule"] == schedule:
         return ddtree_gen.load(spec, kernels=["draft_topk"])
     return variant_set([variant(kdef, spec, schedule=schedule)])
@@ -43,8 +39,8 @@ def load_schedule(spec, schedule):
 
 # the rows build streams a row per block only where the rows fill the GPU and a row is long (kernels/draft_topk.ROWS_PER_SM,
 # ROWS_MIN_CHUNKS); "rows streaming" is that build with both 0: its stage 2 on every call, whatever the batch and V
-RUNS = (*SCHEDULES, "rows streaming", "rows-warps streaming")
-STREAMING = ("rows streaming", "rows-warps streaming")
+RUNS = (*SCHEDULES, "rows streaming")
+STREAMING = ("rows streaming",)
 
 
 def streaming_everywhere(monkeypatch, kset):
@@ -58,9 +54,7 @@ def streaming_everywhere(monkeypatch, kset):
 def ks(spec, request, monkeypatch):
     schedule = request.param.split()[0]
     got = load_schedule(spec, schedule)
-    assert got.constants("draft_topk")["STREAM"] == int(schedule == "stream")
-    assert got.constants("draft_topk")["ROWS"] == int(schedule.startswith("rows"))
-    assert got.constants("draft_topk")["ROW_END_BLOCK"] == int(schedule == "rows")
+    assert got.constants("draft_topk")["ROWS"] == int(schedule == "rows")
     if request.param != schedule:
         streaming_everywhere(monkeypatch, got)
     yield got
@@ -349,9 +343,9 @@ def test_against_torch_topk(ks, spec, seed):
 
 
 def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
-    """Every schedule on the bench's shape class (B x D' rows of V = 129280 bf16: more chunks than the stream
-    grid holds, so its blocks walk several), a misaligned copy of it (plain loads), and float32 V = 262144
-    (32 chunks a row): the ids bitwise equal, the log-probs of chunks and stream bitwise equal and those of rows within
+    """Every run (chunks, rows, rows streaming) on the bench's shape class (B x D' rows of V = 129280 bf16), a
+    misaligned copy of it (plain loads), and float32 V = 262144 (32 chunks a row): the ids bitwise equal, the
+    log-probs of chunks and rows (its chunks path at these batches) bitwise equal and those of rows streaming within
     twice the bar of them, and rows of each against the reference."""
     import cupy
     rng = np.random.default_rng(seed)
@@ -393,9 +387,6 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
             else:             # the same sums: the same bits
                 assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), \
                     f"{name}: the log-probs of chunks and {s} differ, {where(seed)}"
-        # the two ends of the streaming rows take the same sums: the same bits
-        assert np.array_equal(got["rows streaming"][1].view(np.uint32), got["rows-warps streaming"][1].view(np.uint32)), \
-            f"{name}: the log-probs of the rows build's two ends differ, {where(seed)}"
         rows = rng.choice(x.shape[0] * x.shape[1], 3, replace=False)
         flat_x = x.reshape(-1, x.shape[2])[rows][None]
         for s, (ids, lps) in got.items():

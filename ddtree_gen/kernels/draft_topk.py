@@ -7,9 +7,8 @@ One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
 one block per row, merges them. The "rows" build (schedule="rows") launches stage 2 once instead, one block per
 row, where there are at least ROWS_PER_SM rows an SM and a row holds at least ROWS_MIN_CHUNKS chunks (then no
-workspace is used). Nothing is read on the host (graph-capturable). The build option `schedule`
-(plans/draft_topk.SCHEDULES) "stream" launches stage 0 on a persistent grid of at most SMs x MIN_BLOCKS blocks (the build's)
-(the template constant STREAM of the loaded build says which); the workspace is the same.
+workspace is used); the "chunks" build (plans/draft_topk.SCHEDULES) always launches stages 0 and 1. Nothing is read on
+the host (graph-capturable).
 """
 from __future__ import annotations
 
@@ -111,15 +110,12 @@ def _prepare(kset, arrays, k, temperature, has_out) -> Prepared:
     vec = IsAligned(0, 16) if v % _VEC[dtype] == 0 else np.int32(0)
     keys, ms = ((WS, 0), (WS, rows * ch * k * 8)) if need else (np.uint64(0), np.uint64(0))
     common = (0, np.int32(v), np.int32(k), np.int32(ch), np.int32(dtype == "bf16"), vec, np.float32(inv_t),
-              np.float32(c), keys, ms, 2, 1, np.int32(rows * ch))
+              np.float32(c), keys, ms, 2, 1)
     steps = []
     if rows_path:
         steps.append(Step(KERNEL, (rows,), (*common, np.int32(2))))
     elif rows:
-        grid0 = rows * ch
-        if consts.get("STREAM"):   # a persistent stage 0: a grid stride over the chunks
-            grid0 = min(grid0, sm_count(device) * int(consts["MIN_BLOCKS"]))
-        steps.append(Step(KERNEL, (grid0,), (*common, np.int32(0))))
+        steps.append(Step(KERNEL, (rows * ch,), (*common, np.int32(0))))
         if ch > 1:
             steps.append(Step(KERNEL, (rows,), (*common, np.int32(1))))
     return Prepared(device=device, kind=lg.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(aligned),

@@ -21,25 +21,21 @@ assert CMAX <= 32 and THREADS % 32 == 0 and THREADS & (THREADS - 1) == 0   # the
 KMAX = N - 1                 # the largest k
 KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounded up to a power of two
 # the build option `schedule` (plans/variant.py; templates/draft_topk.cu.j2 says how each works):
-# "chunks": one block per chunk; "stream": a persistent stage 0 of at most SMs x MIN_BLOCKS blocks
-# that copies its next chunk (cp.async) while it computes the current one, tau from the warps' own thread maxima
-# (one barrier), stage 1 by ranks (binary searches) instead of bitonic merges. Same outputs, bit for bit.
+# "chunks": one block per chunk of a row, then a merge per row.
 # "rows" (the default): one block per row, its warps streaming the row with their next loads in flight, a threshold shared by the
 # block, the row's top-k selected by the block, one launch and no workspace, where there are enough rows
 # (kernels/draft_topk.ROWS_PER_SM) and the rows are long (ROWS_MIN_CHUNKS); otherwise the chunks schedule, in the same build. Its log-probs differ from the
-# other two by the rounding of another order of the sums (the same ids).
-SCHEDULES = ("chunks", "stream", "rows")
-# the rows schedule's end of a row (build option `row_end`): "block" (the default): the row's k-th vector maximum
-# selected over every warp's entries at once (a radix select), the candidates ranked by the block; "warps": each warp
-# its own k best from its own entries, the 8 lists merged (docs/perf.md, "The rows schedule").
-ROW_ENDS = ("block", "warps")
+# chunks schedule's by the rounding of another order of the sums (the same ids).
+# (schedule "stream" and the rows' row_end "warps" measured slower: removed in issue 40; docs/perf.md has the figures)
+SCHEDULES = ("chunks", "rows")
+OPTIONS = ("schedule", "min_blocks")   # the build options (plan's config)
 MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__: 64 registers; docs/perf.md "The end of a row selected by the
-                             # block"), where their shared memory fits an SM, else 3 (row_end="warps": 70 KB a block); the
-                             # build option `min_blocks` ("auto", or 1-4); the stream grid is SMs x min_blocks at most
+                             # block"), where their shared memory fits an SM, else 3 (N - 1 above 128: 70 KB a block); the
+                             # build option `min_blocks` ("auto", or 1-4)
 SM_SMEM = 227 * 1024         # the shared memory an H100 / H200 SM gives its blocks
 NV = 4                       # rows: 16-byte vectors per lane and round (the next round's are in flight meanwhile)
 CAPV = 512                   # rows: a warp's passing-vector entries (compacted when a step could overflow them)
-HPASS = 4                    # rows, the block's end: radix passes of 8-bit digits over a 32-bit key, at most
+HPASS = 4                    # rows, the end of a row: radix passes of 8-bit digits over a 32-bit key, at most
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
@@ -47,15 +43,13 @@ def policy(spec, arch: str = "sm_90a") -> dict:
     (docs/perf.md, "The end of a row selected by the block": 111 us against the chunks schedule's 158 at B = 64,
     V = 129280; the chunks schedule's own stages below 1.5 rows an SM)."""
     # min_blocks "auto": 4 where they fit an H100 / H200 SM (plan); an A100's 164 KB hold 3 of the default's 46 KB
-    return {"schedule": "rows", "row_end": "block", "min_blocks": "auto" if arch == "sm_90a" else 3}
+    return {"schedule": "rows", "min_blocks": "auto" if arch == "sm_90a" else 3}
 
 
 def spell(config) -> tuple:
-    """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks, .stream,
-    draft_topk.warps (rows with the warps' end), draft_topk.mbN (min_blocks N given: sm_80's default is mb3)."""
+    """A configuration's part of the variant name: draft_topk (rows, the default), draft_topk.chunks,
+    draft_topk.mbN (min_blocks N given: sm_80's default is mb3)."""
     name = () if config["schedule"] == "rows" else (config["schedule"],)
-    if config["row_end"] != "block":
-        name += (config["row_end"],)
     if config["min_blocks"] != "auto":
         name += (f"mb{config['min_blocks']}",)
     return name
@@ -68,38 +62,29 @@ def chunks(v: int, dtype: str) -> int:
 
 def plan(spec, config=None) -> Plan:
     cfg = config or policy(spec)
-    schedule, row_end, min_blocks = cfg["schedule"], cfg.get("row_end", "block"), cfg.get("min_blocks", "auto")
+    unknown = [key for key in cfg if key not in OPTIONS]
+    if unknown:
+        raise SpecError(f"draft_topk: no build option {unknown[0]!r}, its options: {', '.join(OPTIONS)}")
+    schedule, min_blocks = cfg["schedule"], cfg.get("min_blocks", "auto")
     if schedule not in SCHEDULES:
         raise SpecError(f"draft_topk: schedule {schedule!r}, one of {', '.join(SCHEDULES)}")
     if min_blocks not in ("auto", 1, 2, 3, 4):
         raise SpecError(f"draft_topk: min_blocks {min_blocks!r}, 'auto' or one of 1, 2, 3, 4 (256 threads a block)")
-    if row_end not in ROW_ENDS:
-        raise SpecError(f"draft_topk: row_end {row_end!r}, one of {', '.join(ROW_ENDS)}")
-    if schedule != "rows" and row_end != "block":
-        raise SpecError(f"draft_topk: row_end {row_end!r} is an option of the rows schedule, not of {schedule!r}")
-    stream, rows = schedule == "stream", schedule == "rows"
-    if spec.max_tree_size - 1 > THREADS:   # tau: the k-th largest of THREADS thread maxima (stream: of WARPS x q)
+    rows = schedule == "rows"
+    if spec.max_tree_size - 1 > THREADS:   # tau: the k-th largest of THREADS thread maxima
         raise SpecError(f"spec {spec.name!r}, kernel draft_topk: N - 1 = {spec.max_tree_size - 1} above {THREADS}")
     warps = THREADS // 32
     stage0 = 8 * CAP + 8 * KP + 4 * (2 * warps + 2 * warps + warps + warps) + 16   # candidates, list, sums
-    if stream:
-        stage0 += 4 * warps + 4 * warps * warps + 16 * NVEC * THREADS   # the warps' thresholds and counts, the next chunk
     stage1 = 8 * CMAX * KP + 16                                                     # the chunks' lists, M and S
-    ecap = 8 * KP            # rows: a warp's logit candidates at the end: < 8 per entry above the k-th, or k
-    # rows: RowsShared (entries, candidates, the warps' lists, the block's list, (M, S), the threshold), in dynamic
-    # shared memory that stage 1 reuses as DraftTopkShared
-    bcap = 16 * KP           # rows, the block's end: < 8 per entry above the k-th, and each warp's k ties
-    block_end = row_end == "block"
-    if block_end:            # entries, candidates, the radix passes' counts, the warps' ranges, the lists, (M, S)
-        # (the block's candidates share their bytes with the warps' radix counts, 1 KB a warp, used before them)
-        rows_smem = (8 * warps * CAPV + sympy.Max(8 * bcap, 4 * 256 * warps) + 4 * HPASS * 256 + 12 * warps + 8
-                     + 8 * KP + 8 * warps + 16)
-    else:    # (a warp's radix counts, 1 KB, are the first bytes of its candidates, used before them: 8 ecap >= 1024)
-        rows_smem = 8 * warps * CAPV + 8 * warps * ecap + 8 * warps * KP + 8 * KP + 8 * warps + 16
+    # rows: RowsShared (entries, the block's candidates, the radix passes' counts, the warps' ranges, the block's
+    # list, (M, S), the threshold), in dynamic shared memory that stages 0 and 1 reuse as DraftTopkShared; the
+    # block's candidates share their bytes with the warps' radix counts (1 KB a warp, used before them)
+    bcap = 16 * KP           # rows, the block's candidates: < 8 per entry above the k-th, and each warp's k ties
+    rows_smem = (8 * warps * CAPV + sympy.Max(8 * bcap, 4 * 256 * warps) + 4 * HPASS * 256 + 12 * warps + 8
+                 + 8 * KP + 8 * warps + 16)
     consts = {"KMAX": KMAX, "KP": KP, "CAP": sympy.Integer(CAP), "CMAX": sympy.Integer(CMAX),
-              "NVEC": sympy.Integer(NVEC), "STREAM": sympy.Integer(int(stream)), "ROWS": sympy.Integer(int(rows)),
-              "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "ECAP": ecap,
-              "ROW_END_BLOCK": sympy.Integer(int(rows and block_end)), "BCAP": bcap, "HPASS": sympy.Integer(HPASS)}
+              "NVEC": sympy.Integer(NVEC), "ROWS": sympy.Integer(int(rows)),
+              "NV": sympy.Integer(NV), "CAPV": sympy.Integer(CAPV), "BCAP": bcap, "HPASS": sympy.Integer(HPASS)}
     smem = sympy.Max(rows_smem, stage0, stage1) if rows else sympy.Max(stage0, stage1)
     if min_blocks == "auto":   # the most that fit by shared memory, at most MIN_BLOCKS (at the spec's largest k)
         need = int(smem.subs(N, spec.max_tree_size))

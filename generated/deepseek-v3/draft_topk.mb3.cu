@@ -77,17 +77,8 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // |fl(M c)| < FAST_MC = 2^27 (the fma's offset e = M c - fl(M c) is then at most 4), else 2^(fl(x - M) c): the offset
 // grows with M c (2^e overflows once |M c| nears 2^31; M c itself overflows at M = 1e30, T = 1e-9).
 //
-// Schedules (plans/draft_topk.py, build option `schedule`; STREAM below):
-//  "chunks" (STREAM 0): as above, one block per chunk, its 16-byte loads issued at the block's start.
-//  "stream" (STREAM 1): stage 0 is persistent: a grid of at most (SMs x MIN_BLOCKS) blocks walks the
-//           rows' chunks with a grid stride; each thread's next chunk is copied by cp.async into its own
-//           slots of a shared buffer while the current chunk is computed (rows 16-byte aligned; else the
-//           plain loads). tau is one of the warps' q-th largest thread maxima (q = ceil(k / WARPS)): the
-//           largest of them with >= k thread maxima at or above it (the least has: WARPS * q >= k of
-//           them); ballots in each warp, two block barriers; the exact block search only where a warp
-//           holds no finite maximum. Stage 1 ranks each list
-//           entry among the other lists by binary searches (the keys are distinct) and writes the ranks
-//           below k: two block barriers instead of the bitonic merges' chain.
+// Schedules (plans/draft_topk.py, build option `schedule`; ROWS below):
+//  "chunks" (ROWS 0): as above, one block per chunk, its 16-byte loads issued at the block's start.
 //  "rows" (ROWS 1): stage 2, one block per row (the launcher's choice where there are ROWS_PER_SM rows an SM; below that the
 //           build runs the chunks schedule's stages 0 and 1, in the same dynamic shared memory), its 8 warps
 //           streaming the row's 16-byte vectors NV at a time per lane, the next round's loads in flight while the
@@ -97,11 +88,10 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //           index) of its list; a full list is compacted to the vectors at or above the k-th largest vector
 //           maximum, which becomes tf (>= k logits are >= it) and raises the block's shared threshold, which every
 //           warp takes as its own (a warp's k-th by a radix select: 8-bit digits counted in shared memory).
-//           At the end (ROW_END_BLOCK) the block selects P, the k-th largest vector maximum over every warp's
+//           At the end the block selects P, the k-th largest vector maximum over every warp's
 //           entries (the same radix select, the counts shared), each warp re-reads its entries at or above P and adds
 //           the logits above P and its first k equal to P in row order (ties: lowest ids, through the entries'
-//           order, which is the row's) to one list, whose exact ranks place the row's k best. (row_end="warps":
-//           each warp its own k best, ranked, and the block merges the 8 lists by binary searches.)
+//           order, which is the row's) to one list, whose exact ranks place the row's k best.
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -112,14 +102,11 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define NVEC 8                   // 16-byte vectors per thread and chunk
 #define WORDS (NVEC * 4)         // 32-bit words a thread holds
 #define FULL 0xffffffffu
-#define STREAM 0            // the schedule: 0 "chunks", 1 "stream"
-#define ROWS 1                // 1: the "rows" schedule (below); STREAM is 0 then
+#define ROWS 1                // 1: the "rows" schedule (below); 0: "chunks"
 #define NV 4                    // rows: 16-byte vectors per lane and round
 #define CAPV 512                // rows: a warp's passing-vector entries
-#define ECAP 512                // rows: a warp's element candidates at the end (8 KP: every case fits)
-#define ROW_END_BLOCK 1   // rows: 1: the end of a row selected by the block; 0: by each warp
-#define BCAP 1024                // rows, the block's end: its candidates (16 KP: every case fits)
-#define HPASS 4              // rows, the block's end: radix passes at most (8-bit digits of 32-bit keys)
+#define BCAP 1024                // rows, the end: the block's candidates (16 KP: every case fits)
+#define HPASS 4              // rows, the end: radix passes at most (8-bit digits of 32-bit keys)
 
 typedef unsigned long long u64;
 
@@ -177,11 +164,6 @@ struct Stage0 {
     float fred[WARPS];      // the sum of exponentials per warp
     unsigned wmax[WARPS];   // the maximum key per warp
     int cnt[4];             // candidate counts: fast path, > tau, final, spare
-#if STREAM
-    unsigned wtau[WARPS];   // the q-th largest thread key per warp
-    int wcnt[WARPS][WARPS]; // [w][i]: warp w's thread keys >= wtau[i]
-    uint4 buf[NVEC * THREADS];   // the next chunk, by cp.async: thread t's vector j at [j * THREADS + t]
-#endif
 };
 struct Stage1 {
     u64 buf[CMAX * KP];     // the chunks' lists, merged in place
@@ -344,53 +326,12 @@ __device__ __forceinline__ void load_chunk(uint32_t (&w)[WORDS], const unsigned 
     }
 }
 
-#if STREAM
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(a), "l"(gmem) : "memory");
-}
-// Copy this thread's vectors of chunk g (rows * chunks order) into its own slots of s.buf (rows 16-byte
-// aligned, V a multiple of VEC); the vectors past V are not copied (read_chunk makes them -inf).
-template <bool BF16>
-__device__ __forceinline__ void issue_chunk(Stage0& s, const unsigned char* __restrict__ logits, long long g,
-                                            int chunks, int V) {
-    typedef Layout<BF16> Lay;
-    const int VEC = Lay::VEC, tid = threadIdx.x;
-    const long long row = g / chunks;
-    const int base = (int)(g - row * chunks) * THREADS * NVEC * VEC;
-    const unsigned char* rowp = logits + (size_t)row * (size_t)V * Lay::ES;
-    #pragma unroll
-    for (int j = 0; j < NVEC; ++j) {
-        const int e0 = base + j * THREADS * VEC + tid * VEC;
-        if (e0 < V) cp_async16(&s.buf[j * THREADS + tid], rowp + (size_t)e0 * Lay::ES);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Wait for this thread's copies, then take its words of the chunk at `base` from its slots (past V: -inf).
-// Only this thread writes and reads its slots: no block barrier. The next issue_chunk into the same slots
-// comes after a block barrier that every word read here has reached through the thread maximum (tkey).
-template <bool BF16>
-__device__ __forceinline__ void read_chunk(uint32_t (&w)[WORDS], const Stage0& s, int base, int V) {
-    typedef Layout<BF16> Lay;
-    const int VEC = Lay::VEC, tid = threadIdx.x;
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    #pragma unroll
-    for (int j = 0; j < NVEC; ++j) {
-        const int e0 = base + j * THREADS * VEC + tid * VEC;
-        uint4 q = BF16 ? make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u)
-                       : make_uint4(0xff800000u, 0xff800000u, 0xff800000u, 0xff800000u);
-        if (e0 < V) q = s.buf[j * THREADS + tid];
-        w[4 * j] = q.x; w[4 * j + 1] = q.y; w[4 * j + 2] = q.z; w[4 * j + 3] = q.w;
-    }
-}
-#endif
-
 // One chunk (row, chunk) of a thread's words w: its top-k and (m, s) to the workspace, or the row's outputs
-// (a row of one chunk). `next` (stream): the chunk whose copies this thread issues once its words are read (-1: none).
+// (a row of one chunk).
 template <bool BF16>
 __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WORDS],
                                            const unsigned char* __restrict__ logits, int V,
-                                           int k, int chunks, long long row, int chunk, long long next, float inv_t, float c,
+                                           int k, int chunks, long long row, int chunk, float inv_t, float c,
                                            u64* __restrict__ ws_keys, float2* __restrict__ ws_ms,
                                            float* __restrict__ out_lp, int* __restrict__ out_id) {
     typedef Layout<BF16> Lay;
@@ -413,65 +354,6 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
 
     // ---- the block's maximum, and tau = the k-th largest thread maximum (binary search on the key)
     const unsigned tkey = okey(tmax);
-#if STREAM
-    // tau: the least of the warps' q-th largest thread keys (each warp has >= q keys >= its own, so >= k
-    // thread maxima, distinct logits, are >= tau), then raised to the largest of them that >= k thread keys
-    // reach; two block barriers
-    unsigned p;
-    {
-        const int q = (k + WARPS - 1) / WARPS;          // k <= THREADS: q <= 32
-        unsigned wp = 0u;
-        #pragma unroll
-        for (int b = 31; b >= Lay::LOWBIT; --b) {
-            const unsigned cand = wp | (1u << b);
-            if (__popc(__ballot_sync(FULL, tkey >= cand)) >= q) wp = cand;
-        }
-        if (BF16 && !(wp & 0x80000000u)) wp |= 0xffffu;   // a negative bf16 key ends in 16 ones
-        const unsigned wk = __reduce_max_sync(FULL, tkey);
-        if (lane == 0) { s.wmax[warp] = wk; s.wtau[warp] = wp; }
-        __syncthreads();
-        if (next >= 0) issue_chunk<BF16>(s, logits, next, chunks, V);   // every word of w is read (tkey)
-        p = FULL;
-        #pragma unroll
-        for (int i = 0; i < WARPS; ++i) p = min(p, s.wtau[i]);
-        if (p > 0x007fffffu) {
-            // tighter: the largest of the warps' keys with >= k thread keys at or above it in the block (the
-            // least has; counted per warp by ballots, summed after one more barrier; uniform)
-            {   // lane i < WARPS of each warp counts for warp i's key
-                const unsigned mine = s.wtau[lane & (WARPS - 1)];
-                int n_i = 0;
-                #pragma unroll 1
-                for (int i = 0; i < WARPS; ++i) {
-                    const int c_i = __popc(__ballot_sync(FULL, tkey >= __shfl_sync(FULL, mine, i)));
-                    n_i = lane == i ? c_i : n_i;
-                }
-                if (lane < WARPS) s.wcnt[warp][lane] = n_i;
-            }
-            __syncthreads();
-            {   // lane i < WARPS sums the block's count for warp i's key (every warp the same, from shared)
-                int total = 0;
-                #pragma unroll
-                for (int w2 = 0; w2 < WARPS; ++w2) total += s.wcnt[w2][lane & (WARPS - 1)];
-                const unsigned cand = s.wtau[lane & (WARPS - 1)];
-                const unsigned ok = __ballot_sync(FULL, lane < WARPS && total >= k);   // warp 0's answer = every warp's
-                #pragma unroll 1
-                for (int i = 0; i < WARPS; ++i) {
-                    const unsigned c_i = __shfl_sync(FULL, cand, i);
-                    if ((ok >> i) & 1u) p = max(p, c_i);
-                }
-            }
-        } else {
-            // a warp whose q-th largest maximum is -inf's key (its logits -inf / NaN, or past V): the exact
-            // k-th largest thread maximum, as the chunks schedule finds it (uniform: p is the block's)
-            p = 0u;
-            for (int b = 31; b >= Lay::LOWBIT; --b) {
-                const unsigned cand = p | (1u << b);
-                if (__syncthreads_count(tkey >= cand) >= k) p = cand;
-            }
-            if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;
-        }
-    }
-#else
     {
         const unsigned wk = __reduce_max_sync(FULL, tkey);
         if (lane == 0) s.wmax[warp] = wk;
@@ -483,7 +365,6 @@ __device__ __forceinline__ void chunk_topk(DraftTopkShared& sh, uint32_t (&w)[WO
         if (__syncthreads_count(tkey >= cand) >= k) p = cand;
     }
     if (BF16 && !(p & 0x80000000u)) p |= 0xffffu;   // a negative bf16 key ends in 16 ones
-#endif
     float tau = key_float(p);
     unsigned mk = 0u;
     #pragma unroll
@@ -681,91 +562,10 @@ __device__ __forceinline__ void merge_rows(DraftTopkShared& sh, int k, int chunk
     write_row(s.buf, k, s.ms[0], s.ms[1], inv_t, row, out_lp, out_id);
 }
 
-#if STREAM
-// stream stage 0: the block walks chunks blockIdx.x, + gridDim.x, ... of the rows * chunks; the next one's
-// copies are in flight while the current one is computed (rows 16-byte aligned; else plain loads)
-template <bool BF16>
-__device__ __forceinline__ void stream_chunks(DraftTopkShared& sh, const unsigned char* __restrict__ logits, int V,
-                                              int k, int chunks, long long total, int vec_ok, float inv_t, float c,
-                                              u64* __restrict__ ws_keys, float2* __restrict__ ws_ms,
-                                              float* __restrict__ out_lp, int* __restrict__ out_id) {
-    typedef Layout<BF16> Lay;
-    long long g = blockIdx.x;
-    if (vec_ok && g < total) issue_chunk<BF16>(sh.a, logits, g, chunks, V);
-    for (; g < total; g += gridDim.x) {
-        const long long next = vec_ok && g + gridDim.x < total ? g + gridDim.x : -1;
-        const long long row = g / chunks;
-        const int chunk = (int)(g - row * chunks);
-        const int base = chunk * THREADS * NVEC * Lay::VEC;
-        __syncthreads();   // every thread is done with the previous chunk's shared state
-        uint32_t w[WORDS];
-        if (vec_ok) read_chunk<BF16>(w, sh.a, base, V);
-        else load_chunk<BF16>(w, logits + (size_t)row * (size_t)V * Lay::ES, base, V, 0);
-        chunk_topk<BF16>(sh, w, logits, V, k, chunks, row, chunk, next, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
-    }
-}
-
-#endif
-
-#if STREAM || ROWS
-// The entries of the descending list l[0, KP) (0-padded) above key: a branchless binary search (KP a power of two).
-__device__ __forceinline__ int count_above(const u64* l, u64 key) {
-    int lo = 0;
-    #pragma unroll
-    for (int st = KP / 2; st >= 1; st >>= 1) lo += l[lo + st - 1] > key ? st : 0;
-    return lo + (l[lo] > key ? 1 : 0);
-}
-
-// stream stage 1: one block per row; each entry of the chunks' lists (descending, distinct keys but the
-// trailing 0s, "none") has the row rank (its index in its list) + (the entries above it in each other
-// list, by binary search); the ranks below k are the row's top k in order.
-__device__ __forceinline__ void merge_rows_rank(DraftTopkShared& sh, int k, int chunks, float inv_t, float c,
-                                                const u64* __restrict__ ws_keys, const float2* __restrict__ ws_ms,
-                                                float* __restrict__ out_lp, int* __restrict__ out_id) {
-    Stage1& s = sh.b;
-    const int tid = threadIdx.x, lane = tid & 31;
-    const long long row = blockIdx.x;
-    const u64* src = ws_keys + row * chunks * k;
-    for (int idx = tid; idx < chunks * KP; idx += THREADS) {   // list ch at s.buf + ch * KP, 0-padded
-        const int ch = idx / KP, p = idx - ch * KP;
-        s.buf[idx] = p < k ? src[ch * k + p] : 0ull;
-    }
-    if (tid < 32) {
-        const float2 ms = lane < chunks ? ws_ms[row * chunks + lane] : make_float2(DDT_NEG_INF, 0.0f);
-        const float2 MS = warp_ms(ms.x, ms.y, c);
-        if (lane == 0) { s.ms[0] = MS.x; s.ms[1] = MS.y; }
-    }
-    __syncthreads();
-    const float M = s.ms[0];
-    const double L = log((double)s.ms[1]);
-    for (int idx = tid; idx < chunks * KP; idx += THREADS) {
-        const u64 key = s.buf[idx];
-        const int ch = idx / KP;
-        int r = idx - ch * KP;
-        if (key == 0ull || r >= k) continue;             // none (a chunk of fewer than k logits), or padding
-        for (int o = 0; o < chunks; o += 4) {            // four lists' searches side by side
-            #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                r += (o + q < chunks && o + q != ch) ? count_above(s.buf + (o + q) * KP, key) : 0;
-        }
-        if (r < k) {
-            const float v = key_float((unsigned)(key >> 32));
-            float lp;
-            if (M == DDT_NEG_INF) lp = DDT_NEG_INF;                                   // an all -inf row
-            else if (M == DDT_POS_INF) lp = v == DDT_POS_INF ? (float)-L : DDT_NEG_INF;   // +inf logits share
-            else lp = finite_lp(v, M, inv_t, L);                                      // (x - M) / T - log S
-            out_lp[row * k + r] = lp;
-            out_id[row * k + r] = (int)~(unsigned)key;
-        }
-    }
-}
-#endif
-
 #if ROWS
 // ---------------------------------------------------------------------------------------------- the rows schedule
 struct RowsShared {
     u64 vent[WARPS][CAPV];     // a warp's passing vectors: (vector maximum's key << 32) | vector index, in row order
-#if ROW_END_BLOCK
     union {
         unsigned whist[WARPS][256];   // while streaming: a warp's radix counts (its compactions)
         u64 bl[BCAP];                 // at the end: the block's logit candidates (composite keys, in no order)
@@ -775,11 +575,6 @@ struct RowsShared {
     int wn[WARPS];             // a warp's entries at or above tkey
     unsigned nc;               // the candidates in bl
     unsigned pad0;
-#else
-    u64 el[WARPS][ECAP];       // a warp's logit candidates at the end (composite keys); before, its first 1 KB the
-                               // warp's radix counts (its compactions, its k-th at the end)
-    u64 wl[WARPS][KP];         // a warp's top-k in order (0: none); first its ties at the threshold
-#endif
     u64 list[KP];              // the block's top-k in order (0: none)
     float2 wms[WARPS];         // a warp's (M, S)
     unsigned tkey;             // the block's threshold key: at least k logits of the row are >= it (0: none yet)
@@ -1082,20 +877,11 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
     const int vb = 0, ve = (V + VEC - 1) / VEC;
     if (tid == 0) s.tkey = 0u;
     for (int i = tid; i < KP; i += THREADS) s.list[i] = 0ull;
-#if ROW_END_BLOCK
     if (tid == 0) s.nc = 0u;
     for (int i = tid; i < HPASS * 256; i += THREADS) (&s.hist[0][0])[i] = 0u;
-#endif
     __syncthreads();
     u64* vent = s.vent[warp];
-#if !ROW_END_BLOCK
-    static_assert(ECAP * 8 >= 256 * 4, "a warp's radix counts fit in the first bytes of its candidates");
-#endif
-#if ROW_END_BLOCK
     unsigned* whist = s.end.whist[warp];   // the warp's radix counts (its compactions), where the end's list goes
-#else
-    unsigned* whist = reinterpret_cast<unsigned*>(s.el[warp]);   // where its own candidates go at the end
-#endif
     int cnt = 0;                   // the warp's entries (uniform)
     float tf = DDT_NEG_INF;        // the warp's filter: vectors whose maximum is >= tf
     Run r = {DDT_NEG_INF, 0.0f, DDT_NEG_INF};
@@ -1137,7 +923,6 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
         if (lane == 0) s.wms[warp] = MS;
     }
 
-#if ROW_END_BLOCK
     // ---- the row's k best logits, selected by the block: P, the k-th largest vector maximum among every warp's
     // entries at or above the block's threshold (>= k of them: a warp that raised it kept k), by a radix select
     // from the highest bit where they differ; each warp re-reads its entries at or above P and adds to the block's
@@ -1245,74 +1030,6 @@ __device__ __forceinline__ void rows_row(RowsShared& s, const unsigned char* __r
             if (rk < k) s.list[rk] = key;
         }
     }
-#else
-    // ---- the warp's k best logits: from its entries' vectors, re-read (they were read once already: L2 or DRAM).
-    // First the entries below the block's final threshold go (every warp has raised it by now).
-    // (Not the warp's own tf: strict after ties, it is for the logits after it, not for the entries it kept.)
-    __syncthreads();
-    cnt = keep_entries(vent, cnt, fmaxf(DDT_NEG_INF, key_float(s.tkey)), 0u);   // tkey 0 (none) gives NaN: -inf
-    u64* el = s.el[warp];
-    u64* wl = s.wl[warp];
-    const unsigned pv = cnt >= k ? warp_kth<BF16>(vent, cnt, k, whist) : 0u;   // >= k logits are >= it; 0: take all
-    cnt = keep_entries(vent, cnt, DDT_NEG_INF, pv);
-    int ngt = 0, ntie = 0;
-    for (int b0 = 0; b0 < cnt; b0 += 32 * NV) {
-        // NV entries per lane (b0 + lane + 32 q): their vectors loaded at once, then taken in row order
-        uint32_t wv[NV * 4];
-        int vv[NV];
-        load_entries<BF16>(vent, cnt, b0, rowp, V, vec_ok, vv, wv);
-        #pragma unroll
-        for (int q = 0; q < NV; ++q) {
-        const int v = vv[q];
-        unsigned mgt, meq;
-        vector_masks<BF16>(wv, q, v, V, pv, mgt, meq);
-        // positions in row order (lane order = entry order): inclusive scans of the counts
-        int cg = __popc(mgt), ce = __popc(meq);
-        #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int yg = __shfl_up_sync(FULL, cg, o), ye = __shfl_up_sync(FULL, ce, o);
-            if (lane >= o) { cg += yg; ce += ye; }
-        }
-        const int tg = __shfl_sync(FULL, cg, 31), te = __shfl_sync(FULL, ce, 31);
-        int pg = ngt + cg - __popc(mgt), pe = ntie + ce - __popc(meq);
-        #pragma unroll
-        for (int t = 0; t < VEC; ++t) {
-            const float f = elem<BF16>(wv, q * VEC + t);
-            if ((mgt >> t) & 1u) el[pg++] = ckey(f, v * VEC + t);
-            if ((meq >> t) & 1u) { if (pe < k) wl[pe] = ckey(f, v * VEC + t); ++pe; }
-        }
-        ngt += tg;
-        ntie += te;
-        }
-    }
-    __syncwarp();
-    int n = ngt;
-    if (ngt < k) {   // the ties at pv in row order, to k
-        const int take = min(k - ngt, ntie);
-        for (int i = lane; i < take; i += 32) el[ngt + i] = wl[i];
-        n = ngt + take;
-    }
-    __syncwarp();
-    for (int i = lane; i < KP; i += 32) wl[i] = 0ull;
-    __syncwarp();
-    for (int i = lane; i < n; i += 32) {   // exact ranks (the keys are distinct)
-        const u64 key = el[i];
-        int rk = 0;
-        for (int j = 0; j < n; ++j) rk += el[j] > key ? 1 : 0;
-        if (rk < k) wl[rk] = key;
-    }
-    __syncthreads();
-
-    // ---- the block: the merge of the warps' lists by ranks
-    for (int idx = tid; idx < WARPS * KP; idx += THREADS) {   // the other lists' searches side by side
-        const int wv = idx / KP, i = idx - wv * KP;
-        const u64 key = s.wl[wv][i];
-        int rk = i;
-        #pragma unroll
-        for (int o = 0; o < WARPS; ++o) rk += o == wv ? 0 : count_above(s.wl[o], key);
-        if (key != 0ull && rk < k) s.list[rk] = key;
-    }
-#endif
     // ---- the block's (M, S) from the warps'; the row written
     float M = DDT_NEG_INF;
     double S = 0.0;   // float64: the warps' shares (contract 5a's error analysis)
@@ -1334,10 +1051,8 @@ ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 
             float2* __restrict__ ws_ms,                  // [rows, chunks]
             float* __restrict__ out_lp,                  // [rows, k]
             int* __restrict__ out_id,                    // [rows, k]
-            int total,                                   // rows * chunks
-            int stage)                                   // 0: the chunks (grid rows * chunks; stream: at most
-                                                         //    SMs x MIN_BLOCKS); 1: the merge (grid rows);
-                                                         //    2 (the rows build): a block per row (grid rows)
+            int stage)                                   // 0: the chunks (grid rows * chunks); 1: the merge
+                                                         //    (grid rows); 2 (the rows build): a block per row
 {
 #if ROWS
     // RowsShared (stage 2), or the chunks schedule's DraftTopkShared (stages 0 and 1: fewer rows than the GPU holds)
@@ -1352,27 +1067,18 @@ ddtree_draft_topk(const unsigned char* __restrict__ logits,   // [rows, V] bf16 
 #else
     __shared__ __align__(16) DraftTopkShared sh;
 #endif
-#if STREAM
-    if (stage == 0) {
-        if (is_bf16) stream_chunks<true>(sh, logits, V, k, chunks, total, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
-        else stream_chunks<false>(sh, logits, V, k, chunks, total, vec_ok, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
-    } else {
-        merge_rows_rank(sh, k, chunks, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
-    }
-#else
     if (stage == 0) {
         const long long row = blockIdx.x / chunks;
         const int chunk = blockIdx.x - (int)row * chunks;
         uint32_t w[WORDS];
         if (is_bf16) {
             load_chunk<true>(w, logits + (size_t)row * (size_t)V * 2, chunk * THREADS * NVEC * 8, V, vec_ok);
-            chunk_topk<true>(sh, w, logits, V, k, chunks, row, chunk, -1, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+            chunk_topk<true>(sh, w, logits, V, k, chunks, row, chunk, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
         } else {
             load_chunk<false>(w, logits + (size_t)row * (size_t)V * 4, chunk * THREADS * NVEC * 4, V, vec_ok);
-            chunk_topk<false>(sh, w, logits, V, k, chunks, row, chunk, -1, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
+            chunk_topk<false>(sh, w, logits, V, k, chunks, row, chunk, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
         }
     } else {
         merge_rows(sh, k, chunks, inv_t, c, ws_keys, ws_ms, out_lp, out_id);
     }
-#endif
 }
