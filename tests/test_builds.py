@@ -712,15 +712,22 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     return fake_cupy, Kset
 
 
-@pytest.mark.parametrize("kernel", sorted(registry.sanitizer_cases()))
-def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
-    """Every worker case gets through its launcher's host-side checks to the launch (CPU, fake arrays)."""
+# every build of each kernel with sanitizer cases (a build runs its kernel's cases: sanitize.worker)
+CASE_BUILDS = [b.name for k in registry.sanitizer_cases() for b in by_name(k).build_defs()]
+
+
+@pytest.mark.parametrize("key", CASE_BUILDS)
+def test_sanitize_worker_cases_pass_launcher_checks(spec, key, monkeypatch):
+    """Every worker case gets through its launcher's host-side checks to the launch of the build it asks for (CPU,
+    fake arrays)."""
     import numpy as np
 
     from conftest import LaunchReached
 
-    if not by_name(kernel).builds_for(spec):   # the worker skips it with the kernel set's reason
-        pytest.skip(by_name(kernel).why_not_built(spec))
+    kdef = by_name(key)
+    kernel, build = kdef.kernel, (kdef.build if kdef.of or kdef.builds else None)   # as sanitize.worker asks
+    if not kdef.builds_for(spec):   # the worker skips it with the kernel set's reason
+        pytest.skip(kdef.why_not_built(spec))
     fake_cupy, Kset = _fake_gpu(monkeypatch)
     cases = list(registry.sanitizer_cases()[kernel](spec, np.random.default_rng(0)))
     names = [case for case, _ in cases]
@@ -729,8 +736,9 @@ def test_sanitize_worker_cases_pass_launcher_checks(spec, kernel, monkeypatch):
     assert len(set(names)) == len(names), f"{kernel}: sanitizer case names repeat: {names}"
     for case, inputs in cases:
         try:
-            sanitize._run_case(Kset(spec), kernel, inputs, fake_cupy)
-        except LaunchReached:
+            sanitize._run_case(Kset(spec), kernel, inputs, fake_cupy, build)
+        except LaunchReached as reached:
+            assert build is None or reached.args[0] in (key, "kv_dequant"), (case, reached.args)   # that build's
             continue
         except Exception as e:  # noqa: BLE001 - reported with the case's name
             pytest.fail(f"{kernel} sanitizer case {case!r} on {spec.name}: refused before its launch: "

@@ -6,11 +6,11 @@ from ddtree_gen import artifacts
 from ddtree_gen import compile as nvrtc_compile
 from ddtree_gen import render
 from ddtree_gen.errors import BuildError
-from ddtree_gen.plans import KernelDef, all_kernels
+from ddtree_gen.plans import KernelDef, all_builds
 from ddtree_gen.plans.tree_build import plan as tree_build_plan
 from ddtree_gen.plans.variant import Variant, variant
 
-KERNELS = all_kernels()
+KERNELS = all_builds()   # every build of every declared kernel (tree_verify_wgmma's parts, dequant, ...)
 
 
 @pytest.mark.parametrize("kdef", KERNELS, ids=[k.name for k in KERNELS])
