@@ -57,6 +57,7 @@ def cmd_build(args) -> int:
     kdefs = artifacts.select_kernels(args.kernel)
     plan = [(spec, artifacts.variants(spec, kdefs)) for spec in specs]
     total = sum(len(v) for _, v in plan)
+    width = _kernel_width()
     print(f"building {total} variants of {len(specs)} spec(s), {min(jobs, max(total, 1))} at a time, into the cache "
           f"{paths.cache_dir()}", file=sys.stderr, flush=True)
     results = iter(artifacts.build_variants([v for _, vs in plan for v in vs], jobs=jobs, progress=_progress))
@@ -72,11 +73,11 @@ def cmd_build(args) -> int:
             if isinstance(b, DdtreeError):
                 e = b
                 failed.append((spec.name, kdef.name, arch, str(e)))
-                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{_kernel_width()}} {arch:<6} FAILED", flush=True)
+                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{width}} {arch:<6} FAILED", flush=True)
                 continue
             compiled += b.status == "compiled"
             took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
-            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{_kernel_width()}} {arch:<6} {b.status}{took}", flush=True)
+            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{width}} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
             rows.append((spec.name, kdef.name, arch, v.plan(), b.report))
         if len(built) == len(variants) and not args.kernel:   # only a complete, successful set is written

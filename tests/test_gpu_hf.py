@@ -28,7 +28,7 @@ KV_SCALE = 1 / 16      # |latent| <~ 10 after kv_a_layernorm (norm weights <= 2)
 
 def _kset(cfg, kv_dtype):
     spec = hf.spec_for(cfg, kv_dtype=kv_dtype)
-    names = [k for k in KERNELS if not (kv_dtype == "bf16" and k in ("kv_dequant",))
+    names = [k for k in KERNELS if not (kv_dtype == "bf16" and k == "kv_dequant")
              and not (kv_dtype != "bf16" and k == "tree_verify_mma")]
     return ddtree_gen.load(spec, kernels=names)
 

@@ -284,7 +284,7 @@ def _build(offer, kernel: str, call: VerifyCall, path, b: int, nq: int, max_page
         return key
     if pick is None:
         return kernel
-    runnable = frozenset(n for n in names[1:] if offer.runs(f"{kernel}/{n}") and f"{kernel}/{n}" in offer.builds)
+    runnable = frozenset(n for n in names[1:] if offer.runs(f"{kernel}/{n}"))   # (runs: loaded, and on the device)
     build = pick(spec, fp8_path=path, b=b, nq=nq, max_keys=max_pages * spec.page_size,
                  sms=sm_count(offer.device) if b and offer.device is not None else 0, num_splits=call.num_splits,
                  runnable=runnable, workspace=_workspace_elems(call.arrays[WS]))
