@@ -32,13 +32,15 @@ def load(spec, *, kernels=None, arch=None):
 
 
 # submodules reachable as attributes after `import ddtree_gen`, imported on first use (PEP 562)
-_LAZY = ("reference", "bf16", "fp8", "kdtr", "artifacts", "needs", "trees", "hf")
+# (attribute -> module below ddtree_gen: artifacts, the build products, lives in the build wing)
+_LAZY = {"reference": "reference", "bf16": "bf16", "fp8": "fp8", "kdtr": "kdtr", "artifacts": "build.artifacts",
+         "needs": "needs", "trees": "trees", "hf": "hf"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{_LAZY[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

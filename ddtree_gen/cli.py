@@ -24,7 +24,8 @@ def _destination(spec, out):
     """Where `build` writes the sources and manifest of `spec`: (folder or None, what it is). A shipped spec
     goes to generated/ of a checkout; a spec given by path that is not a shipped one, or any spec of an
     installed package, to the binary cache only, unless `--out DIR` names a folder (DIR/<spec>/)."""
-    from . import artifacts, paths
+    from .build import artifacts
+    from . import paths
     if out is not None:
         return Path(out), f"{Path(out) / spec.name}/"
     if not artifacts.shipped(spec):
@@ -44,7 +45,8 @@ def _progress(done, total, v, result) -> None:
 
 
 def cmd_build(args) -> int:
-    from . import archs, artifacts, paths
+    from . import archs, paths
+    from .build import artifacts
     specs = _specs(args.specs)
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise DdtreeError(f"--out {args.out}: not a folder")
@@ -106,7 +108,8 @@ def cmd_build(args) -> int:
 
 def _check(args, specs) -> int:
     """`build --check`: the named specs (all shipped ones by default) against generated/ (or --out DIR)."""
-    from . import artifacts, paths
+    from .build import artifacts
+    from . import paths
     if args.out is not None:
         root, what, fix = Path(args.out), f"{args.out}", f"ddtree-gen build --out {args.out} SPEC"
     else:
@@ -132,7 +135,7 @@ def _check(args, specs) -> int:
 
 def _spec_summary(spec) -> str:
     """One line per spec for `build --check`: its kv_dtype, targets and kernel count (and what it does not get)."""
-    from .plans import all_builds, all_kernels
+    from .ops import all_builds, all_kernels
     built = [k for k in all_kernels() if k.archs_for(spec)]
     # the builds it does not get (a kernel's further builds too: tree_verify_wgmma/parts reads bf16 caches only)
     skipped = [k.name for k in all_builds() if spec.kv_dtype not in k.kv_dtypes]
@@ -146,7 +149,7 @@ def _spec_summary(spec) -> str:
 def _resource_table(rows) -> None:
     """ptxas vs the model per variant. For sm_80 the report is of an sm_80 cubin assembled from the shipped
     PTX (the driver JIT-compiles that PTX on the device: the figures are indicative there)."""
-    from .resources import compare
+    from .build.resources import compare
     w = _kernel_width()
     print(f"\n{'spec':<18} {'kernel':<{w}} {'target':<6} {'threads':>7} {'regs':>5} {'budget':>6} {'smem B':>7} "
           f"{'model':>7} {'stack':>5} {'spill':>5}  model vs ptxas")
@@ -159,12 +162,13 @@ def _resource_table(rows) -> None:
 
 def _kernel_width() -> int:
     """The kernel column's width: the longest kernel name (at least 24), so that the columns line up."""
-    from .plans import all_builds
+    from .ops import all_builds
     return max(24, *(len(k.name) for k in all_builds()))
 
 
 def cmd_list(args) -> int:
-    from . import artifacts, registry
+    from .build import artifacts
+    from . import registry
     w = _kernel_width()
     for spec in _specs(args.specs):
         print(f"{spec.name}: H={spec.num_heads} R={spec.kv_lora_rank} P={spec.qk_rope_head_dim} "
@@ -194,10 +198,10 @@ def _binary(arch) -> str:
 
 
 def _is_cached(spec, kdef, arch) -> bool:
-    from . import artifacts
-    from .compile import nvrtc_version
-    from .plans.variant import variant
-    from .render import render
+    from .build import artifacts
+    from .build.compile import nvrtc_version
+    from .build.variant import variant
+    from .build.render import render
     v = variant(kdef, spec, arch)
     key = artifacts.cache_key(render(v), v, nvrtc_version())
     return artifacts._read_cache(key, kdef.entry, arch) is not None

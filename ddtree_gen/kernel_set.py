@@ -12,10 +12,12 @@ import functools
 import threading
 import types
 
-from . import archs, artifacts, registry, runtime
+from . import archs, registry
+from .build import artifacts
+from .launch import runtime
 from .errors import ArgumentError
-from .plans import KernelDef, all_builds, by_name
-from .runtime import Binary, DeviceModules, DeviceOffer
+from .ops import KernelDef, all_builds, by_name
+from .launch.runtime import Binary, DeviceModules, DeviceOffer
 from .spec import Spec, find_spec
 
 __all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
@@ -68,9 +70,9 @@ class KernelSet:
 
     def tree_verify_schedule(self, b: int, nq: int, max_pages: int, **kw):
         """What tree_verify (name="tree_verify_tail": the tail) runs for B requests of Nq rows over a block table of
-        max_pages columns: the kernel, grid, pieces, blocks, combine and workspace (kernels.which.schedule;
+        max_pages columns: the kernel, grid, pieces, blocks, combine and workspace (ops.tree_verify.which.schedule;
         keywords device, impl, num_splits, fp8_path, kv_workspace as the call's)."""
-        from .kernels.which import schedule
+        from .ops.tree_verify.which import schedule
         return schedule(self, b, nq, max_pages, **kw)
 
     @property
@@ -292,7 +294,7 @@ def load(spec, *, kernels=None, arch: str | None = None) -> KernelSet:
 
 
 def variant_set(variants, *, also=(), arch: str | None = None) -> KernelSet:
-    """A KernelSet of some variants of one spec (plans/variant.py; for the tuner, the comparison and ablation
+    """A KernelSet of some variants of one spec (build/variant.py; for the tuner, the comparison and ablation
     scripts), compiled through the cache, with the default builds of the kernels `also` (e.g. the split-KV
     combine) beside them; `arch`: the forced target (archs.forced). `.variants` (kernel name -> Variant) and
     `.reports` (kernel name -> (plan, ptxas report)) of the variants.

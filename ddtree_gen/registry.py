@@ -1,22 +1,33 @@
-"""The kernel declarations, collected: one Declaration per kernel, made next to its launcher (kernels/<family>.py).
+"""The kernel declarations, collected: one Declaration per kernel, made next to its launcher (ops/<op>/launch.py).
 
-A declaration holds the kernel's facets as objects (plans/declaration.py): its launcher, numpy reference, output
-record, torch ops, sanitizer cases and bundle inputs. This module, above the launchers, gathers every kernels/
-module's DECLARATIONS (kernels.declarations()) in build order (plans.all_kernels()); kernel_set (the KernelSet
-methods), torch_ops, sanitize, bundles, `ddtree-gen list` and the tests iterate it.
+A declaration holds the kernel's facets as objects (build/declaration.py): its launcher, numpy reference, output
+record, torch ops, sanitizer cases and bundle inputs. This module, above the launchers, gathers the DECLARATIONS of
+every launcher module (LAUNCHERS, below) in build order (ops.all_kernels()); kernel_set (the KernelSet methods),
+torch_ops, sanitize, bundles, `ddtree-gen list` and the tests iterate it.
 """
 from __future__ import annotations
 
 import inspect
 
-from . import kernels
-from .plans import FACETS, Declaration, all_kernels, by_name
+from .ops import FACETS, Declaration, all_kernels, by_name
+from .ops.draft_topk import launch as _draft_topk
+from .ops.kv_commit import launch as _kv_commit
+from .ops.kv_dequant import launch as _kv_dequant
+from .ops.tree_accept import launch as _tree_accept
+from .ops.tree_build import launch as _tree_build
+from .ops.tree_verify import launch as _tree_verify, mma_launch as _tree_verify_mma, tensor_core as _tensor_core
+from .ops.tree_verify import wgmma_launch as _tree_verify_wgmma
+
+# the modules with DECLARATIONS (launchers next to them); their order does not matter: declarations() sorts by build
+# order (ops.FAMILIES)
+LAUNCHERS = (_tree_build, _tree_verify, _tree_verify_mma, _tensor_core, _tree_verify_wgmma, _tree_accept, _kv_commit,
+             _draft_topk, _kv_dequant)
 
 __all__ = ["FACETS", "Declaration", "declaration", "declarations", "launcher", "reference", "output",
            "torch_ops", "sanitizer_cases", "bundle_cases", "problems"]
 
 _ORDER = {k.name: i for i, k in enumerate(all_kernels())}
-_COLLECTED = tuple(kernels.declarations())
+_COLLECTED = tuple(d for m in LAUNCHERS for d in m.DECLARATIONS)
 _DECLS = tuple(sorted(_COLLECTED, key=lambda d: _ORDER.get(d.name, len(_ORDER))))
 _BY_NAME: dict = {}
 for _d in _DECLS:
@@ -74,16 +85,16 @@ def _first_parameter(fn) -> str | None:
 def problems() -> list[str]:
     """What is wrong with the declarations: a facet neither declared nor explained or not the object it stands for
     (Declaration.problems), a kernel of plans/ with no declaration or with two, a declaration of a build that is not
-    plans/' KernelDef of its name, a launcher or torch op implementation that does not take the kernel set first, a
+    ops/' KernelDef of its name, a launcher or torch op implementation that does not take the kernel set first, a
     torch op's name twice."""
     decls = declarations()
     out = [p for d in decls for p in d.problems()]
     names = [d.name for d in decls]
-    out += [f"{k.name}: a kernel of plans/ with no declaration in kernels/" for k in all_kernels() if k.name not in names]
+    out += [f"{k.name}: a kernel of ops/ with no declaration beside its launcher" for k in all_kernels() if k.name not in names]
     out += [f"{n}: declared {names.count(n)} times" for n in sorted({n for n in names if names.count(n) > 1})]
     for d in decls:
         if d.name not in _ORDER or d.build is not by_name(d.name):
-            out.append(f"{d.name}: its build is not plans/' KernelDef of that name (plans.by_name)")
+            out.append(f"{d.name}: its build is not ops/' KernelDef of that name (ops.by_name)")
         if callable(d.launcher) and _first_parameter(d.launcher) != "kset":
             out.append(f"{d.name}: launcher {d.launcher.__qualname__} does not take the kernel set first (kset)")
         for op in d.torch_ops:

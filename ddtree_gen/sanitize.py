@@ -160,7 +160,7 @@ def _run_tool(cmd: list[str], log_path: Path | None) -> tuple[str, int]:
 
 def main(args) -> int:
     """Run the worker under each sanitizer tool; print the table; non-zero if any tool found errors."""
-    from . import artifacts
+    from .build import artifacts
     from .errors import DdtreeError
     from .spec import find_spec
     specs = list(getattr(args, "specs", None) or [])
@@ -246,7 +246,8 @@ def _run_case(kset, kernel, inputs, cupy, build=None):
 
 def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) -> int:
     """Launch every kernel of every spec on its edge cases; 0 if every case ran, else 1."""
-    from . import artifacts, kernel_set, registry
+    from .build import artifacts
+    from . import kernel_set, registry
     from .errors import DdtreeError
     from .spec import all_specs, find_spec
     cases = registry.sanitizer_cases()

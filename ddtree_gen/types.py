@@ -27,7 +27,7 @@ class TreeAcceptOutput(NamedTuple):
 
 
 class Schedule(NamedTuple):
-    """What a tree_verify call of given shapes runs (kernels.tree_verify.schedule; ks.tree_verify_schedule)."""
+    """What a tree_verify call of given shapes runs (ops.tree_verify.launch.schedule; ks.tree_verify_schedule)."""
     kernel: str            # the attention build launched (e.g. tree_verify_wgmma/parts, tree_verify_wgmma)
     grid: str              # "parts" (the batch's work cut into balanced parts on the device), "chunks" (each request
                            # cut into `pieces` chunks) or "rows" (the CUDA-core kernel: a block per row and head group)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree_gen import artifacts
+from ddtree_gen.build import artifacts
 from ddtree_gen.bench.specs import SPEC_BY_HEADS
 from ddtree_gen.bench.timing import graph_time_ms
 from ddtree_gen.inputs import verify_inputs
 from ddtree_gen.kernel_set import KernelSet
-from ddtree_gen.plans import by_name
-from ddtree_gen.plans.variant import variant
-from ddtree_gen.render import render
+from ddtree_gen.ops import by_name
+from ddtree_gen.build.variant import variant
+from ddtree_gen.build.render import render
 from ddtree_gen.spec import find_spec
 
 REFILL = "if (nn < n_tiles) stage_tile(nn, next_src);"

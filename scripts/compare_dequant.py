@@ -36,9 +36,9 @@ def parse_knobs(text: str) -> dict:
     """"schedule=stream,parts=1,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked
     against plans/kv_dequant.KNOBS and the build's plan (argparse type)."""
     from ddtree_gen.errors import BuildError, SpecError
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.kv_dequant import KNOBS
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.kv_dequant.plan import KNOBS
+    from ddtree_gen.build.variant import variant
     from ddtree_gen.spec import find_spec
     if text.strip() == "default":
         return {}
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(given) -> list:
-    from ddtree_gen.plans.kv_dequant import CANDIDATES
+    from ddtree_gen.ops.kv_dequant.plan import CANDIDATES
     out = [{}]
     for knobs in (given if given is not None else CANDIDATES):
         if knobs not in out:
@@ -99,11 +99,11 @@ def main(argv=None) -> None:
     from ddtree_gen.bench.timing import graph_time_ms, print_table, torch_graph_time_ms
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.kv_dequant import workspace_elems
-    from ddtree_gen.plans.split_kv import COMBINE
-    from ddtree_gen.plans.tree_verify_wgmma import DEQUANT
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.kv_dequant.plan import workspace_elems
+    from ddtree_gen.ops.tree_verify.split import COMBINE
+    from ddtree_gen.ops.tree_verify.wgmma import DEQUANT
+    from ddtree_gen.build.variant import variant
     from ddtree_gen.reference import KvDequantOutput
     from ddtree_gen.spec import find_spec
 

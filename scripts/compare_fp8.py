@@ -35,9 +35,9 @@ def main() -> None:
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.split_kv import COMBINE
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.split import COMBINE
+    from ddtree_gen.build.variant import variant
     from ddtree_gen.spec import find_spec
 
     shapes = args.shapes or SHAPES

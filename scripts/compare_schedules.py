@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """tree_verify_wgmma's two schedules side by side, on the same inputs in one process: the seesaw (the default
-where it fits) and the lockstep build (the variant tree_verify_wgmma.lockstep.tma, plans/variant.py), with FlashMLA's dense decode and
+where it fits) and the lockstep build (the variant tree_verify_wgmma.lockstep.tma, build/variant.py), with FlashMLA's dense decode and
 the split path (FlashMLA prefix + our tail + merge_states) when flash_mla is importable. Prints per shape the
 CUDA-graph times, % of the bf16 matmul peak measured in the same run, the ratio to FlashMLA, and how far the
 seesaw's output is from the lockstep one's and from the split path's (relative, per row, the worst row).
@@ -47,10 +47,10 @@ def main() -> None:
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops, verify_flops
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.split_kv import COMBINE
-    from ddtree_gen.plans.tree_verify_wgmma import schedule_for
-    from ddtree_gen.plans.variant import variant as make_variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.split import COMBINE
+    from ddtree_gen.ops.tree_verify.wgmma import schedule_for
+    from ddtree_gen.build.variant import variant as make_variant
     from ddtree_gen.spec import find_spec
 
     shapes = args.shapes or SHAPES

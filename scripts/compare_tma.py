@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """tree_verify_wgmma's lockstep schedule with TMA key tiles against the same kernel with cp.async key tiles (the
-variants tree_verify_wgmma.lockstep.tma and .lockstep.cpasync, plans/variant.py; the default build is the seesaw,
+variants tree_verify_wgmma.lockstep.tma and .lockstep.cpasync, build/variant.py; the default build is the seesaw,
 scripts/compare_schedules.py), on the same inputs in one process: the outputs must be
 bit-identical (same math on the same tiles), then both are timed (CUDA-graph replay).
 When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf.md, "TMA key tiles").
@@ -14,9 +14,9 @@ from ddtree_gen.bench.specs import SPEC_BY_HEADS
 from ddtree_gen.bench.timing import graph_time_ms
 from ddtree_gen.inputs import verify_inputs
 from ddtree_gen.kernel_set import KernelSet, variant_set
-from ddtree_gen.plans import by_name
-from ddtree_gen.plans.split_kv import COMBINE
-from ddtree_gen.plans.variant import variant
+from ddtree_gen.ops import by_name
+from ddtree_gen.ops.tree_verify.split import COMBINE
+from ddtree_gen.build.variant import variant
 from ddtree_gen.spec import find_spec
 
 SHAPES = [(1, 8, 4096), (8, 8, 4096), (32, 8, 4096), (64, 16, 2048), (8, 64, 4096), (8, 128, 4096), (8, 64, 16384)]

@@ -76,11 +76,11 @@ def main() -> None:
     import cupy
     from ddtree_gen.bench.timing import copy_bandwidth_gbs, graph_time_ms
     from ddtree_gen.kernel_set import load, variant_set
-    from ddtree_gen.kernels.draft_topk import workspace_elems
-    from ddtree_gen.kernels import draft_topk as launcher
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.draft_topk import SCHEDULES
-    from ddtree_gen.plans.variant import default_config, variant
+    from ddtree_gen.ops.draft_topk.launch import workspace_elems
+    from ddtree_gen.ops.draft_topk import launch as launcher
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.draft_topk.plan import SCHEDULES
+    from ddtree_gen.build.variant import default_config, variant
     from ddtree_gen.reference import DraftTopkOutput
     from ddtree_gen.spec import find_spec
 

@@ -66,7 +66,7 @@ def references(calls: int, runs: int) -> list:
     import cupy
     import torch
 
-    from ddtree_gen import runtime
+    from ddtree_gen.launch import runtime
     from ddtree_gen.bench.launch import eager_us
     sync = torch.cuda.synchronize
     cuda = runtime.cuda_entries()

@@ -71,7 +71,7 @@ def main() -> None:
     from ddtree_gen.bench.specs import VERIFY_KERNELS
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load
-    from ddtree_gen.plans.kv_dequant import workspace_elems
+    from ddtree_gen.ops.kv_dequant.plan import workspace_elems
     from ddtree_gen.spec import find_spec
 
     s16, s8 = find_spec("kimi-k2.6-tp8"), find_spec("kimi-k2.6-tp8-fp8")

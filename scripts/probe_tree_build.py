@@ -41,10 +41,10 @@ print(f"empty kernel in the same graph: {base:.2f} us; fit: {icept:.2f} us + {sl
 
 # Cycles of the pop loop, read inside the kernel: the rendered source with clock64() / %globaltimer around
 # the loop and a printf of block 0's counts, compiled by CuPy with the build's options (a probe, not a build).
-from ddtree_gen.compile import OPTIONS
-from ddtree_gen.plans import by_name
-from ddtree_gen.plans.variant import variant
-from ddtree_gen.render import render
+from ddtree_gen.build.compile import OPTIONS
+from ddtree_gen.ops import by_name
+from ddtree_gen.build.variant import variant
+from ddtree_gen.build.render import render
 
 kdef = by_name("tree_build")
 src = render(variant(kdef, spec))

@@ -113,7 +113,7 @@ def pv_decl():
 def main():
     import cupy
     from ddtree_gen import bf16
-    from ddtree_gen.compile import compile_source
+    from ddtree_gen.build.compile import compile_source
     rng = np.random.default_rng(0)
     q = bf16.to_bits(rng.standard_normal((64, 576)))
     k = bf16.to_bits(rng.standard_normal((64, 576)))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """compute-sanitizer racecheck on the seesaw tree_verify_wgmma: the default build, and the same kernel with its
-warpgroup hand-offs as bar.sync on both sides (the variant tree_verify_wgmma.seesaw.tma.sync-handoffs: plans/variant.py).
+warpgroup hand-offs as bar.sync on both sides (the variant tree_verify_wgmma.seesaw.tma.sync-handoffs: build/variant.py).
 
 Why: `ddtree-gen sanitize --kernel tree_verify_wgmma` (H200, 2026-12-01) gave memcheck 0, synccheck 0 and 42
 racecheck reports at 5 sites, while every GPU test passes. Every ordering between the two warpgroups of the seesaw
@@ -109,9 +109,9 @@ def worker(build: str) -> None:
 
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.split_kv import COMBINE
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.split import COMBINE
+    from ddtree_gen.build.variant import variant
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     v = variant(by_name("tree_verify_wgmma"), spec, schedule="seesaw", sync_handoffs=build == "sync_handoffs")

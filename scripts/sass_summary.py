@@ -20,10 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddtree_gen.compile import OPTIONS
-from ddtree_gen.plans import all_kernels, by_name
-from ddtree_gen.plans.variant import variant
-from ddtree_gen.render import render
+from ddtree_gen.build.compile import OPTIONS
+from ddtree_gen.ops import all_kernels, by_name
+from ddtree_gen.build.variant import variant
+from ddtree_gen.build.render import render
 from ddtree_gen.spec import find_spec
 
 

@@ -4,7 +4,7 @@ in one process: the default route, the chunks grid (tree_verify_wgmma, a block p
 several split counts, the balanced parts grid (the seesaw with grid="parts", a block per row tile x part over the
 batch's key tiles) at several part counts, and FlashMLA's dense decode when flash_mla is importable. Per shape:
 CUDA-graph replay medians, the ratio of each to FlashMLA; --kernels adds each launch's own time (torch.profiler).
-This is the measurement behind plans/split_kv.py's rules (docs/perf.md "tree_verify on real traffic").
+This is the measurement behind ops/tree_verify/split.py's rules (docs/perf.md "tree_verify on real traffic").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/sweep_schedule.py [--seed N] [--count K] [--kernels]
 """
 from __future__ import annotations
@@ -58,11 +58,11 @@ def main() -> None:
     from ddtree_gen.bench.timing import graph_time_ms, measured_peak_tflops
     from ddtree_gen.inputs import verify_inputs
     from ddtree_gen.kernel_set import load, variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.split_kv import BM, COMBINE, choose_splits
-    from ddtree_gen.plans.tree_verify_wgmma import BN, parts_for
-    from ddtree_gen.plans.variant import variant
-    from ddtree_gen.runtime import sm_count
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.split import BM, COMBINE, choose_splits
+    from ddtree_gen.ops.tree_verify.wgmma import BN, parts_for
+    from ddtree_gen.build.variant import variant
+    from ddtree_gen.launch.runtime import sm_count
     from ddtree_gen.spec import find_spec
 
     if args.build_only:

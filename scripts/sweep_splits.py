@@ -3,7 +3,7 @@
 count, per spec and batch size, and pick the fastest per shape class (B x row tiles rounded up to a
 power of two, as plans/split_kv.choose_splits looks it up).
 When: on the GPU after changing templates/tree_verify_wgmma.cu.j2 or the combine kernel, or on a new GPU
-model. --write stores the table under specs.<spec>.wgmma in ddtree_gen/plans/tree_verify_tuning.json
+model. --write stores the table under specs.<spec>.wgmma in ddtree_gen/ops/tree_verify/tree_verify_tuning.json
 (the mma.sync table beside it is scripts/tune_tree_verify.py's and is kept).
 Run: PYTHONPATH=. python scripts/sweep_splits.py [SPEC ...] [--L 4096] [--batches 1 8 32] [--write]
 It prints, per (spec, B), every split count's time (attention + combine) and the combine's alone, then a
@@ -19,10 +19,10 @@ import time
 import numpy as np
 
 import ddtree_gen
-from ddtree_gen import artifacts
+from ddtree_gen.build import artifacts
 from ddtree_gen.bench.timing import call_time_ms
 from ddtree_gen.inputs import chain_verify_inputs
-from ddtree_gen.plans import split_kv as mod
+from ddtree_gen.ops.tree_verify import split as mod
 from ddtree_gen.spec import all_specs, find_spec
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -15,7 +15,7 @@ prefixes 0 .. 4096, random trees; the numerical bar of docs/contract.md); a conf
 never timed nor chosen. Then every batch size of the sweep is timed with every useful split count.
 The configuration with the smallest geometric mean of (best time per batch) wins; its best split
 count per shape class (B x row tiles rounded up to a power of two) goes to the tuning file
-(ddtree_gen/plans/tree_verify_tuning.json), which the plan reads: a fresh build on a machine
+(ddtree_gen/ops/tree_verify/tree_verify_tuning.json), which the plan reads: a fresh build on a machine
 without a GPU then compiles the same configuration and the launcher picks the same split counts.
 """
 from __future__ import annotations
@@ -30,13 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_gen import archs, artifacts, bf16, inputs, reference
+from ddtree_gen import archs, bf16, inputs, reference
+from ddtree_gen.build import artifacts
 from ddtree_gen.bench.timing import call_time_ms
 from ddtree_gen.kernel_set import variant_set
-from ddtree_gen.plans import by_name, split_kv
-from ddtree_gen.plans import tree_verify_mma as mod
-from ddtree_gen.plans.variant import variant
-from ddtree_gen.resources import compare
+from ddtree_gen.ops import by_name
+from ddtree_gen.ops.tree_verify import split as split_kv
+from ddtree_gen.ops.tree_verify import mma as mod
+from ddtree_gen.build.variant import variant
+from ddtree_gen.build.resources import compare
 from ddtree_gen.spec import all_specs, find_spec
 
 OUT_TOL, LSE_TOL = 5e-3, 1e-3
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
     specs = data.setdefault("specs", {})
     for name, entry in chosen.items():   # the wgmma table (scripts/sweep_splits.py) is kept
         specs[name] = {**entry, **({"wgmma": specs[name]["wgmma"]} if "wgmma" in specs.get(name, {}) else {})}
-    data["about"] = ("written by scripts/tune_tree_verify.py; read by ddtree_gen/plans/split_kv.py "
+    data["about"] = ("written by scripts/tune_tree_verify.py; read by ddtree_gen/ops/tree_verify/split.py "
                      "(config: compiled BN/STAGES; splits: key chunks by shape class = B x row tiles rounded up "
                      "to a power of two)")
     artifacts.atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -230,7 +230,7 @@ def fake_tensor_map(ptr, tm):
 @pytest.fixture
 def fake_device(monkeypatch):
     """Every fake array lives on device 0 unless its pointer says otherwise (ptr >= 1<<40: device 1)."""
-    from ddtree_gen import arrays, callplan
+    from ddtree_gen.launch import arrays, callplan
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: 1 if ptr >= 1 << 40 else 0)
     monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)
 
@@ -240,7 +240,7 @@ def fake_alloc(monkeypatch, fake_device):
     """A launcher's own allocations (outputs not given, a workspace) as fake arrays at distinct addresses on
     device 0, and pointer_of reading a fake's address: the list of (shape, dtype) it allocated, in order. What a
     CPU test of a launcher that allocates needs (docs/adding-a-kernel.md, step 5)."""
-    from ddtree_gen import runtime
+    from ddtree_gen.launch import runtime
     made = []
 
     def allocate(kind, device, shape, dtype):

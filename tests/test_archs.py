@@ -15,15 +15,17 @@ import json
 import pytest
 
 from conftest import LaunchReached
-from ddtree_gen import archs, artifacts, callplan, runtime
-from ddtree_gen.compile import OPTIONS, options
+from ddtree_gen import archs
+from ddtree_gen.build import artifacts
+from ddtree_gen.launch import callplan, runtime
+from ddtree_gen.build.compile import OPTIONS, options
 from ddtree_gen.errors import ArgumentError, DdtreeError, SpecError
 from ddtree_gen.kernel_set import KernelSet, load
-from ddtree_gen.plans import all_builds, all_kernels, by_name
-from ddtree_gen.plans import tree_verify_mma as mma_plans
-from ddtree_gen.plans.variant import default_config, variant
-from ddtree_gen.resources import PtxasReport
-from ddtree_gen.runtime import DeviceInfo, DeviceModules
+from ddtree_gen.ops import all_builds, all_kernels, by_name
+from ddtree_gen.ops.tree_verify import mma as mma_plans
+from ddtree_gen.build.variant import default_config, variant
+from ddtree_gen.build.resources import PtxasReport
+from ddtree_gen.launch.runtime import DeviceInfo, DeviceModules
 from ddtree_gen.spec import all_specs, find_spec, parse_spec
 from test_tree_verify_cpu import Arrays, verify_args
 
@@ -213,7 +215,7 @@ DEVICES = {   # fake devices by number: name, compute capability, opt-in shared 
 def fake_devices(monkeypatch):
     """runtime.device_info answers from DEVICES; a fake array at pointer p lives on device p >> 40."""
     from conftest import fake_tensor_map
-    from ddtree_gen import arrays
+    from ddtree_gen.launch import arrays
     monkeypatch.setattr(runtime, "device_info", lambda device: DEVICES[device])
     monkeypatch.setattr(arrays, "_pointer_device", lambda ptr: ptr >> 40)
     monkeypatch.setattr(callplan, "tensor_map_words", fake_tensor_map)

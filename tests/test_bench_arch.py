@@ -9,7 +9,7 @@ import pytest
 from ddtree_gen import cli
 from ddtree_gen import spec as SPEC_MODULE
 from ddtree_gen.bench import arch as bench_arch
-from ddtree_gen.kernels.tree_verify import why_not
+from ddtree_gen.ops.tree_verify.launch import why_not
 from ddtree_gen.errors import DdtreeError
 from ddtree_gen.spec import find_spec, parse_spec
 from test_archs import VALID, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)

@@ -2,7 +2,7 @@
 a row's arithmetic, and the read-only kernel compiled by NVRTC (registers, no spills)."""
 from __future__ import annotations
 
-from ddtree_gen import compile as nvrtc_compile
+from ddtree_gen.build import compile as nvrtc_compile
 from ddtree_gen.bench import draft_topk as bench
 
 

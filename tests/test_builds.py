@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
-from ddtree_gen.plans import all_builds, by_name
-from ddtree_gen.plans.variant import default_config, variant
+from ddtree_gen.build import artifacts, resources
+from ddtree_gen import cli, paths, registry, sanitize
+from ddtree_gen.ops import all_builds, by_name
+from ddtree_gen.build.variant import default_config, variant
 from ddtree_gen.spec import find_spec, load_spec, spec_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -513,7 +514,7 @@ def test_sm80_build_is_ptx(spec_name, kdef, in_session, session_root):
 def test_wgmma_kernels_have_no_sm80_build(in_session, session_root):
     """The wgmma kernels are built for sm_90a only; their template does not assemble for sm_80 (NVRTC
     passes wgmma through to ptxas, which refuses it), which is why they are excluded."""
-    from ddtree_gen.compile import compile_source, options
+    from ddtree_gen.build.compile import compile_source, options
     from ddtree_gen.errors import BuildError
     spec = load_spec(session_root / "specs" / "kimi-k2.6-tp8.toml")
     for name in ("tree_verify_wgmma", "tree_verify_tail_wgmma"):
@@ -676,7 +677,7 @@ def _fake_gpu(monkeypatch, spec_launch=None):
     import numpy as np
 
     from conftest import FakeKernelSet, fake_tensor_map
-    from ddtree_gen import arrays, callplan, runtime
+    from ddtree_gen.launch import arrays, callplan, runtime
 
     next_ptr = [1 << 20]
 

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import FakeKernelSet, LaunchLog, LaunchReached
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.kernels import tree_verify as tv
-from ddtree_gen.kernels.tree_accept import launch as tree_accept
-from ddtree_gen.kernels.tree_build import launch as tree_build
-from ddtree_gen.runtime import Prepared
+from ddtree_gen.ops.tree_verify import launch as tv
+from ddtree_gen.ops.tree_accept.launch import launch as tree_accept
+from ddtree_gen.ops.tree_build.launch import launch as tree_build
+from ddtree_gen.launch.runtime import Prepared
 from test_tree_accept_cpu import BUILD_CASES, accept_args, accept_cases, accept_out, build_args, build_out
 from test_tree_verify_cpu import (Arrays, MmaKernelSet, RecordingKernelSet, impl_of, merge_args, merge_cases, ptr_of,
                                   tc, verify_args, verify_cases)

@@ -1,4 +1,4 @@
-"""The kernel declarations (kernels/: one Declaration per kernel, collected by ddtree_gen.registry), on the CPU.
+"""The kernel declarations (ops/<op>/launch.py: one Declaration per kernel, collected by ddtree_gen.registry), on the CPU.
 
 Every registered kernel declares each facet (launcher, reference, output record, torch ops, sanitizer cases,
 bundles) as the object itself or says in `missing` why it has none; the KernelSet methods are the launchers
@@ -11,8 +11,8 @@ import inspect
 import pytest
 
 from ddtree_gen import kernel_set, registry
-from ddtree_gen.kernels import KernelSetLike
-from ddtree_gen.plans import FACETS, Bundles, Declaration, all_kernels, by_name
+from ddtree_gen.launch.protocol import KernelSetLike
+from ddtree_gen.ops import FACETS, Bundles, Declaration, all_kernels, by_name
 
 
 @pytest.mark.parametrize("decl", registry.declarations(), ids=lambda d: d.name)
@@ -58,7 +58,7 @@ def test_every_kernel_of_plans_is_declared_once(monkeypatch):
     decls = registry.declarations()
     monkeypatch.setattr(registry, "declarations", lambda: [d for d in decls if d.name != "kv_commit"] + decls[:1])
     problems = registry.problems()
-    assert "kv_commit: a kernel of plans/ with no declaration in kernels/" in problems, problems
+    assert "kv_commit: a kernel of ops/ with no declaration beside its launcher" in problems, problems
     assert "tree_build: declared 2 times" in problems, problems
 
 

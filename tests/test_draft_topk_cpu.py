@@ -252,9 +252,9 @@ def test_temperature_bounds():
 # ----------------------------------------------------------------------------- the launcher (no GPU)
 
 from conftest import FakeCudaArray, LaunchLog  # noqa: E402
-from ddtree_gen.kernels.draft_topk import launch as draft_topk, workspace_elems  # noqa: E402
-from ddtree_gen.plans.draft_topk import CHUNK, chunks  # noqa: E402
-from ddtree_gen.runtime import IsAligned  # noqa: E402
+from ddtree_gen.ops.draft_topk.launch import launch as draft_topk, workspace_elems  # noqa: E402
+from ddtree_gen.ops.draft_topk.plan import CHUNK, chunks  # noqa: E402
+from ddtree_gen.launch.runtime import IsAligned  # noqa: E402
 
 
 # fake_alloc (a launcher's own allocations, as fake arrays): tests/conftest.py
@@ -358,7 +358,7 @@ def test_misaligned_rows_use_scalar_loads(spec, fake_alloc):
     draft_topk(ks, _logits(1, 2, 4096, ptr=0x10002), 3)     # V a multiple of 8, the pointer 2 bytes off
     assert int(ks.seen[0][1]["args"][5]) == 0   # the flag is computed per call from the pointer: 0 here
     ks2 = LaunchLog(spec)
-    from ddtree_gen.kernels import draft_topk as mod
+    from ddtree_gen.ops.draft_topk import launch as mod
     prep = mod._prepare(ks2, (_logits(1, 2, 4096), None, None, None), 3, 1.0, False)
     assert prep.steps[0].args[5] == IsAligned(0, 16)
 
@@ -370,10 +370,10 @@ def test_launch_plan_rows_schedule(spec, fake_alloc, monkeypatch, rows_b, v):
     """The "rows" build (template constants ROWS = 1, no static shared memory): stage 2 alone, one block per row and
     no workspace, where the rows are at least ROWS_PER_SM x SMs and a row ROWS_MIN_CHUNKS chunks; else the chunks schedule's two
     stages and workspace."""
-    from ddtree_gen.kernels import draft_topk as mod
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.draft_topk import MIN_BLOCKS
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops.draft_topk import launch as mod
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.draft_topk.plan import MIN_BLOCKS
+    from ddtree_gen.build.variant import variant
     plan = variant(by_name("draft_topk"), spec, schedule="rows").plan()
     consts = plan.template_constants()
     assert consts["ROWS"] == 1 and consts["STATIC_SMEM"] == 0
@@ -408,9 +408,9 @@ def test_schedule_and_min_blocks_options(spec):
     their variant names, their template constants and shared memory, and clear errors (also for the options
     removed in issue 40: schedule "stream", row_end)."""
     from ddtree_gen.errors import BuildError, SpecError
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.draft_topk import MIN_BLOCKS, SCHEDULES, plan
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.draft_topk.plan import MIN_BLOCKS, SCHEDULES, plan
+    from ddtree_gen.build.variant import variant
     kdef = by_name("draft_topk")
     assert SCHEDULES == ("chunks", "rows")
     rows, ch = variant(kdef, spec), variant(kdef, spec, schedule="chunks")

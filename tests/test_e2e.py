@@ -184,7 +184,7 @@ def test_device_kernels_compile():
         nvrtc.getVersion()
     except Exception as e:  # no CuPy / NVRTC library here
         pytest.skip(f"NVRTC unavailable: {e}")
-    from ddtree_gen.compile import compile_source
+    from ddtree_gen.build.compile import compile_source
     result = compile_source(M.CUDA_SOURCE, "model_ops.cu", list(M.KERNEL_NAMES),
                             options=("--gpu-architecture=sm_90", "--std=c++17", "-Xptxas=-v"))
     for name in M.KERNEL_NAMES:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_gen import artifacts, cli, fileio, paths
+from ddtree_gen.build import artifacts
+from ddtree_gen import cli, fileio, paths
 from ddtree_gen.spec import find_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,7 +219,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
     """kv_lora_rank 320 passes the loader; the mma.sync and wgmma kernels need a multiple of 128: the build
     builds the others and says per kernel what it skipped and why, and so do list, --check and load()."""
     import ddtree_gen
-    from ddtree_gen.plans import all_builds, by_name
+    from ddtree_gen.ops import all_builds, by_name
     path = _shape_spec(tmp_path / "mine", "rank-320", 320)
     spec = find_spec(str(path))
     # the tensor-core tree_verify kernels and their builds (from the declarations), but the fp8 spec's only
@@ -241,7 +242,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
 
 
 def test_a_rank_past_the_cuda_core_kernel_says_its_limit():
-    from ddtree_gen.plans import by_name
+    from ddtree_gen.ops import by_name
     from ddtree_gen.spec import parse_spec
     spec = parse_spec({**find_spec(SHIPPED).as_dict(), "name": "rank-704", "kv_lora_rank": 704}, "t")
     why = by_name("tree_verify").why_not_built(spec)
@@ -405,7 +406,7 @@ def test_parallel_build_is_the_sequential_build_with_progress_on_stderr(tmp_path
 def test_a_failed_variant_in_a_parallel_build_leaves_the_others_and_generated(root, cache, monkeypatch, capsys):
     """One variant that fails to compile, among others compiled on 2 threads: the others are built and cached,
     the run exits 1 naming the failed one, and generated/ is left as it was (only a complete set is written)."""
-    from ddtree_gen import compile as compile_mod
+    from ddtree_gen.build import compile as compile_mod
     before = _tree(root / "generated")
     real = artifacts.compile_source
 

@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
-from ddtree_gen import artifacts, bf16, bundles, cli, fp8, kdtr, paths, reference, registry, sanitize
-from ddtree_gen.arrays import KV_CACHE_DTYPES, _TORCH_DTYPES
+from ddtree_gen.build import artifacts
+from ddtree_gen import bf16, bundles, cli, fp8, kdtr, paths, reference, registry, sanitize
+from ddtree_gen.launch.arrays import KV_CACHE_DTYPES, _TORCH_DTYPES
 from ddtree_gen.errors import ArgumentError, BuildError, SpecError
-from ddtree_gen.kernels import kv_commit as kv_commit_mod
-from ddtree_gen.kernels import tree_accept as tree_accept_mod
-from ddtree_gen.kernels import tree_verify as tv
-from ddtree_gen.kernels import tree_verify_mma as mma_launchers
-from ddtree_gen.plans import all_builds, all_kernels, by_name
-from ddtree_gen.plans.variant import variant
+from ddtree_gen.ops.kv_commit import launch as kv_commit_mod
+from ddtree_gen.ops.tree_accept import launch as tree_accept_mod
+from ddtree_gen.ops.tree_verify import launch as tv
+from ddtree_gen.ops.tree_verify import mma_launch as mma_launchers
+from ddtree_gen.ops import all_builds, all_kernels, by_name
+from ddtree_gen.build.variant import variant
 from ddtree_gen.spec import KV_DTYPES, all_specs, find_spec, load_spec, parse_spec
 from ddtree_gen.types import TreeAcceptOutput
 from test_archs import DEVICES, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
@@ -142,7 +143,7 @@ def test_kernel_set_of_an_fp8_spec(fake_devices):
     wgmma on Hopper and the CUDA-core kernel elsewhere (A100, B200 included: no mma.sync for fp8) for the fused
     path (fp8_path="fused", and tree_verify_tail always); tree_verify's default (fp8_path=None) is the dequantize
     path on Hopper (kv_dequant first) and that same fused kernel elsewhere, as tv.fp8_default says."""
-    from ddtree_gen.plans.kv_dequant import workspace_elems
+    from ddtree_gen.ops.kv_dequant.plan import workspace_elems
     ks = fake_set(FP8)
     assert "tree_verify_mma" not in ks.kernels and "tree_verify_mma_combine" in ks.kernels
     for device in DEVICES:

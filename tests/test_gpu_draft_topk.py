@@ -15,7 +15,7 @@ import pytest
 
 from ddtree_gen import bf16
 from ddtree_gen import reference as ref
-from ddtree_gen.plans.draft_topk import NVEC, SCHEDULES, THREADS   # a chunk: THREADS x NVEC 16-byte vectors
+from ddtree_gen.ops.draft_topk.plan import NVEC, SCHEDULES, THREADS  # a chunk: THREADS x NVEC 16-byte vectors
 from ddtree_gen.reference import DraftTopkOutput
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +29,8 @@ def load_schedule(spec, schedule):
     """The kernel set with draft_topk built with `schedule`: the default build for its default, else a variant."""
     import ddtree_gen
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.variant import default_config, variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.build.variant import default_config, variant
     kdef = by_name("draft_topk")
     if default_config(kdef, spec)["schedule"] == schedule:
         return ddtree_gen.load(spec, kernels=["draft_topk"])
@@ -44,7 +44,7 @@ STREAMING = ("rows streaming",)
 
 
 def streaming_everywhere(monkeypatch, kset):
-    from ddtree_gen.kernels import draft_topk as mod
+    from ddtree_gen.ops.draft_topk import launch as mod
     monkeypatch.setattr(mod, "ROWS_PER_SM", 0)
     monkeypatch.setattr(mod, "ROWS_MIN_CHUNKS", 0)
     kset.prepared_calls.clear()   # the path is chosen when a call's signature is prepared
@@ -78,7 +78,7 @@ def as_dtype(x, dtype):
 def run(ks, logits, k, temperature=1.0, workspace=False):
     """Launch with poisoned out= buffers (and an explicit workspace if asked); host copies of the outputs."""
     import cupy
-    from ddtree_gen.kernels.draft_topk import workspace_elems
+    from ddtree_gen.ops.draft_topk.launch import workspace_elems
     b, dp, v = logits.shape
     ids = cupy.full((b, dp, k), POISON, dtype=np.uint32).view(np.int32)
     lps = cupy.full((b, dp, k), np.nan, dtype=np.float32)
@@ -292,7 +292,7 @@ def test_allocates_outputs_and_empty_batch(ks, spec, seed):
 def test_cuda_graph_capture(ks, spec, seed):
     """Captured with given outputs and workspace, replayed on new logits copied into the same buffer."""
     import cupy
-    from ddtree_gen.kernels.draft_topk import workspace_elems
+    from ddtree_gen.ops.draft_topk.launch import workspace_elems
     rng = np.random.default_rng(seed)
     k = spec.max_tree_size - 1
     shape = (3, min(4, spec.max_depth), 129280)
@@ -349,7 +349,7 @@ def test_schedules_agree_on_a_large_batch(spec, seed, monkeypatch):
     twice the bar of them, and rows of each against the reference."""
     import cupy
     rng = np.random.default_rng(seed)
-    from ddtree_gen.kernels import draft_topk as mod
+    from ddtree_gen.ops.draft_topk import launch as mod
     sets = {s: load_schedule(spec, s.split()[0]) for s in RUNS}
     default_switch, default_chunks = mod.ROWS_PER_SM, mod.ROWS_MIN_CHUNKS
     k = spec.max_tree_size - 1

@@ -114,8 +114,8 @@ def test_tma_map_of_a_cache_on_1(ks):
     while cuda:0 is current: the launch passes the tensor map encoded for that cache's own pointer (memoized per
     pointer, so a cache on another device never reuses cuda:0's), and the result holds against the reference."""
     torch = _need_gpus(2)
-    from ddtree_gen import runtime
-    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    from ddtree_gen.launch import runtime
+    from ddtree_gen.ops.tree_verify.wgmma import uses_tma
     assert uses_tma(ks.spec, "tree_verify_wgmma")
     seed = fresh_seed()
     x = verify_case(ks.spec, seed)

@@ -97,7 +97,7 @@ def test_pack_tree_mask_on_the_device():
 
 
 def test_which_kernel_on_the_device():
-    from ddtree_gen.kernels.which import which_kernel
+    from ddtree_gen.ops.tree_verify.which import which_kernel
     cfg = hf.tiny_config(kv_lora_rank=512, qk_rope_head_dim=64)
     ks = _kset(cfg, "bf16")
     c = which_kernel(ks, 1, 65, 17, device=torch.cuda.current_device())

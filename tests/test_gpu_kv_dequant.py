@@ -13,7 +13,7 @@ where the wgmma kernels cannot run: no GPU, not Hopper, DDTREE_GEN_ARCH=sm_80).
   torch tensors, the torch op and CUDA-graph capture.
 * the parts grid (B >= 8, a block table of >= 2048 keys, H <= 8): the bits of the bf16 twin's parts build of the same
   slab order on the dequantized cache, and the float64 bar.
-* the default (fp8_path=None): the dequantize path where kernels.tree_verify.fp8_default allows it (the plan of the
+* the default (fp8_path=None): the dequantize path where ops.tree_verify.launch.fp8_default allows it (the plan of the
   call holds kv_dequant), the fused kernel past KV_WORKSPACE_LIMIT; the same bits either way; through the torch op
   and in a CUDA graph too (its workspace allocated per call).
 The seed of each run is in every failure message (DDTREE_TEST_SEED replays it).
@@ -25,7 +25,7 @@ import pytest
 
 from conftest import cuda_torch, skip_unless_runs
 from ddtree_gen import reference
-from ddtree_gen.plans.kv_dequant import CANDIDATES, EDGE_OPTIONS, workspace_elems
+from ddtree_gen.ops.kv_dequant.plan import CANDIDATES, EDGE_OPTIONS, workspace_elems
 from test_gpu_tree_verify import (POISON_LSE, POISON_OUT, SCALES, WGMMA, check_against, check_rows_written,
                                   heads_to_check, poisoned)
 from verify_cases import fresh_seed, make_inputs, to_device, to_host
@@ -52,8 +52,8 @@ def _load(spec, kernels=KERNELS, knobs=None):
     import ddtree_gen
     if knobs:
         from ddtree_gen.kernel_set import variant_set
-        from ddtree_gen.plans import by_name
-        from ddtree_gen.plans.variant import variant
+        from ddtree_gen.ops import by_name
+        from ddtree_gen.build.variant import variant
         ks = variant_set([variant(by_name("kv_dequant"), spec, **knobs)],
                          also=[k for k in kernels if k != "kv_dequant"])
         assert not ks.variants["kv_dequant"].is_default
@@ -218,10 +218,10 @@ def test_dequant_path_parts_grid(spec):
     with the batch's kv_scale (not a power of two) it meets the float64 bar; rows >= q_len untouched (poisoned)."""
     from ddtree_gen import bf16, fp8
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.kernels.which import which_kernel
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops.tree_verify.which import which_kernel
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
+    from ddtree_gen.build.variant import variant
     from test_gpu_tree_verify import bf16_twin, reference_for
     if not spec.kv_fp8 or not by_name(DEQUANT_PARTS).builds_for(spec):
         pytest.skip(f"spec {spec.name!r}: {by_name(DEQUANT_PARTS).why_not_built(spec)}")
@@ -284,7 +284,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     """fp8_path=None with the workspace over KV_WORKSPACE_LIMIT (here: 0) runs the fused kernel (its plan: no
     kv_dequant), with a caller's kv_workspace the dequantize path: the fused kernel's bits both ways."""
     import cupy
-    from ddtree_gen.kernels import tree_verify as tv
+    from ddtree_gen.ops.tree_verify import launch as tv
     ks = _load(spec)
     seed = fresh_seed()
     inp = _batch(spec, np.random.default_rng(seed), seed)

@@ -27,8 +27,8 @@ CASES = {
 def test_graph_replays_new_lengths(spec, case):
     import cupy
     from ddtree_gen.kernel_set import load
-    from ddtree_gen.kernels.which import schedule
-    from ddtree_gen.plans import split_kv
+    from ddtree_gen.ops.tree_verify.which import schedule
+    from ddtree_gen.ops.tree_verify import split as split_kv
     if spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r}: an fp8 spec's default path is covered by test_gpu_kv_dequant."
                     f"test_dequant_path_torch_op_and_cuda_graph (its graph replays new q and cache)")

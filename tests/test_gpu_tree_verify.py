@@ -274,9 +274,9 @@ def parts_set(spec):
     (row tile, part) walking the requests of its part of the batch's key tiles); skipped where the spec's
     tree_verify_wgmma is not the seesaw (the parts grid is the seesaw's)."""
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_wgmma import schedule_for
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.wgmma import schedule_for
+    from ddtree_gen.build.variant import variant
     if spec.kv_fp8 or schedule_for(spec, "tree_verify_wgmma") != "seesaw":
         pytest.skip(f"spec {spec.name!r}: its tree_verify_wgmma is not the bf16 seesaw (the parts grid is its build)")
     parts = variant(by_name("tree_verify_wgmma"), spec, grid="parts")
@@ -340,7 +340,7 @@ def test_wgmma_cp_async_tiles(spec, case):
     spec in specs/); other page sizes take its cp.async path. A 16-token-page variant of each bf16 spec
     runs that path through the matrix's checks (fp8 specs always take it: test_matrix)."""
     from dataclasses import replace
-    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    from ddtree_gen.ops.tree_verify.wgmma import uses_tma
     if spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r}: an fp8 cache always loads by cp.async (test_matrix covers it)")
     variant = replace(spec, name=f"{spec.name}-page16", page_size=16)
@@ -411,7 +411,7 @@ def test_matches_cuda_core_kernel(spec, impl):
     """Where the CUDA-core tree_verify is built, the tensor-core kernel agrees with it within the bar
     (impl="simple": kset.tree_verify would otherwise pick the tensor-core kernel, loaded in the same set)."""
     import ddtree_gen
-    from ddtree_gen.plans import all_kernels
+    from ddtree_gen.ops import all_kernels
     if "tree_verify" not in {k.name for k in all_kernels()}:
         pytest.skip("the CUDA-core tree_verify is not registered")
     ks = ddtree_gen.load(spec, kernels=["tree_verify", *TENSOR_CORE_KERNELS])
@@ -437,7 +437,7 @@ def test_out_none_allocates(spec, impl):
     """out=None / lse=None allocate CuPy arrays holding the same bits as given buffers; q_nope must have
     the launcher's alignment; the tensor-core kernels also reuse a given workspace (and refuse a short one)."""
     import cupy
-    from ddtree_gen.plans import split_kv as mod
+    from ddtree_gen.ops.tree_verify import split as mod
     ks = impl.load(spec)
     launch = impl.launcher(ks, "tree_verify")
     seed = fresh_seed()
@@ -532,7 +532,7 @@ def test_cuda_graph_capture(spec, impl):
     """With out, lse and workspace given, a launch (auto split count) captures into a CUDA graph
     and replays to the eager result: nothing reads device values on the host."""
     import cupy
-    from ddtree_gen.plans import split_kv as mod
+    from ddtree_gen.ops.tree_verify import split as mod
     launch = impl.launcher(impl.load(spec), "tree_verify")
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -713,7 +713,7 @@ def test_fp8_matches_bf16_twin(spec, impl):
     dequantized cache (exact in bf16): the conversion is exact, the scale folded into the scores' factor and
     the output factor changes no rounding (a power of two), and nothing else differs. Fixed split counts (the
     automatic ones may differ between the two specs' tuning). WGMMA: tree_verify's default (fp8_path=None, with the
-    dequantize path's kernels loaded: kernels.tree_verify.fp8_default takes that path) gives the same bits too."""
+    dequantize path's kernels loaded: ops.tree_verify.launch.fp8_default takes that path) gives the same bits too."""
     if not spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r} has a bf16 cache")
     import ddtree_gen
@@ -723,9 +723,9 @@ def test_fp8_matches_bf16_twin(spec, impl):
     skip_unless_runs(ks_twin, *impl.own)
     if impl is WGMMA:   # the twin's build of the fp8 kernel's schedule and slab order, not necessarily its default
         from ddtree_gen.kernel_set import variant_set
-        from ddtree_gen.plans import by_name
-        from ddtree_gen.plans.tree_verify_wgmma import schedule_for
-        from ddtree_gen.plans.variant import variant
+        from ddtree_gen.ops import by_name
+        from ddtree_gen.ops.tree_verify.wgmma import schedule_for
+        from ddtree_gen.build.variant import variant
         sched = schedule_for(spec, "tree_verify_wgmma")
         # the fp8 seesaw's S products in its slab order: the rope slab in the early group, WG1's early group first
         knobs = {"rope_early": True, "s_order": "slab"} if sched == "seesaw" else {}
@@ -746,7 +746,7 @@ def test_fp8_matches_bf16_twin(spec, impl):
     ks_default = None
     if impl is WGMMA:   # the default path of an fp8 spec's tree_verify, where it is the dequantize path
         import cupy
-        from ddtree_gen.kernels.tree_verify import DEQUANT_KERNELS, fp8_default
+        from ddtree_gen.ops.tree_verify.launch import DEQUANT_KERNELS, fp8_default
         ks_default = ddtree_gen.load(spec, kernels=list(dict.fromkeys(impl.kernels + DEQUANT_KERNELS)))
         skip_unless_runs(ks_default, *DEQUANT_KERNELS)
         path, why = fp8_default(ks_default, "auto", cupy.cuda.Device().id, *inp.block_table.shape)

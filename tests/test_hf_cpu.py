@@ -273,9 +273,9 @@ def test_write_kv_layout(kind):
 
 
 def test_which_kernel_reports_the_launchers_choice():
-    """kernels.which.which_kernel on stand-in kernel sets (every kernel 'runs': the sm_90a view of a Hopper GPU)."""
+    """ops.tree_verify.which.which_kernel on stand-in kernel sets (every kernel 'runs': the sm_90a view of a Hopper GPU)."""
     from ddtree_gen import kernel_set
-    from ddtree_gen.kernels.which import which_kernel
+    from ddtree_gen.ops.tree_verify.which import which_kernel
     from ddtree_gen.spec import find_spec
     ks = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8"))
     assert which_kernel(ks, 1, 65, 2)[:4] == ("tree_verify", "wgmma", "tree_verify_wgmma", "seesaw")
@@ -296,11 +296,11 @@ def test_which_kernel_reports_the_launchers_choice():
 
 
 def test_schedule_reports_grid_pieces_and_workspace():
-    """kernels.which.schedule (ks.tree_verify_schedule) on stand-in kernel sets: the launchers' grid and count rules
+    """ops.tree_verify.which.schedule (ks.tree_verify_schedule) on stand-in kernel sets: the launchers' grid and count rules
     (plans/tree_verify_wgmma.parts_for, plans/split_kv.choose_splits), the blocks and the workspace they need."""
     from ddtree_gen import kernel_set
-    from ddtree_gen.kernels.which import schedule
-    from ddtree_gen.plans import split_kv
+    from ddtree_gen.ops.tree_verify.which import schedule
+    from ddtree_gen.ops.tree_verify import split as split_kv
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     ks = kernel_set.StandInKernelSet(spec)

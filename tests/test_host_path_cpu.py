@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, LaunchLog
-from ddtree_gen import runtime
+from ddtree_gen.launch import runtime
 from ddtree_gen.bench import launch, stand_in
 from ddtree_gen.bench.specs import LAYERS
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.kernels.kv_commit import launch as kv_commit
-from ddtree_gen.plans.kv_commit import MAX_LAYERS
-from ddtree_gen.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Step, StepPlan, TensorMap
+from ddtree_gen.ops.kv_commit.launch import launch as kv_commit
+from ddtree_gen.ops.kv_commit.plan import MAX_LAYERS
+from ddtree_gen.launch.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Step, StepPlan, TensorMap
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -335,7 +335,7 @@ def _runner_of(kset, kernel):
 def test_runner_compiled_once_per_signature(monkeypatch):
     """A cached call signature is compiled into one function on its first call (callplan.compile_runner) and
     reused; another signature (a new shape) gets its own; a call that is not cached never compiles one."""
-    from ddtree_gen import callplan
+    from ddtree_gen.launch import callplan
     spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     compiled = []
     real = callplan.compile_runner
@@ -474,7 +474,7 @@ def test_signature_contiguity_stands_for_strides(monkeypatch):
 def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
     """The TMA tree_verify's compiled call packs the CUtensorMap encoded for the call's cache pointer (memoized per
     pointer: encoded once per cache) at the parameter's place in the buffer, and the one of a new cache."""
-    from ddtree_gen import callplan
+    from ddtree_gen.launch import callplan
     spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     encoded = []
 
@@ -673,7 +673,7 @@ def test_tensor_map_swizzle_modes(swizzle, mode, monkeypatch):
     """A TensorMap's swizzle in bytes -> cuTensorMapEncodeTiled's CU_TENSOR_MAP_SWIZZLE_* (128B 3, 64B 2, none 0), its
     element type (UINT16 1 / UINT8 0), box and row stride; another swizzle is a KeyError before the driver is called
     (the launchers make the maps: a programming error, not a user's)."""
-    from ddtree_gen import callplan
+    from ddtree_gen.launch import callplan
     seen = []
 
     def fake(out, dtype, rank, ptr, dims, strides, box, step, interleave, swz, promo, fill):

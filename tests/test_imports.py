@@ -3,7 +3,7 @@
 Every `import` and `from ... import` statement counts, at module level or inside a function
 (a function-level import is still an edge: it only hides a ring until the call). An import the statements do not
 show (importlib.import_module, __import__, pkgutil discovery) is allowed only where this test models it (DYNAMIC:
-the families' discovery of plans/ and kernels/, the package's lazy attributes), as edges of the graph; and no
+the package's lazy attributes), as edges of the graph; and no
 module names another by a "module:attribute" string (the declarations hold their facets as objects: issue 40).
 """
 from __future__ import annotations
@@ -18,15 +18,18 @@ import ddtree_gen
 
 PACKAGE = Path(ddtree_gen.__file__).resolve().parent
 
-# Lower layers first. A module may import its own layer or a lower one, never a higher one.
+# Lower layers first. A module may import its own layer or a lower one, never a higher one. A module is placed by the
+# longest entry that is its dotted name (below ddtree_gen) or a package above it; an operation's modules (ops/<op>/)
+# by OPS_LAUNCH: the launch side, else the build data.
 LAYERS = [
     ["errors", "paths", "types", "fileio", "bf16", "fp8", "trees", "archs", "spec", "needs"],   # leaves (archs: build targets)
-    ["resources", "kdtr", "inputs", "reference"],                        # resource model, bundle format, inputs, numpy
-    ["plans"],                                                           # the kernels' build data and case inputs
-    ["render", "compile"],
-    ["artifacts", "arrays"],                                             # build products; caller arrays
-    ["runtime", "callplan"],                                             # modules per device, launches; one call compiled
-    ["kernels"],                                                         # launchers and the kernels' declarations
+    ["build.resources", "kdtr", "inputs", "reference"],                  # resource model, bundle format, inputs, numpy
+    ["build", "build.kernel_def", "build.declaration", "build.variant"],  # the build data's records
+    ["ops", "ops:plan"],                                                 # the operations' build data and case inputs
+    ["build.render", "build.compile"],
+    ["build.artifacts", "launch", "launch.arrays"],                      # build products; caller arrays
+    ["launch.runtime", "launch.callplan"],                               # modules per device, launches; one call compiled
+    ["launch.checks", "launch.protocol", "ops:launch"],                  # launchers and the kernels' declarations
     ["registry"],                                                        # the declarations collected
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
     ["torch_ops", "model", "bench", "sanitize", "hf",                   # users of kernel sets (bench/: a package; hf: transformers)
@@ -34,6 +37,8 @@ LAYERS = [
     ["cli", "__main__", "__init__"],
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# the launch side of an operation's folder (its other modules are its build data)
+OPS_LAUNCH = {"launch", "tensor_core", "which", "mma_launch", "wgmma_launch", "route", "call"}
 
 
 def _module_name(path: Path) -> str:
@@ -74,14 +79,12 @@ def _submodules(package: str) -> set:
 
 def _lazy_attributes() -> set:
     """ddtree_gen/__init__.py's _LAZY: the submodules its __getattr__ imports on first use."""
-    return {f"ddtree_gen.{n}" for n in ddtree_gen._LAZY}
+    return {f"ddtree_gen.{m}" for m in ddtree_gen._LAZY.values()}
 
 
 # The modules that import by a computed name, and the modules they import that way (the edges the statements do not
 # show): a family is found by being in plans/ or kernels/ (their __init__'s discovery: docs/adding-a-kernel.md).
-DYNAMIC = {"ddtree_gen.plans": lambda: _submodules("ddtree_gen.plans"),
-           "ddtree_gen.kernels": lambda: _submodules("ddtree_gen.kernels"),
-           "ddtree_gen": _lazy_attributes}
+DYNAMIC = {"ddtree_gen": _lazy_attributes}
 
 
 def dynamic_imports(tree) -> list:
@@ -148,11 +151,18 @@ def find_cycle(graph: dict) -> list | None:
 
 
 def _layer(module: str) -> int:
-    parts = module.split(".")
-    key = parts[1] if len(parts) > 1 else "__init__"
-    if key not in RANK:
-        pytest.fail(f"{module}: not in any layer of tests/test_imports.py; place it")
-    return RANK[key]
+    parts = module.split(".")[1:]
+    if len(parts) == 3 and parts[0] == "ops":   # ddtree_gen.ops.<op>.<module>
+        return RANK["ops:launch" if parts[2] in OPS_LAUNCH else "ops:plan"]
+    if len(parts) == 2 and parts[0] == "ops":   # an operation's package
+        return RANK["ops:plan"]
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in RANK:
+            return RANK[key]
+    if not parts:
+        return RANK["__init__"]
+    pytest.fail(f"{module}: not in any layer of tests/test_imports.py; place it")
 
 
 def test_no_import_cycle():
@@ -197,9 +207,9 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def test_function_level_imports_count():
-    src = "def f():\n    from . import runtime\n"
+    src = "def f():\n    from ..launch import runtime\n"
     node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
-    assert _resolve("ddtree_gen.artifacts", False, node) == ["ddtree_gen.runtime"]
+    assert _resolve("ddtree_gen.build.artifacts", False, node) == ["ddtree_gen.launch.runtime"]
 
 
 def test_dynamic_imports_are_modeled():
@@ -227,8 +237,21 @@ def test_the_dynamic_import_finder_finds_them():
     assert sorted(dynamic_imports(ast.parse(src))) == [(1, "pkgutil", None), (4, "import_module", None),
                                                    (5, "import_module", "ddtree_gen.spec"), (6, "__import__", None),
                                                    (7, "import_module", "torch")]
-    assert DYNAMIC["ddtree_gen.kernels"]() >= {"ddtree_gen.kernels.tree_build", "ddtree_gen.kernels.checks"}
-    assert "ddtree_gen.kernels.tree_build" in import_graph()["ddtree_gen.kernels"]
+    assert DYNAMIC["ddtree_gen"]() >= {"ddtree_gen.reference", "ddtree_gen.hf"}
+    assert "ddtree_gen.reference" in import_graph()["ddtree_gen"]
+
+
+def test_the_operations_are_listed_not_discovered():
+    """The operations are listed once, in build order (ops.FAMILIES; registry.LAUNCHERS their launchers): no module
+    discovers modules (pkgutil), and every module of ops/ with KernelDefs or declarations is in those lists."""
+    from ddtree_gen import ops, registry
+
+    assert not [n for n, p in _modules().items() if "pkgutil" in p.read_text()]
+    listed = {m.__name__ for m in ops.FAMILIES} | {m.__name__ for m in registry.LAUNCHERS}
+    import importlib
+    having = {n for n in _modules() if n.startswith("ddtree_gen.ops.")
+              and any(hasattr(importlib.import_module(n), a) for a in ("KERNELS", "DECLARATIONS"))}
+    assert having == listed, f"unlisted: {sorted(having - listed)}; listed without KERNELS/DECLARATIONS: {sorted(listed - having)}"
 
 
 # "module:attribute" (module relative to ddtree_gen, or absolute): how the declarations named facets before issue 40
@@ -241,7 +264,7 @@ def _string_reference(value) -> bool:
 
 
 def test_no_module_attribute_strings():
-    """No string of the package names a module of ddtree_gen and an attribute ("kernels.tree_build:launch"): an
+    """No string of the package names a module of ddtree_gen and an attribute ("ops.tree_build.launch:launch"): an
     import the AST cannot see. The declarations hold their facets as objects, every field of them (their torch
     ops' and bundles' too) checked here, and no string constant of any module reads like one."""
     from dataclasses import fields, is_dataclass
@@ -269,5 +292,5 @@ def test_no_module_attribute_strings():
                   for n in ast.walk(ast.parse(path.read_text(), str(path)))
                   if isinstance(n, ast.Constant) and _string_reference(n.value)]
     assert not wrong, "\"module:attribute\" strings (declare the object itself):\n" + "\n".join(wrong)
-    assert _string_reference("kernels.tree_build:launch") and _string_reference("reference:tree_build")
+    assert _string_reference("ops.tree_build.launch:launch") and _string_reference("reference:tree_build")
     assert not _string_reference("none: it moves the caches in place") and not _string_reference("ddtree::tree_build")

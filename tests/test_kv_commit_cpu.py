@@ -11,9 +11,9 @@ import pytest
 from conftest import FakeCudaArray, FakeKernelSet
 from ddtree_gen import inputs, reference
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.kernels.kv_commit import launch as kv_commit
-from ddtree_gen.kernels.tree_accept import launch as tree_accept
-from ddtree_gen.plans.kv_commit import MAX_LAYERS
+from ddtree_gen.ops.kv_commit.launch import launch as kv_commit
+from ddtree_gen.ops.tree_accept.launch import launch as tree_accept
+from ddtree_gen.ops.kv_commit.plan import MAX_LAYERS
 from ddtree_gen.trees import tree_parents
 
 B, PAGES, MAX_PAGES = 3, 12, 4
@@ -184,7 +184,7 @@ def test_reference_walk_then_commit_equals_tree_accept_per_layer(spec):
 def test_layer_pointers_are_one_struct_parameter(spec, fake_device):
     """cuLaunchKernel takes one pointer per kernel parameter: the 128 layer pointers are one struct
     parameter (LayerCaches) at offset 32, so num_pages and max_pages sit at 1056 and 1060."""
-    from ddtree_gen.runtime import param_offsets
+    from ddtree_gen.launch.runtime import param_offsets
     kset = FakeKernelSet(spec)
     args = commit_args(spec, 2)
     seen = {}

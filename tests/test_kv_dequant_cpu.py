@@ -17,13 +17,13 @@ import pytest
 from conftest import FakeArrays as Arrays, FakeKernelSet, ptr_of
 from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.kernels import kv_dequant as kd
-from ddtree_gen.kernels import tree_verify as tv
-from ddtree_gen.kernels import tree_verify_wgmma as wg
-from ddtree_gen.plans import by_name
-from ddtree_gen.plans import kv_dequant as kd_plans
-from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_MIN_B, PARTS_MIN_KEYS
-from ddtree_gen.plans.variant import variant
+from ddtree_gen.ops.kv_dequant import launch as kd
+from ddtree_gen.ops.tree_verify import launch as tv
+from ddtree_gen.ops.tree_verify import wgmma_launch as wg
+from ddtree_gen.ops import by_name
+from ddtree_gen.ops.kv_dequant import plan as kd_plans
+from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, DEQUANT_PARTS, PARTS_MIN_B, PARTS_MIN_KEYS
+from ddtree_gen.build.variant import variant
 from ddtree_gen.spec import find_spec
 from test_fp8_cpu import fp8x4_to_bf16x4
 
@@ -164,7 +164,7 @@ def test_builds_of_the_dequantize_path():
     seesaw (256 threads, no converter, KV_FP8 off) in the fused fp8 build's slab order, and its source is the bf16
     twin's seesaw of that order but for the spec's name: the same kernel. Its parts-grid build (dequant_parts) is the
     bf16 twin's parts build of that order but for the spec's name."""
-    from ddtree_gen.render import render
+    from ddtree_gen.build.render import render
     for name in ("kv_dequant", DEQUANT):
         assert by_name(name).kv_dtypes == ("fp8_e4m3",)
         assert by_name(name).builds_for(FP8) and not by_name(name).builds_for(BF16)
@@ -318,7 +318,7 @@ def test_dequant_path_launch_plan(name, splits, fake_device):
     spec = find_spec(name)
     new = Arrays()
     args = verify_args(spec, new)
-    from ddtree_gen.plans import split_kv
+    from ddtree_gen.ops.tree_verify import split as split_kv
     ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, 32),), np.float32)
     kvw = _ws(spec, new)
     fused, dq, default = Recording(spec), Recording(spec), Recording(spec)
@@ -363,8 +363,8 @@ def test_dequant_path_parts_grid(b, kw, loaded, want, fake_device):
     PARTS_MIN_B, a block table of at least PARTS_MIN_KEYS keys, num_splits not given, the build loaded; with the
     part count of parts_for (one block per (row tile, part)), after the same kv_dequant; fp8_path=None takes the same,
     and the build's launcher by name too. Otherwise the chunks-grid build, as before."""
-    from ddtree_gen.plans import split_kv
-    from ddtree_gen.plans.tree_verify_wgmma import parts_for
+    from ddtree_gen.ops.tree_verify import split as split_kv
+    from ddtree_gen.ops.tree_verify.wgmma import parts_for
     pages = 4096 // FP8.page_size if kw.pop("short", False) else PARTS_MIN_KEYS // FP8.page_size
     new, n = Arrays(), FP8.max_tree_size
     args = verify_args(FP8, new, b=b, max_pages=pages)
@@ -399,7 +399,7 @@ def test_dequant_parts_built_where_it_serves():
 
 def test_dequant_path_allocates_its_workspace(fake_device):
     """Without kv_workspace the launcher allocates it (a scratch output: not returned), with the split workspace."""
-    from ddtree_gen.kernels.tensor_core import prepare_attention
+    from ddtree_gen.ops.tree_verify.tensor_core import prepare_attention
     a = verify_args(FP8, Arrays())
     arrays = (*(a[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")),
               None, None, None, None)   # out, lse, workspace, kv_workspace: new (allocated before the launches)
@@ -411,7 +411,7 @@ def test_dequant_path_allocates_its_workspace(fake_device):
 
 
 def tensor_core_kvw():
-    from ddtree_gen.kernels.tensor_core import KVW
+    from ddtree_gen.ops.tree_verify.tensor_core import KVW
     return KVW
 
 
@@ -575,7 +575,7 @@ def test_fp8_default_every_rule(monkeypatch):
 
 def _fake_allocation(monkeypatch, new):
     """The runtime's allocations as fake arrays (no GPU here): a default call may allocate its kv_workspace."""
-    from ddtree_gen import runtime
+    from ddtree_gen.launch import runtime
     monkeypatch.setattr(runtime, "allocate", lambda kind, device, shape, dtype: new(
         shape, np.uint16 if dtype == "bf16" else dtype))
     monkeypatch.setattr(runtime, "pointer_of", ptr_of)
@@ -641,7 +641,7 @@ def test_default_path_follows_the_policy(fake_device, monkeypatch):
 def test_default_path_plan(fake_device):
     """The default's plan within the limit is the dequantize path's (its kv_workspace a scratch output of the call,
     workspace_elems(spec, B, max_pages) bf16); a block table the checks refuse is refused with their message."""
-    from ddtree_gen.kernels.tensor_core import KVW
+    from ddtree_gen.ops.tree_verify.tensor_core import KVW
     a = verify_args(FP8, Arrays())
     names = ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")
     arrays = (*(a[k] for k in names), None, None, None, None)
@@ -702,7 +702,7 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
     and the unshipped H variants), never for a bf16 one."""
     from ddtree_gen.bench import kv_dtype as bench
     from ddtree_gen.bench.specs import spec_variant
-    from ddtree_gen.plans import builds_of
+    from ddtree_gen.ops import builds_of
     assert set(bench.DEQUANT_KERNELS) == {"kv_dequant"} and "tree_verify_wgmma" in bench.KV_DTYPE_KERNELS
     assert {DEQUANT, DEQUANT_PARTS} <= {k.name for k in builds_of("tree_verify_wgmma")}
     for h in sorted({h for _, h, _ in bench.KV_DTYPE_CONFIGS}):
@@ -717,7 +717,7 @@ def test_build_options_default_and_names():
     """The default build is the page schedule of 256 threads, two parts per page, warp stores and no L2 hint (file
     kv_dequant.cu); the first kernel stays the build parts=1, store="pair" (its body as it was); every other option is
     a build named by its knobs, rendered with its constants."""
-    from ddtree_gen.render import render
+    from ddtree_gen.build.render import render
     kdef = by_name("kv_dequant")
     v = variant(kdef, FP8)
     assert v.name == "kv_dequant" and v.is_default and v.config == kd_plans.KNOBS
@@ -840,7 +840,7 @@ def test_stream_build_launch_plan(fake_device, monkeypatch):
 
 
 def test_kv_dequant_pointer_checks_are_the_shared_helpers(fake_device):
-    """The launcher's alignment and overlap checks are PointerChecks' (kernels/checks.py), recorded for every later
+    """The launcher's alignment and overlap checks are PointerChecks' (launch/checks.py), recorded for every later
     call of the signature: a cached call with a misaligned or overlapping out is refused with the same message."""
     new = Arrays()
     args = dq_args(FP8, new)

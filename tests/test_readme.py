@@ -14,7 +14,7 @@ import pytest
 
 import ddtree_gen
 from ddtree_gen import reference
-from ddtree_gen.plans import all_kernels
+from ddtree_gen.ops import all_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", REPO / "docs" / "engine.md", REPO / "docs" / "usage.md"]

@@ -2,13 +2,13 @@
 import jinja2
 import pytest
 
-from ddtree_gen import artifacts
-from ddtree_gen import compile as nvrtc_compile
-from ddtree_gen import render
+from ddtree_gen.build import artifacts
+from ddtree_gen.build import compile as nvrtc_compile
+from ddtree_gen.build import render
 from ddtree_gen.errors import BuildError
-from ddtree_gen.plans import KernelDef, all_builds
-from ddtree_gen.plans.tree_build import plan as tree_build_plan
-from ddtree_gen.plans.variant import Variant, variant
+from ddtree_gen.ops import KernelDef, all_builds
+from ddtree_gen.ops.tree_build.plan import plan as tree_build_plan
+from ddtree_gen.build.variant import Variant, variant
 
 KERNELS = all_builds()   # every build of every declared kernel (tree_verify_wgmma's parts, dequant, ...)
 
@@ -123,8 +123,8 @@ def test_parse_ptxas_performance_notes():
     """ptxas's "Potential Performance Loss" notes (seen while building tree_verify_wgmma: wgmma serialized,
     setmaxnreg ignored) reach the report of the function they name, or of every entry when they name none,
     and resources.compare turns them into a model-vs-ptxas disagreement."""
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.resources import compare
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.build.resources import compare
     log = """ptxas info    : (C7507) Potential Performance Loss: 'setmaxnreg' ignored to maintain minimum register requirements.
 ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'b' in line 0
 ptxas info    : Compiling entry function 'a' for 'sm_90a'

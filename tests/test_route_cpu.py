@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 
 from conftest import FakeCudaArray, LaunchReached
-from ddtree_gen import runtime
+from ddtree_gen.launch import runtime
 from ddtree_gen.spec import find_spec
 from test_archs import fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
-from test_imports import RANK
+from test_imports import _layer
 from test_tree_verify_cpu import Arrays, verify_args
 
 
 def _rank(module: str) -> int:
-    parts = module.split(".")
-    return RANK.get(parts[1] if len(parts) > 1 else "__init__", len(RANK))
+    return _layer(module)
 
 
 def _crossings(call) -> set:
@@ -63,5 +62,5 @@ def test_a_tree_verify_call_asks_the_kernel_set_once(name, fake_devices, monkeyp
     rooms = {e[0] for e in edges} | {e[2] for e in edges}
     assert len(rooms) <= ROOMS[name], sorted(rooms)
     up = sorted((e[0], e[1], e[2], e[3]) for e in edges if _rank(e[2]) > _rank(e[0]))
-    assert up == [("ddtree_gen.kernels.tree_verify", "prepare", "ddtree_gen.kernel_set", "offer"),
-                  ("ddtree_gen.runtime", "run_call", "ddtree_gen.kernels.tree_verify", "<lambda>")], up
+    assert up == [("ddtree_gen.launch.runtime", "run_call", "ddtree_gen.ops.tree_verify.launch", "<lambda>"),
+                  ("ddtree_gen.ops.tree_verify.launch", "prepare", "ddtree_gen.kernel_set", "offer")], up

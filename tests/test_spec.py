@@ -285,10 +285,10 @@ def test_fields_are_declared_once():
     spec.FIELDS."""
     import dataclasses
 
-    from ddtree_gen import render, resources
+    from ddtree_gen.build import render, resources
     from ddtree_gen import spec as S
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.variant import variant
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.build.variant import variant
     assert [f.name for f in dataclasses.fields(Spec)] == [f.name for f in S.FIELDS]
     spec = load_spec(paths.specs_dir() / "kimi-k2.6-tp8.toml")
     ctx = render.context(variant(by_name("tree_build"), spec))

@@ -27,7 +27,7 @@ def test_ops_are_registered_with_the_kv_cache_mutation():
     assert "!" not in str(ops.tree_verify.default._schema)
     for op in (ops.tree_verify, ops.tree_verify_tail):   # an fp8 spec's scale; optional, after impl
         assert 'str impl="auto", float? kv_scale=None' in str(op.default._schema)
-    # tree_verify's fp8 path (kernels/tree_verify.py: None = fp8_default's choice, "fused" or "dequant"), last;
+    # tree_verify's fp8 path (ops/tree_verify/launch.py: None = fp8_default's choice, "fused" or "dequant"), last;
     # the tail has none
     assert str(ops.tree_verify.default._schema).endswith('float? kv_scale=None, str? fp8_path=None) -> (Tensor, Tensor)')
     assert str(ops.tree_verify_tail.default._schema).endswith('float? kv_scale=None) -> (Tensor, Tensor)')

@@ -12,10 +12,10 @@ import pytest
 from conftest import FakeCudaArray, FakeKernelSet, LaunchReached
 from ddtree_gen import TreeAcceptOutput, TreeBuildOutput
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.plans import by_name
-from ddtree_gen.kernels import tree_accept as tree_accept_mod
-from ddtree_gen.kernels.tree_accept import launch as tree_accept
-from ddtree_gen.kernels.tree_build import launch as tree_build
+from ddtree_gen.ops import by_name
+from ddtree_gen.ops.tree_accept import launch as tree_accept_mod
+from ddtree_gen.ops.tree_accept.launch import launch as tree_accept
+from ddtree_gen.ops.tree_build.launch import launch as tree_build
 
 B = 3
 DEV1 = 1 << 40  # conftest.fake_device: a pointer >= 1 << 40 lives on device 1

@@ -20,13 +20,13 @@ import pytest
 
 from conftest import FakeArrays as Arrays, FakeKernelSet, LaunchReached, ptr_of
 from ddtree_gen.errors import ArgumentError
-from ddtree_gen.kernels import tree_verify as tv
-from ddtree_gen.kernels import tensor_core
-from ddtree_gen.kernels import tree_verify_mma as mma
-from ddtree_gen.plans import tree_verify as verify_plans
-from ddtree_gen.plans import split_kv
-from ddtree_gen.plans import tree_verify_mma as mma_plans
-from ddtree_gen.plans.tree_verify_wgmma import PARTS_MIN_B
+from ddtree_gen.ops.tree_verify import launch as tv
+from ddtree_gen.ops.tree_verify import tensor_core
+from ddtree_gen.ops.tree_verify import mma_launch as mma
+from ddtree_gen.ops.tree_verify import simple as verify_plans
+from ddtree_gen.ops.tree_verify import split as split_kv
+from ddtree_gen.ops.tree_verify import mma as mma_plans
+from ddtree_gen.ops.tree_verify.wgmma import PARTS_MIN_B
 from ddtree_gen.types import AttentionOutput
 
 B, PAGES, MAX_PAGES = 2, 10, 4
@@ -415,7 +415,7 @@ def launched(launcher, kset, **args):
 
 def tma_words(spec, kernel: str) -> int:
     """Words a launch of `kernel` adds for its tensor map: 16 for a TMA build (plans/tree_verify_wgmma)."""
-    from ddtree_gen.plans.tree_verify_wgmma import uses_tma
+    from ddtree_gen.ops.tree_verify.wgmma import uses_tma
     return 16 if uses_tma(spec, kernel) else 0
 
 
@@ -450,7 +450,7 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
         launches[want] = list(k["args"])
     # a seesaw build with the "parts" grid also takes the request spans of its parts, in the workspace after its
     # partials (slots b + part: a smaller partial area than the chunks' [splits, rows])
-    from ddtree_gen.plans.tree_verify_wgmma import verify_plan
+    from ddtree_gen.ops.tree_verify.wgmma import verify_plan
     seesaw = int(verify_plan(spec, f"{name}_wgmma").consts["PARTS"])   # the default grid is "chunks": 0
     extra = tma_words(spec, f"{name}_wgmma")
     assert len(launches["wgmma"]) == 18 + seesaw + extra
@@ -473,7 +473,7 @@ def test_impl_auto_prefers_wgmma(spec, name, launcher, fake_device):
         launcher(MmaKernelSet(spec, ("tree_verify", "tree_verify_tail", "merge_states", *MMA_NAMES)), **args,
                  impl="wgmma")
     assert f"{name}_wgmma" in str(e.value)
-    from ddtree_gen.kernels import tree_verify_wgmma as wg
+    from ddtree_gen.ops.tree_verify import wgmma_launch as wg
     direct = wg.tree_verify_tail if name == "tree_verify_tail" else wg.tree_verify
     with pytest.raises(ArgumentError, match="num_splits: 3 key chunks need tree_verify_mma_combine"):
         direct(MmaKernelSet(spec, no_combine), **args, num_splits=3)
@@ -545,7 +545,7 @@ def test_impl_auto_fallback_ignores_mma_arguments(spec, name, launcher, fake_dev
 def test_impl_mma_launch_args(spec, name, launcher, impl, fake_device):
     """workspace and num_splits reach the tensor-core launcher; the launch is the one
     tree_verify_mma.tree_verify (fp8: tree_verify_wgmma.tree_verify) makes itself."""
-    from ddtree_gen.kernels import tree_verify_wgmma as wg
+    from ddtree_gen.ops.tree_verify import wgmma_launch as wg
     new = Arrays()
     args = verify_args(spec, new)
     impl = impl_of(impl, spec)
@@ -650,7 +650,7 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
     new = Arrays()
     args = verify_args(spec, new)
     ws = new((split_kv.workspace_elems(spec, B, spec.max_tree_size, split_kv.MAX_SPLITS),), np.float32)
-    from ddtree_gen.plans import tree_verify_wgmma as wg_plans
+    from ddtree_gen.ops.tree_verify import wgmma as wg_plans
     parts = []
     monkeypatch.setattr(tensor_core, "parts_for", lambda *a: parts.append(a) or wg_plans.parts_for(*a))
     for impl in ("wgmma",) if spec.kv_fp8 else ("wgmma", "mma"):
@@ -670,7 +670,7 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
 def test_parts_for():
     """The seesaw kernel's parts: the makespan model's count (one wave where the row tiles leave room, more where they
     fill the SMs alone), never more parts than the batch's units, at most MAX_PARTS."""
-    from ddtree_gen.plans.tree_verify_wgmma import parts_for
+    from ddtree_gen.ops.tree_verify.wgmma import parts_for
     from ddtree_gen.spec import find_spec
     kimi8, ds128 = find_spec("kimi-k2.6-tp8"), find_spec("deepseek-v3")
     assert parts_for(kimi8, 8, 65, 4224, 132) == 14          # 9 row tiles x 14 = 126 blocks: one wave
@@ -733,7 +733,7 @@ def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device
     (row tile, part): parts_for), else the chunks grid; an explicit num_splits keeps the chunks grid (its meaning
     there); not loaded: the chunks grid; a caller's workspace too small for the parts (sized for the chunks grid's
     split count: B = 64 takes one chunk, no workspace): the chunks grid."""
-    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL, PARTS_MIN_KEYS, parts_for
+    from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL, PARTS_MIN_KEYS, parts_for
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     names = ("tree_verify", "tree_verify_tail", "merge_states", *WGMMA_NAMES, "tree_verify_mma_combine",
@@ -757,8 +757,8 @@ def test_parts_grid_taken_where_measured_faster(b, kw, loaded, want, fake_device
 
 def test_parts_grid_built_where_it_serves():
     """The parts build exists for every bf16 seesaw spec (any H), for no fp8 one (its dequantize path has its own)."""
-    from ddtree_gen.plans import by_name
-    from ddtree_gen.plans.tree_verify_wgmma import PARTS_KERNEL
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL
     from ddtree_gen.spec import all_specs
     k = by_name(PARTS_KERNEL)
     for spec in all_specs():

@@ -1,16 +1,17 @@
-"""Variants as named data (ddtree_gen/plans/variant.py): a variant is (kernel, spec, target, config); its procedural
+"""Variants as named data (ddtree_gen/build/variant.py): a variant is (kernel, spec, target, config); its procedural
 name; the default config from one policy; a script's variant built through `variant()` with no monkeypatching."""
 from __future__ import annotations
 
 import pytest
 
-from ddtree_gen import artifacts
+from ddtree_gen.build import artifacts
 from ddtree_gen.errors import BuildError, SpecError
-from ddtree_gen.plans import all_kernels, by_name, split_kv
-from ddtree_gen.plans import tree_verify_mma as mma_plans
-from ddtree_gen.plans import tree_verify_wgmma as wg_plans
-from ddtree_gen.plans.variant import default_config, variant
-from ddtree_gen.render import render
+from ddtree_gen.ops import all_kernels, by_name
+from ddtree_gen.ops.tree_verify import split as split_kv
+from ddtree_gen.ops.tree_verify import mma as mma_plans
+from ddtree_gen.ops.tree_verify import wgmma as wg_plans
+from ddtree_gen.build.variant import default_config, variant
+from ddtree_gen.build.render import render
 from ddtree_gen.spec import find_spec
 
 WGMMA = by_name("tree_verify_wgmma")
@@ -115,7 +116,7 @@ def test_variant_set_takes_each_builds_plan(kimi, monkeypatch):
     """kernel_set.variant_set: the variants' builds with their own plans (constants, launch geometry) beside the
     default builds of `also` (fake binaries: the wiring the scripts rely on, without NVRTC)."""
     from ddtree_gen.kernel_set import variant_set
-    from ddtree_gen.resources import PtxasReport
+    from ddtree_gen.build.resources import PtxasReport
     report = PtxasReport(registers=32, smem=0, stack=0, spill_stores=0, spill_loads=0)
 
     def fake(v, source=None):

@@ -27,7 +27,7 @@ import numpy as np
 from .. import reference
 from ..errors import DdtreeError
 from ..inputs import accept_tree, block_table, cache_shape, tree_build_inputs, verify_inputs
-from ..kernels.tree_verify import auto_impl, why_not
+from ..ops.tree_verify.launch import auto_impl, why_not
 from .specs import LAYERS, VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
@@ -67,7 +67,7 @@ def _gpu() -> tuple[int, object]:
                           f"PTX); none is usable here: {type(e).__name__}: {e}") from None
     if count == 0:
         raise DdtreeError("bench arch runs on a GPU (an H100 / H200); CUDA sees none")
-    from ..runtime import device_info
+    from ..launch.runtime import device_info
     return device, device_info(device)
 
 

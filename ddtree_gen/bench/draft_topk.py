@@ -66,8 +66,8 @@ def run(args) -> None:
     import torch
     from ..spec import find_spec
     from ..kernel_set import load
-    from ..kernels.draft_topk import workspace_elems
-    from ..runtime import sm_count
+    from ..ops.draft_topk.launch import workspace_elems
+    from ..launch.runtime import sm_count
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     ks = load(spec, kernels=["draft_topk"])
     k, dp = min(64, spec.max_tree_size - 1), min(15, spec.max_depth)

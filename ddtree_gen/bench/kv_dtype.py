@@ -2,7 +2,7 @@
 same shapes, side by side in one process; the fp8 cache by both of its paths: the fused kernel (fp8_path="fused": its
 converter warpgroup) and the dequantize pre-pass (fp8_path="dequant": kv_dequant, then the bf16-cache seesaw), whose
 outputs are checked against the fused ones bit for bit; and which of the two the default (fp8_path=None) takes on
-each shape (kernels.tree_verify.fp8_default)."""
+each shape (ops.tree_verify.launch.fp8_default)."""
 from __future__ import annotations
 
 import time
@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from ..inputs import verify_inputs
-from ..kernels.tree_verify import auto_impl, fp8_default
-from ..kernels.which import which_kernel
-from ..plans.tree_verify_wgmma import DEQUANT_PARTS
+from ..ops.tree_verify.launch import auto_impl, fp8_default
+from ..ops.tree_verify.which import which_kernel
+from ..ops.tree_verify.wgmma import DEQUANT_PARTS
 from .specs import VERIFY_KERNELS, spec_variant
 from .timing import checked_graph_time_ms, measured_peak_tflops, print_table, verify_flops
 
@@ -75,7 +75,7 @@ def run(args) -> None:
     print_table(f"tree_verify (impl auto) of {base.name}: bf16 vs fp8 (e4m3) KV cache, Nq={nq}; CUDA-graph replay "
                 f"medians; FLOPs = 2*H*Nq*(L+Nq)*(2R+P) summed over requests; measured bf16 matmul peak in this run: "
                 f"{peak:.0f} TFLOP/s; speedup = bf16 ms / fp8 ms; fp8 default = the path fp8_path=None takes "
-                f"(kernels.tree_verify.fp8_default); fp8 = the fused kernel (fp8_path='fused'), dequant = "
+                f"(ops.tree_verify.launch.fp8_default); fp8 = the fused kernel (fp8_path='fused'), dequant = "
                 f"fp8_path='dequant' (kv_dequant pre-pass + bf16-cache seesaw; 'same bits' = its out and lse equal the "
                 f"fused kernel's; 'parts' = its parts-grid build ran, bits of its own: the worst row's relative "
                 f"difference from the fused output)",
@@ -89,7 +89,7 @@ def _dequant(ks, spec, x, fused, floor_ms, where) -> tuple:
     grid, which has bits of its own, "parts" and the worst ||out - fused|| / ||fused|| of a row; "NO" otherwise, ms by
     CUDA-graph replay) with its kv_workspace given (allocated once, as an engine would)."""
     import cupy
-    from ..plans.kv_dequant import workspace_elems
+    from ..ops.kv_dequant.plan import workspace_elems
     b, max_pages = x["block_table"].shape
     kvw = cupy.empty(workspace_elems(spec, b, max_pages), np.uint16)
     res = ks.tree_verify(**x, fp8_path="dequant", kv_workspace=kvw)

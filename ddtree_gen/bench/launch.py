@@ -156,7 +156,7 @@ def call_table(ks, spec, x: dict, *, ops: bool = False) -> dict[str, Call]:
     }
     logits, k = x["logits"], min(64, budget)
     if "draft_topk" in ks.kernels:   # the drafter's top-k (issue 23): B = 1, D' = D, k = 64
-        from ..kernels import draft_topk
+        from ..ops.draft_topk import launch as draft_topk
         topk = ks.draft_topk(logits, k)
         need = draft_topk.workspace_elems(*logits.shape, k)
         ws = _int32_like(logits, need) if need else None
@@ -231,7 +231,7 @@ def per_call_us(fn, n: int, *, clock=time.thread_time, sync=None) -> float:
 
 def _compiled_calls(ks, fn) -> list:
     """(compiled function, its arrays, its pointers) of each compiled function one cached call of fn runs."""
-    from ..runtime import Prepared
+    from ..launch.runtime import Prepared
     fn()
     seen = []
     preps = [p for p in ks.prepared_calls.values() if isinstance(p, Prepared) and p.run is not None]

@@ -31,10 +31,10 @@ def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
     counted, not run, and torch CPU tensors standing for device 0's (torch_cpu_as_device0). Returns (kset,
     launches: a list of (function, grid, block, shared memory, stream, the parameter buffer's address) per
     cuLaunchKernel call)."""
-    from .. import callplan, runtime
+    from ..launch import callplan, runtime
     from ..kernel_set import KernelSet
-    from ..plans import all_kernels
-    from ..plans.variant import variant
+    from ..ops import all_kernels
+    from ..build.variant import variant
 
     info = runtime.DeviceInfo("stand-in H200", (9, 0), 232448)
     patch(runtime, "device_info", lambda device: info)
@@ -73,7 +73,7 @@ def torch_cpu_as_device0(patch=setattr, patch_item=operator.setitem) -> None:
     signature) say device 0 (runtime.HOST_DEVICE), and new outputs are CPU tensors."""
     import torch
 
-    from .. import arrays, runtime
+    from ..launch import arrays, runtime
     real_view = arrays.view
 
     def view(x, name):

@@ -21,7 +21,7 @@ def run(args) -> None:
 
     from ..spec import find_spec
     from ..kernel_set import load
-    from ..kernels.draft_topk import workspace_elems
+    from ..ops.draft_topk.launch import workspace_elems
     spec = find_spec((args.spec or ["kimi-k2.6-tp8"])[0])
     ks = load(spec)
     n, L = spec.max_tree_size, 4096

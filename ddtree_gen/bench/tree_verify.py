@@ -81,7 +81,7 @@ def sweep(args) -> None:
     from ..kernel_set import load
     from ..spec import find_spec
     from . import shapes
-    from ..runtime import sm_count
+    from ..launch.runtime import sm_count
     if args.count < 1:
         raise SystemExit("error: --count must be at least 1")
     peak = measured_peak_tflops()

@@ -114,7 +114,7 @@ class DeviceDecoder:
             self.device_topk = (self.drafter.noise == 0 and hasattr(self.kernels, "draft_topk")
                                 and "draft_topk" in getattr(self.kernels, "requested", ("draft_topk",)))
             if self.device_topk:
-                from ..kernels.draft_topk import workspace_elems
+                from ..ops.draft_topk.launch import workspace_elems
                 self.topk = DraftTopkOutput(self.topk_ids, self.topk_lps)
                 self.topk_temp = 1.0 if self.sampling.greedy else float(self.sampling.temperature)
                 self.topk_ws = xp.empty((max(1, workspace_elems(bsz, self.dp, cfg.vocab_size, self.k, "float32")),),

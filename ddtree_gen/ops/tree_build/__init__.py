@@ -1,0 +1,2 @@
+"""tree_build: best-first DDTree draft-tree expansion. plan.py: build data; launch.py: launcher and declaration.
+"""

@@ -1,0 +1,254 @@
+"""The launch path both tensor-core tree_verify families share (mma.sync: ops/tree_verify/mma_launch.py, wgmma:
+ops/tree_verify/wgmma_launch.py, peers that import this module and not each other), and the launcher of the
+split-KV combine kernel.
+
+Same contract and signature as the CUDA-core launchers (ops/tree_verify/launch.py, docs/contract.md
+"tree_verify"), plus workspace= and num_splits=. The split-KV policy, the workspace format and the
+combine's plan are in ops/tree_verify/split.py, each family's resource plan in ops/tree_verify/mma.py and
+ops/tree_verify/wgmma.py; templates/tree_verify_mma.cu.j2 and templates/tree_verify_wgmma.cu.j2 hold the
+kernel designs, templates/tree_verify_combine.cu.j2 the combine, docs/perf.md the performance model.
+
+* The number of key chunks comes from shapes only (never device values: CUDA-graph friendly);
+  splits > 1 writes fp32 partials to a workspace (allocated if not given) and launches
+  tree_verify_mma_combine.
+* Device-side values behave as in the CUDA-core kernels; validate=True checks them on the host.
+* The argument checks are launch/checks.py's, with the tensor-core kernels' own limits: q_nope /
+  q_pe 16-byte aligned (cp.async 16-byte units) and num_pages x page_size < 2**31 (32-bit
+  cache-row indices).
+* kv_scale: required for an fp8 spec (its cache holds e4m3 bytes), refused for a bf16 one; the kernels
+  take scale_log2 = softmax_scale x kv_scale x log2(e) and v_scale = kv_scale (1 for bf16), the factor
+  of their output, both in fp32. The mma.sync kernels are not built for an fp8 spec (an ArgumentError
+  naming the kernel and the kv_dtype); the wgmma ones read its e4m3 tiles.
+* The kernel must run on the arrays' device (runtime.DeviceOffer.require: the wgmma kernels have an sm_90a
+  build only, the mma.sync kernels' sm_80 build needs 150 KB of shared memory per block): an
+  ArgumentError names the kernel, the device and why, before anything is allocated. BN (and the
+  tuned split table) are those of the build that runs there (ops/tree_verify/split.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...launch import arrays as ar
+from ...errors import ArgumentError
+from .. import by_name
+from .split import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
+from .split import COMBINE_DEF, parts_workspace_elems, workspace_elems
+from ...build.declaration import Declaration
+from .simple import tensor_core_sanitizer_cases
+from ..kv_dequant.plan import workspace_layout as dequant_layout
+from .wgmma import WORKSPACE_READERS, parts_for
+from ...launch.runtime import Prepared, Step, TensorMap, run_call, sm_count
+from ...types import AttentionOutput
+from ..kv_dequant.launch import dequant_step
+from ...launch.checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
+                              given_outputs, validate_attention_values)
+
+READER = "tensor-core kernel"   # in alignment messages
+Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
+WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
+KVW = WS + 1                    # fp8_path "dequant": the bf16 kv_workspace's
+KV_DEQUANT = "kv_dequant"       # its pre-pass (ops/kv_dequant/plan.py)
+_INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
+
+
+def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
+    """fp8_path "dequant": the caller's kv_workspace as a DevArray of the elements the call uses (None: not given, the
+    launcher allocates it), after its checks; and the layout (pages, table byte offset, elements)."""
+    from ..kv_dequant.launch import check_workspace_pages
+    check_workspace_pages(spec, b, max_pages)
+    layout = dequant_layout(spec, b, max_pages)
+    if len(arrays) <= KVW or arrays[KVW] is None:
+        return None, layout
+    ka = _given_scratch(ptrs, arrays[KVW], "kv_workspace", "bf16", "bf16 (uint16 bits on CuPy, torch.bfloat16 on torch)",
+                        layout[2], lambda n: f"{n} bf16 elements, B = {b} requests x max_pages = {max_pages} need "
+                                             f"{layout[2]} (ops.kv_dequant.plan.workspace_elems(spec, B, max_pages))")
+    return ka, layout
+
+
+def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int, too_small) -> ar.DevArray:
+    """A caller's scratch array (workspace, kv_workspace) checked: `dtype` (`expected` names it in the error),
+    C-contiguous, at least `need` elements (`too_small(n)` says why not), 16-byte aligned; as the DevArray of the
+    `need` elements the kernels use."""
+    sa, contiguous = ar.view(array, name)
+    if sa.dtype != dtype:
+        raise ArgumentError(f"{name}: dtype {sa.dtype}, expected {expected}")
+    if not contiguous:
+        raise ArgumentError(f"{name}: not C-contiguous")
+    if math.prod(sa.shape) < need:
+        raise ArgumentError(f"{name}: {too_small(math.prod(sa.shape))}")
+    sa = ar.DevArray(sa.obj, sa.ptr, (need,), dtype, sa.kind, sa._device)   # the part the kernels use
+    ptrs.align(sa, name, 16, READER)
+    return sa
+
+
+def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
+    """(parts, count) of a call of build `name` of tensor-core `family` ("wgmma", "mma"; the route's choice already)
+    on the offer's device: parts True for a build on the "parts" grid (the knob grid="parts":
+    plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts on the device, one block
+    per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a request. From shapes only
+    (num_splits: the caller's count, checked)."""
+    spec = offer.spec
+    consts = offer.constants(name)
+    parts = bool(consts.get("PARTS"))
+    if num_splits is not None:
+        return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
+    max_keys = nq if tail else max_pages * spec.page_size
+    sms = sm_count(offer.device) if b else DEFAULT_SMS
+    if parts:
+        return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
+    # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
+    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
+
+
+def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
+                      kv_scale=None) -> Prepared:
+    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` of tensor-core `family`
+    (kernels/tree_verify.route's choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...), on
+    what the kernel set offers on the arrays' device (runtime.DeviceOffer)."""
+    spec = offer.spec
+    if name not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
+        raise ArgumentError(by_name(name).why_not_built(spec))
+    ptrs = PointerChecks(_INDEX)
+    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
+                                                         q_align=Q_ALIGN, reader=READER, row_indices32=True)
+    qn = inputs["q_nope"]
+    b, nq, h, r = qn.shape
+    num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
+    dequant = name in WORKSPACE_READERS
+    if offer.device != qn.device:   # (the offer is of q_nope's device; the checks found every array on it)
+        raise AssertionError(f"the offer of device {offer.device}, the call's arrays on {qn.device}")
+    arch = offer.require(name)
+    consts = offer.constants(name)
+    if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
+        if KV_DEQUANT not in offer.builds:
+            raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
+                                f"{spec.name!r} (load it, or pass fp8_path=None)")
+        offer.require(KV_DEQUANT)
+    bn = consts["BN"]
+    parts, splits = pieces(offer, name, family, tail, b, nq, max_pages, num_splits, arch)
+    row_tiles = -(-nq * h // BM)
+    rows_total = b * nq * h
+    max_keys = nq if tail else max_pages * spec.page_size
+    sms = sm_count(qn.device) if b else DEFAULT_SMS
+    if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
+        raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
+    if splits > 1 and COMBINE not in offer.builds:
+        raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
+                            f"spec {spec.name!r} (load it, or pass num_splits=1)")
+    if splits > 1:
+        offer.require(COMBINE)
+    if b * splits * row_tiles > INT32_MAX:
+        raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
+    # the caller's buffers are checked before anything is allocated or copied
+    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
+    need = parts_workspace_elems(spec, b, nq, splits) if parts else workspace_elems(spec, b, nq, splits)
+    wa = None
+    if arrays[WS] is not None and need:
+        wa = _given_scratch(ptrs, arrays[WS], "workspace", "float32", "float32", need,
+                            lambda n: f"{n} float32 elements, {splits} key chunks need {need} "
+                                      f"(at most workspace_elems(spec, B, Nq, splits))")
+    ka, layout = _kv_workspace(spec, arrays, ptrs, b, max_pages) if dequant else (None, None)
+    check_outputs(ptrs, inputs, {"out": oa, "lse": la, "workspace": wa, **({"kv_workspace": ka} if dequant else {})},
+                  reader=READER)
+    if validate and b:
+        validate_attention_values(tail, inputs, spec.page_size)
+    new = [(7, (b, nq, h, r), "bf16"), (8, (b, nq, h), "float32")]
+    steps = []
+    if b:
+        slots = (b + splits - 1) * nq * h if parts else splits * rows_total   # partial rows in the workspace
+        part_o, part_lse, spans = (((WS, 0), (WS, slots * r * 4), (WS, slots * (r + 1) * 4)) if need else
+                                   (np.uint64(0), np.uint64(0), np.uint64(0)))
+        # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
+        # boxes of one key tile's rows by one 64-column slab (bf16: 128 bytes, swizzled; e4m3: 64 bytes, as they are)
+        # the dequantize path: kv_dequant writes the bf16 pages and their block table into the kv workspace, which
+        # the kernel then reads as its cache (B * max_pages pages; the table after them)
+        kv, table, pages = (KVW, (KVW, layout[1]), layout[0]) if dequant else (2, 3, num_pages)
+        if dequant:
+            if max_pages:   # (none: the kernel reads no key, nor the table)
+                steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
+                                          offer.constants(KV_DEQUANT), sms))
+            new.append((KVW, (layout[2],), "bf16"))
+        rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
+        tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
+               if consts.get("USE_TMA") else ())
+        blocks = splits * row_tiles if parts else b * splits * row_tiles
+        args = (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
+                np.int32(pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
+                *((spans,) if parts else ()), *tma)
+        steps.append(Step(name, (blocks,), args))
+        if need:
+            new.append((WS, (need,), "float32"))
+        if splits > 1:
+            steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
+                                      spans if parts else np.uint64(0)))
+    return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
+                    disjoint=tuple(ptrs.disjoint), scratch=(WS, KVW) if dequant else (WS,),
+                    returns=(AttentionOutput, (7, 8)))
+
+
+def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:
+    """The combine of `splits` chunks ([splits, rows_total] partials), or of the seesaw kernel's parts (`spans`:
+    the request spans it wrote, partials in slots b + part)."""
+    blocks = -(-rows_total // COMBINE_ROWS_PER_BLOCK)
+    if blocks > INT32_MAX:
+        raise ArgumentError(f"q_nope: {rows_total} rows are too many for one launch")
+    return Step(COMBINE, (blocks,), (part_o, part_lse, pl, ql, np.int32(nq), np.int32(splits), np.int64(rows_total),
+                                     out, lse, spans))
+
+
+def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> AttentionOutput:
+    """Low level: merge the `splits` partials in `workspace` (as left by a tensor-core tree_verify launch
+    with num_splits=splits) into out [B, Nq, H, R] bf16 and lse [B, Nq, H] float32."""
+    spec = kset.spec
+    oa = ar.device_array(out, "out", dtype="bf16", ndim=4)
+    b, nq, h, r = oa.shape
+    if (h, r) != (spec.num_heads, spec.kv_lora_rank):
+        raise ArgumentError(f"out: shape {oa.shape} does not match spec {spec.name!r} (H, R)")
+    la = ar.device_array(lse, "lse", dtype="float32", shape=(b, nq, h))
+    pl = ar.device_array(prefix_lens, "prefix_lens", dtype="int32", shape=(b,))
+    ql = ar.device_array(q_lens, "q_lens", dtype="int32", shape=(b,))
+    splits = ar.int_arg(splits, "splits", lo=2, hi=MAX_SPLITS)
+    need = workspace_elems(spec, b, nq, splits)
+    wa, contiguous = ar.view(workspace, "workspace")
+    if wa.dtype != "float32" or not contiguous or math.prod(wa.shape) < need:
+        raise ArgumentError(f"workspace: need a contiguous float32 array of >= {need} elements")
+    device = ar.same_device({"out": oa, "lse": la, "prefix_lens": pl, "q_lens": ql, "workspace": wa})
+    ptrs = PointerChecks({"workspace": 0, "out": 3})
+    ptrs.align(wa, "workspace", 16, READER)
+    ptrs.align(oa, "out", 4, READER)
+    rows = b * nq * h
+    steps = (combine_step((0, 0), (0, splits * rows * r * 4), 1, 2, nq, splits, rows, 3, 4),) if rows else ()
+    arrays = (wa.obj, pl.obj, ql.obj, oa.obj, la.obj)
+    prep = Prepared(device=device, kind=oa.kind, steps=steps, aligned=tuple(ptrs.aligned),
+                    returns=(AttentionOutput, (3, 4)))
+    # a low-level call: checked every time (not cached)
+    return run_call(kset, lambda: prep, arrays, (), cache=False)
+
+
+
+# ------------------------------------------------------------------------- declarations
+
+_SERVED = ("served by the torch op of {0} (impl='{1}'), which dispatches to it")
+_SAME_BUNDLES = ("the math of {0}: its bundles (refs/<spec>/{0}-*.kdtr) hold the inputs and outputs of this "
+                 "kernel too")
+
+
+def tensor_core_declaration(kdef, launcher, reference) -> Declaration:
+    """The declaration of a tensor-core kernel serving `public`(impl=`impl`) (its build's serves), of either family:
+    `reference` is public's; its cases the tree_verify cases with forced split-KV; its op and bundles public's."""
+    public, impl = kdef.serves
+    return Declaration(kdef, launcher=launcher, reference=reference, output=AttentionOutput,
+                       sanitize=tensor_core_sanitizer_cases,
+                       missing={"torch_ops": _SERVED.format(public, impl), "bundles": _SAME_BUNDLES.format(public)})
+
+
+DECLARATIONS = [
+    Declaration(COMBINE_DEF, launcher=combine, output=AttentionOutput,
+                missing={"reference": "a step of the tensor-core tree_verify kernels with num_splits > 1 (checked "
+                                      "through their references); its math is merge_states' over the chunks",
+                         "torch_ops": "a step of the tensor-core tree_verify kernels, not an op of its own",
+                         "sanitize": "launched by the tensor-core tree_verify kernels' cases with num_splits > 1",
+                         "bundles": "a step of the tensor-core tree_verify kernels (their bundles are tree_verify's)"}),
+]
