@@ -6,9 +6,9 @@ per call signature) and launches through the runtime. Next to it, its module dec
 (`DECLARATIONS = [Declaration(...)]`, plans/declaration.py): the launcher, reference, output record, torch ops
 (their fakes and implementations are here too), sanitizer cases and bundles, as the objects themselves. A module
 of this package with DECLARATIONS is found by being here (declarations(); docs/adding-a-kernel.md);
-ddtree_gen.registry collects them and ddtree_gen.kernel_set makes each launcher the KernelSet method of the
-kernel's name. The build data of each kernel (template, entry, resource plan) and the inputs of its cases are in
-ddtree_gen.plans, which imports nothing from here.
+ddtree_gen.registry collects them, and ddtree_gen.kernel_set.Launchers names each launcher as the KernelSet
+method of the kernel's name. The build data of each kernel (template, entry, resource plan) and the inputs of its
+cases are in ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
