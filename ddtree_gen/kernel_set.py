@@ -1,10 +1,10 @@
 """KernelSet: a spec's compiled kernels with their launchers as methods, and load().
 
-The top of the import graph: it joins the build layer (artifacts), the runtime and the
-launchers (kernels/: each imported by name, the method of its kernel: Launchers). One KernelSet serves every GPU of the process
-and every thread: modules are loaded per device on first use, and launches go to the current stream of
-the inputs' device. StandInKernelSet is the same interface without a GPU (what the launchers ask of a
-kernel set: kernels.KernelSetLike), for CPU tests and host-side profiling.
+The top of the import graph: it joins the build layer (artifacts), the runtime and the launchers (kernels/: each
+imported by name, the method of its kernel: Launchers). One KernelSet serves every GPU of the process and every
+thread: modules are loaded per device on first use, and launches go to the current stream of the inputs' device.
+StandInKernelSet is the same interface without a GPU (what the launchers ask of a kernel set: kernels.KernelSetLike),
+for CPU tests and host-side profiling.
 """
 from __future__ import annotations
 
