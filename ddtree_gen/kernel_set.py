@@ -1,29 +1,59 @@
 """KernelSet: a spec's compiled kernels with their launchers as methods, and load().
 
-The top of the import graph: it joins the build layer (artifacts), the runtime and the
-launchers (kernels/, through the declarations: registry). One KernelSet serves every GPU of the process
-and every thread: modules are loaded per device on first use, and launches go to the current stream of
-the inputs' device. StandInKernelSet is the same interface without a GPU (what the launchers ask of a
-kernel set: kernels.KernelSetLike), for CPU tests and host-side profiling.
+The top of the import graph: it joins the build layer (artifacts), the runtime and the launchers (kernels/: each
+imported by name, the method of its kernel: Launchers). One KernelSet serves every GPU of the process and every
+thread: modules are loaded per device on first use, and launches go to the current stream of the inputs' device.
+StandInKernelSet is the same interface without a GPU (what the launchers ask of a kernel set: kernels.KernelSetLike),
+for CPU tests and host-side profiling.
 """
 from __future__ import annotations
 
 import functools
 import threading
-import types
 
-from . import archs, registry
+from . import archs
 from .build import artifacts
 from .launch import runtime
 from .errors import ArgumentError
 from .ops import KernelDef, all_builds, by_name
 from .launch.runtime import Binary, DeviceModules, DeviceOffer
+from .ops.draft_topk import launch as _draft_topk
+from .ops.kv_commit import launch as _kv_commit
+from .ops.kv_dequant import launch as _kv_dequant
+from .ops.tree_verify import tensor_core as _tensor_core
+from .ops.tree_accept import launch as _tree_accept
+from .ops.tree_build import launch as _tree_build
+from .ops.tree_verify import launch as _tree_verify
+from .ops.tree_verify import mma_launch as _tree_verify_mma
+from .ops.tree_verify import wgmma_launch as _tree_verify_wgmma
 from .spec import Spec, find_spec
 
 __all__ = ["KernelSet", "StandInKernelSet", "load", "variant_set"]
 
 
-class KernelSet:
+class Launchers:
+    """Each declared kernel's launcher, launch(kset, ...), as the method of the kernel's name: the launcher function
+    itself (a function as a class attribute is a method), so "go to definition" reaches its def through the import,
+    and help(kset.tree_verify) shows its signature and docstring. One line per declaration of ddtree_gen.registry
+    (tests/test_declarations.py: a declaration with no method here, or a method with no declaration, fails), in
+    build order. KernelSet and StandInKernelSet have them all."""
+
+    tree_build = _tree_build.launch
+    tree_verify = _tree_verify.tree_verify
+    tree_verify_tail = _tree_verify.tree_verify_tail
+    merge_states = _tree_verify.merge_states
+    tree_verify_mma = _tree_verify_mma.tree_verify
+    tree_verify_tail_mma = _tree_verify_mma.tree_verify_tail
+    tree_verify_mma_combine = _tensor_core.combine
+    tree_verify_wgmma = _tree_verify_wgmma.tree_verify
+    tree_verify_tail_wgmma = _tree_verify_wgmma.tree_verify_tail
+    tree_accept = _tree_accept.launch
+    kv_commit = _kv_commit.launch
+    draft_topk = _draft_topk.launch
+    kv_dequant = _kv_dequant.launch
+
+
+class KernelSet(Launchers):
     """The compiled kernels of one spec. Each kernel's launcher is a method: kset.tree_build(...) (one per
     declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); the launch of a
     kernel this set was not loaded with raises ArgumentError (no build of it for the device). A kernel may ship
@@ -157,7 +187,7 @@ class KernelSet:
         return f"KernelSet({self.spec.name!r}, kernels={self.kernels}{forced})"
 
 
-class StandInKernelSet:
+class StandInKernelSet(Launchers):
     """A kernel set without a GPU (kernels.KernelSetLike): the spec's plans and constants (of each kernel's
     sm_90a build, as KernelSet.plan without a device), every kernel of `kernels` (default: every kernel the
     spec gets) running there as its first target, and a launch that records what it was given in
@@ -240,24 +270,6 @@ def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
 def _stand_in_constants(name: str, spec) -> dict:
     """A stand-in's template constants of build `name` (its sm_90a plan's), computed once per process."""
     return by_name(name).plan_for(spec).template_constants()
-
-
-def _method(name: str, launch):
-    """The launcher `launch(kset, ...)` as the method `name`: the same code (no frame added to a call), named
-    for the kernel, with the launcher's signature and docstring."""
-    f = types.FunctionType(launch.__code__, launch.__globals__, name, launch.__defaults__, launch.__closure__)
-    f.__kwdefaults__ = launch.__kwdefaults__
-    f.__doc__ = launch.__doc__
-    f.__annotations__ = dict(launch.__annotations__)
-    f.__module__ = launch.__module__
-    f.__qualname__ = f"KernelSet.{name}"
-    return f
-
-
-for _d in registry.declarations():   # one method per declared kernel (the declarations' launchers)
-    setattr(KernelSet, _d.name, _method(_d.name, registry.launcher(_d.name)))
-    setattr(StandInKernelSet, _d.name, _method(_d.name, registry.launcher(_d.name)))
-del _d
 
 
 _LOADED: dict = {}

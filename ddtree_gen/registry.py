@@ -2,8 +2,9 @@
 
 A declaration holds the kernel's facets as objects (build/declaration.py): its launcher, numpy reference, output
 record, torch ops, sanitizer cases and bundle inputs. This module, above the launchers, gathers the DECLARATIONS of
-every launcher module (LAUNCHERS, below) in build order (ops.all_kernels()); kernel_set (the KernelSet methods),
-torch_ops, sanitize, bundles, `ddtree-gen list` and the tests iterate it.
+every launcher module (LAUNCHERS, below) in build order (ops.all_kernels()); torch_ops, sanitize, bundles,
+`ddtree-gen list` and the tests iterate it, and tests/test_declarations.py holds kernel_set.Launchers (the KernelSet
+methods) to it.
 """
 from __future__ import annotations
 

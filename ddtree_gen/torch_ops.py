@@ -39,6 +39,7 @@ import functools
 
 import torch
 
+from .launch import hostcode
 from . import registry
 from .kernel_set import load
 
@@ -107,24 +108,8 @@ def _direct_entry(name: str, impl):
     commits)."""
     op = getattr(torch.ops.ddtree, name).default
     schema = op._schema
-    ns = {"_compiling": torch.compiler.is_compiling, "_modes": torch._C._len_torch_dispatch_stack,
-          "_Tensor": torch.Tensor, "_run": impl, "_op": op}
-    params, names = [], []
-    for i, a in enumerate(schema.arguments):
-        names.append(a.name)
-        if a.has_default_value():   # the default itself, by name (its repr need not be Python: inf)
-            ns[f"_default{i}"] = a.default_value
-            params.append(f"{a.name}=_default{i}")
-        else:
-            params.append(a.name)
-    first = next(a.name for a in schema.arguments if str(a.type) == "Tensor")   # every op has one
-    args = ", ".join(names)
-    src = (f"def {name}({', '.join(params)}):\n"
-           f"    if not _compiling() and not _modes() and type({first}) is _Tensor:\n"
-           f"        return _run({args})\n"
-           f"    return _op({args})\n")
-    exec(compile(src, f"<ddtree_gen direct.{name}>", "exec"), ns)
-    fn = ns[name]
+    fn = hostcode.direct_entry(name, schema, impl, op, compiling=torch.compiler.is_compiling,
+                               modes=torch._C._len_torch_dispatch_stack, tensor=torch.Tensor)
     fn.__qualname__ = f"direct.{name}"
     fn.__module__ = __name__
     fn.__doc__ = (f"torch.ops.ddtree.{name} without the dispatcher in eager calls (the op when traced).\n\n"

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                                                       "direct entry")
     ap.add_argument("--stages", metavar="CALL", help="time each stage of this call (its compiled function's "
                                                      "checks, outputs, launch, result; the rest before it)")
-    ap.add_argument("--source", metavar="CALL", help="print this call's compiled function (callplan.compile_runner)")
+    ap.add_argument("--source", metavar="CALL", help="print this call's compiled function (hostcode.compile_runner)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                     help="cpu: this thread's CPU time (default; on a shared machine, others' load does not count); "
                          "wall: wall time")

@@ -64,14 +64,34 @@ def test_every_kernel_of_plans_is_declared_once(monkeypatch):
 
 @pytest.mark.parametrize("decl", registry.declarations(), ids=lambda d: d.name)
 def test_kernel_set_methods_are_the_launchers(decl):
-    """help(ks.tree_verify) shows the launcher's signature and docstring (not *args, **kwargs)."""
-    method = getattr(kernel_set.KernelSet, decl.name)
+    """Each declared kernel's method, on KernelSet and on the CPU stand-in, is its declared launcher itself (a class
+    attribute of kernel_set.Launchers: "go to definition" reaches the launcher's def), so help(ks.tree_verify)
+    shows the launcher's signature and docstring (not *args, **kwargs)."""
     launch = registry.launcher(decl.name)
-    assert method.__name__ == decl.name and method.__qualname__ == f"KernelSet.{decl.name}"
-    assert method.__code__ is launch.__code__ and method.__doc__ == launch.__doc__
-    params = list(inspect.signature(method).parameters)
-    assert params == list(inspect.signature(launch).parameters) and params[0] == "kset"
-    assert "args" not in params and "kwargs" not in params
+    assert vars(kernel_set.Launchers)[decl.name] is launch
+    for cls in (kernel_set.KernelSet, kernel_set.StandInKernelSet):   # neither shadows it
+        assert getattr(cls, decl.name) is launch, cls
+    params = list(inspect.signature(launch).parameters)
+    assert params[0] == "kset" and "args" not in params and "kwargs" not in params
+
+
+def test_every_method_of_launchers_is_declared():
+    """kernel_set.Launchers names the registry's kernels, no more (the registry is the source of which kernels
+    exist), in build order."""
+    methods = [n for n, v in vars(kernel_set.Launchers).items() if not n.startswith("__")]
+    assert methods == [d.name for d in registry.declarations()]
+
+
+def test_no_launcher_is_attached_at_run_time():
+    """The methods are in the class body, where a reader (and an editor's "go to definition") finds them: kernel_set
+    sets no attribute at import (no setattr, no assignment to a class's attribute outside its body)."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse(Path(kernel_set.__file__).read_text())
+    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr"]
+    assigned = [n.lineno for n in tree.body if isinstance(n, (ast.Assign, ast.AugAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)]
+    assert not calls and not assigned, (calls, assigned)
 
 
 def test_bound_method_signature_drops_the_kernel_set(spec):

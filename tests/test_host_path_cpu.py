@@ -23,6 +23,7 @@ import pytest
 
 from conftest import FakeCudaArray, LaunchLog
 from ddtree_gen.launch import runtime
+from ddtree_gen.launch import hostcode
 from ddtree_gen.bench import launch, stand_in
 from ddtree_gen.bench.specs import LAYERS
 from ddtree_gen.errors import ArgumentError
@@ -333,12 +334,11 @@ def _runner_of(kset, kernel):
 
 
 def test_runner_compiled_once_per_signature(monkeypatch):
-    """A cached call signature is compiled into one function on its first call (callplan.compile_runner) and
+    """A cached call signature is compiled into one function on its first call (hostcode.compile_runner) and
     reused; another signature (a new shape) gets its own; a call that is not cached never compiles one."""
-    from ddtree_gen.launch import callplan
     spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
     compiled = []
-    real = callplan.compile_runner
+    real = hostcode.compile_runner
     monkeypatch.setattr(runtime, "compile_runner", lambda *a, **k: compiled.append(a[0]) or real(*a, **k))
     for _ in range(3):
         kset.merge_states(v["q_nope"], torch.zeros(v["q_nope"].shape[:3]), v["q_nope"].clone(),
@@ -356,6 +356,34 @@ def test_runner_compiled_once_per_signature(monkeypatch):
     kset.tree_accept(*accept, validate=True)
     kset.tree_accept(*accept, validate=True)
     assert len(compiled) == before
+
+
+def test_a_runner_cut_at_its_stages(monkeypatch):
+    """hostcode.stages: a compiled call cut where each stage ends (what `bench launch`'s stage times time): the
+    stages in the runner's order, each cut a function of the same arguments that returns None before the result
+    (the last: the whole call, its record), the ones from "launch" launching, the real runner untouched;
+    bench launch's stage_times runs them."""
+    spec, kset, launches, (v, build, caches, target) = _stand_in(monkeypatch)
+    call = lambda: kset.tree_build(*build, spec.max_tree_size - 1)
+    call()
+    from ddtree_gen.reference import TreeBuildOutput
+    (prep,) = _runner_of(kset, "tree_build")
+    real, source, seen = prep.run, prep.run.source, []
+    prep.run = lambda arrays, ptrs: seen.append((arrays, list(ptrs))) or real(arrays, ptrs)
+    call()
+    prep.run = real
+    (arrays, ptrs), = seen
+    cuts = hostcode.stages(real)
+    assert [name for name, _ in cuts] == ["checks", "outputs", "launch", "result"]
+    for k, (name, part) in enumerate(cuts):
+        before = len(launches)
+        got = part(arrays, list(ptrs))
+        assert (got is None) == (name != "result") and (name != "result" or type(got) is TreeBuildOutput), name
+        assert len(launches) - before == (k >= 2), name
+        assert part.source.endswith("    return None\n") and part is not real
+    assert prep.run is real and real.source == source
+    rows = launch.stage_times(kset, call, 5)
+    assert [r[0].split()[0] for r in rows] == ["the", "checks", "outputs", "launch", "result", "launcher,"]
 
 
 def _accept_args(spec, kset, build, target, v):
@@ -502,7 +530,7 @@ def test_compiled_call_packs_the_caches_tensor_map(monkeypatch):
 
 def _guarded(kset) -> list:
     """The guarded entries of a kernel set (runtime._guard), each (key, host device, tensors, Nones' types, zeros,
-    TensorGuards, alias, the compiled test (runtime._matcher), Prepared), all launchers together."""
+    TensorGuards, alias, the compiled test (hostcode.matcher), Prepared), all launchers together."""
     return [e for k, v in kset.prepared_calls.items() if not isinstance(k, tuple) for e in v]
 
 
@@ -583,9 +611,9 @@ def test_guarded_entry_misses_on_each_component(monkeypatch):
         kset.merge_states(a0, lse, o_b, lse_b, out=a1, lse=lse)
 
 
-@pytest.mark.parametrize("m", [3, runtime.MATCH_INLINE + 4])   # tensors named one by one, or read by C-level maps
+@pytest.mark.parametrize("m", [3, hostcode.MATCH_INLINE + 4])   # tensors named one by one, or read by C-level maps
 def test_guarded_entry_test_is_exact(m):
-    """A guarded entry's compiled test (runtime._matcher) gives the pointers of the tensors and a zero per None
+    """A guarded entry's compiled test (hostcode.matcher) gives the pointers of the tensors and a zero per None
     only for the entry's layout: m tensors that pass the guard, the repeats the same objects, then exactly the
     Nones; any other arrays (a tensor for a None, one None more or less, another object for a repeat, a tensor the
     guard refuses) get None, and the dict's path then decides."""
@@ -593,7 +621,7 @@ def test_guarded_entry_test_is_exact(m):
     head = (*ts, ts[1])   # the last tensor is the second passed again (merge_states in place)
     unique = tuple(range(m - 1))
     g = runtime._tensor_guards()(*ts, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    match = runtime._matcher(m, 2, g.check, ((m - 1, 1),), unique, torch.Tensor.data_ptr)
+    match = hostcode.matcher(m, 2, g.check, ((m - 1, 1),), unique, torch.Tensor.data_ptr)
     assert match((*head, None, None)) == [t.data_ptr() for t in head] + [0, 0]
     fresh = [torch.zeros(4, dtype=torch.int32) for _ in range(m - 1)]   # new tensors of the same signature
     assert match((*fresh, fresh[1], None, None)) == [t.data_ptr() for t in (*fresh, fresh[1])] + [0, 0]
@@ -601,7 +629,7 @@ def test_guarded_entry_test_is_exact(m):
                   (*ts, ts[1].clone(), None, None), (ts[0].float(), *head[1:], None, None),
                   (ts[0][:2], *head[1:], None, None)):
         assert match(other) is None
-    plain = runtime._matcher(m - 1, 0, g.check, (), unique, torch.Tensor.data_ptr)   # no repeats, no Nones
+    plain = hostcode.matcher(m - 1, 0, g.check, (), unique, torch.Tensor.data_ptr)   # no repeats, no Nones
     assert plain(tuple(ts)) == [t.data_ptr() for t in ts] and plain((*ts, None)) is None
 
 

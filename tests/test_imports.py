@@ -28,7 +28,8 @@ LAYERS = [
     ["ops", "ops:plan"],                                                 # the operations' build data and case inputs
     ["build.render", "build.compile"],
     ["build.artifacts", "launch", "launch.arrays"],                      # build products; caller arrays
-    ["launch.runtime", "launch.callplan"],                               # modules per device, launches; one call compiled
+    ["launch.runtime", "launch.callplan", "launch.hostcode"],            # modules per device, launches; one call's plan;
+                                                                         # Python source made at run time and compiled
     ["launch.checks", "launch.protocol", "ops:launch"],                  # launchers and the kernels' declarations
     ["registry"],                                                        # the declarations collected
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
@@ -294,3 +295,29 @@ def test_no_module_attribute_strings():
     assert not wrong, "\"module:attribute\" strings (declare the object itself):\n" + "\n".join(wrong)
     assert _string_reference("ops.tree_build.launch:launch") and _string_reference("reference:tree_build")
     assert not _string_reference("none: it moves the caches in place") and not _string_reference("ddtree::tree_build")
+
+
+def _compiles_source(tree) -> list:
+    """The lines of a module that compile Python source made at run time: a call of the builtins exec, eval or
+    compile (re.compile, a method, is another thing), or a function made from a code object (types.FunctionType)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in ("exec", "eval", "compile", "FunctionType"):
+                found.append(node.lineno)
+            elif isinstance(f, ast.Attribute) and f.attr == "FunctionType":
+                found.append(node.lineno)
+    return found
+
+
+def test_source_is_compiled_in_one_module():
+    """Host code made from strings (a cached call, a guarded entry's test, a torch op's direct entry, a call cut
+    after a stage) is compiled in ddtree_gen/launch/hostcode.py only: one place to read what runs that no file shows."""
+    where = {name: _compiles_source(ast.parse(path.read_text(), str(path))) for name, path in _modules().items()}
+    wrong = [f"{_modules()[n].relative_to(PACKAGE.parent)}:{line}" for n, lines in sorted(where.items())
+             for line in lines if n != "ddtree_gen.launch.hostcode"]
+    assert not wrong, "source compiled outside ddtree_gen/launch/hostcode.py:\n" + "\n".join(wrong)
+    assert where["ddtree_gen.launch.hostcode"], "hostcode compiles nothing: the rule above is stale"
+    src = "import re, types\nre.compile('x')\nexec('1')\nf = types.FunctionType(g.__code__, {})\nx.eval()\n"
+    assert _compiles_source(ast.parse(src)) == [3, 4]

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .. import inputs
+from ..launch.hostcode import stages
 from .specs import LAYERS
 from .timing import graph_time_ms, torch_graph_time_ms
 
@@ -249,8 +250,8 @@ def _compiled_calls(ks, fn) -> list:
 
 def stage_times(ks, fn, n: int, **timing) -> list:
     """The time of each stage of one cached call, [(label, us)]: the whole call, the compiled function's stages
-    (callplan.compile_runner marks them in its source: checks, outputs, launch, result), each timed as the source
-    cut after it, then the launcher, its signature and the cache lookup (the call minus its compiled function).
+    (hostcode.compile_runner marks them in its source: checks, outputs, launch, result), each timed as the source
+    cut after it (hostcode.stages), then the launcher, its signature and the cache lookup (the call minus its compiled function).
     Works on any kernel set (the stand-in of bench/stand_in.py, or a real one); `timing`: per_call_us' clock and
     sync."""
     seen = _compiled_calls(ks, fn)
@@ -258,17 +259,11 @@ def stage_times(ks, fn, n: int, **timing) -> list:
     rows = [("the call", total)]
     inner = 0.0
     for real, arrays, ptrs in seen:
-        lines = real.source.rstrip("\n").split("\n")
-        cuts = [k for k, line in enumerate(lines) if line.startswith("    # ")] + [len(lines)]
         last = 0.0
-        for k, cut in zip(cuts, cuts[1:]):
-            src = "\n".join(lines[:cut] + ["    return None"]) + "\n"
-            ns = dict(real.__globals__)
-            exec(src, ns)
-            part = ns["run"]
+        for stage, part in stages(real):
             t = (per_call_us(lambda: part(arrays, list(ptrs)), n, **timing)
                  - per_call_us(lambda: list(ptrs), n, **timing))
-            rows.append((f"{lines[k].strip()[2:]:<8} ({real.__code__.co_filename.strip('<>')[11:]:<34})", t - last))
+            rows.append((f"{stage:<8} ({real.__code__.co_filename.strip('<>')[11:]:<34})", t - last))
             last = t
         inner += last
     rows.append(("launcher, signature, cache lookup", total - inner))
@@ -291,7 +286,7 @@ def stage_split(rows) -> dict:
 
 
 def compiled_sources(ks, fn) -> list[str]:
-    """The source of each compiled function (callplan.compile_runner) one cached call of fn runs."""
+    """The source of each compiled function (hostcode.compile_runner) one cached call of fn runs."""
     return [real.source for real, _, _ in _compiled_calls(ks, fn)]
 
 

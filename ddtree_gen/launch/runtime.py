@@ -29,9 +29,10 @@ from .. import archs
 from . import arrays as _arrays
 from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
 from .callplan import (EMPTY_US, OUTPUT_ALIGN, TENSOR_MAP_WORDS, VIEW_US, IsAligned, OutputPlan,  # noqa: F401
-                       ParamStruct, Step, StepPlan, TensorMap, _TENSOR_MAPS, _param_fmt, _values, compile_runner,
+                       ParamStruct, Step, StepPlan, TensorMap, _TENSOR_MAPS, _param_fmt, _values,
                        param_offsets, tensor_map_words)
 from ..errors import ArgumentError, BuildError
+from .hostcode import compile_runner, matcher
 
 __all__ = ["Step", "IsAligned", "TensorMap", "Prepared", "run_call", "DeviceModules", "Binary", "DeviceInfo",
            "DeviceOffer", "device_info"]
@@ -48,7 +49,7 @@ class Prepared:
     `returns` = (record, indices): the launcher's return value is record(*arrays[indices]) (record None:
     None); `result(arrays)` builds it from the final array list (made from `returns` when not given).
     Derived once: `plans` (StepPlan per step), `outputs` (OutputPlan of `new`), `bound` (the launches
-    bound to the kernel set's loaded modules) and `run` (the cached call compiled: callplan.compile_runner),
+    bound to the kernel set's loaded modules) and `run` (the cached call compiled: hostcode.compile_runner),
     both on the first call: run_call."""
     device: int
     kind: str                       # "torch", "cupy" or "cai": the kind of arrays to allocate
@@ -174,7 +175,7 @@ def _tensor_guards():
 def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     """Give prep a guarded entry under its launcher's code (run_call's first test): its scalar key, the length of
     its leading run of torch tensors and the Nones after them, a TensorGuards of those tensors and the entry's test
-    of a call's arrays compiled from them (_matcher). Only
+    of a call's arrays compiled from them (hostcode.matcher). Only
     for calls whose arrays are torch.Tensor objects followed by Nones (prep.guarded = False otherwise: that is
     fixed by the signature); a tensor passed twice is guarded once, its repeats tested by identity (`alias`: the
     picker of the distinct tensors and the (repeat, first) positions). GUARDED_ENTRIES / GUARDED_MADE bound them."""
@@ -205,43 +206,13 @@ def _guard(kset, code, key, arrays: tuple, prep: Prepared) -> None:
     if g.check(*tensors):
         prep.guarded = True
         n = len(arrays) - m
-        match = _matcher(m, n, g.check, alias[1] if alias else (), unique, _DATA_PTR[0])
+        match = matcher(m, n, g.check, alias[1] if alias else (), unique, _DATA_PTR[0])
         entry = (key, HOST_DEVICE, m, (type(None),) * n, (0,) * n, g, alias, match, prep)
         entries = kset.prepared_calls.get(code, ())
         kset.prepared_calls[code] = (entry, *entries[:GUARDED_ENTRIES - 1])   # the oldest out
         kset.prepared_calls[("guarded entries made", code)] = made + 1
         if made + 1 >= GUARDED_MADE:
             del kset.prepared_calls[code]
-
-
-MATCH_INLINE = 16   # a guarded entry of up to this many tensors names each in its compiled test (_matcher)
-
-
-def _matcher(m: int, n: int, check, alias: tuple, unique: tuple, data_ptr):
-    """A guarded entry's test of a call's arrays, compiled once (straight-line code, no slices or maps per call for a
-    few tensors): the pointers of arrays[:m] followed by n zeros when the arrays are m tensors that pass `check`
-    (TensorGuards.check of the distinct ones, `unique`: their positions; `alias`: (repeat, first) positions tested by
-    identity) followed by exactly n Nones; else None. (The Nones by identity: == would compare a tensor to None
-    through its __eq__.)"""
-    total = m + n
-    cond = " and ".join([f"len(arrays) == {total}", *(f"arrays[{i}] is None" for i in range(m, total))])
-    if m <= MATCH_INLINE:
-        names = [f"a{i}" for i in range(m)]
-        test = [f"a{j} is a{i}" for j, i in alias] + [f"check({', '.join(names[i] for i in unique)})"]
-        body = [f"        {', '.join(names)}, = arrays[:{m}]",
-                f"        if {' and '.join(test)}:",
-                f"            return [{', '.join([f'dp({x})' for x in names] + ['0'] * n)}]"]
-    else:   # many tensors (kv_commit's layers): C-level maps over the slice
-        pick = ", ".join(f"head[{i}]" for i in unique) if alias else "*head"
-        test = [f"head[{j}] is head[{i}]" for j, i in alias] + [f"check({pick})"]
-        body = [f"        head = arrays[:{m}]", f"        if {' and '.join(test)}:",
-                f"            return [*map(dp, head){', *zeros' if n else ''}]"]
-    src = "\n".join(["def match(arrays):", f"    if {cond}:", *body, "    return None"]) + "\n"
-    ns = {"check": check, "dp": data_ptr, "zeros": (0,) * n}
-    exec(compile(src, "<ddtree_gen guarded entry>", "exec"), ns)
-    match = ns["match"]
-    match.source = src
-    return match
 
 
 def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool = True, group: int | None = None):
@@ -254,7 +225,7 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         entries = kset.prepared_calls.get(code, ())
         for e in entries:
             # (host: the device a CPU tensor stands for, part of its signature, -1 on a GPU; e[7]: the entry's
-            # compiled test of the arrays, their pointers or None: _matcher)
+            # compiled test of the arrays, their pointers or None: hostcode.matcher)
             if e[0] == key and e[1] == HOST_DEVICE:
                 ptrs = e[7](arrays)
                 if ptrs is not None:
@@ -295,7 +266,7 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
         prep = prepare()
         if cache:
             prepared_calls[k] = prep
-    elif prep.run is not None:   # the cached call, compiled (callplan.compile_runner)
+    elif prep.run is not None:   # the cached call, compiled (hostcode.compile_runner)
         if prep.guarded is not False:
             _guard(kset, prepare.__code__, key, arrays, prep)
         return prep.run(arrays, ptrs)
