@@ -8,7 +8,8 @@
 convert bf16 bits and e4m3 bytes on the numpy side; `ddtree_gen.trees.pack_tree_mask` packs tree masks from parent
 arrays; `ddtree_gen.make_spec` builds a spec in code; `ddtree_gen.hf` maps a transformers DeepSeek-V3 / Kimi-K2 model
 onto the kernels (torch and transformers needed there only). They are imported on first use (`import ddtree_gen`
-stays light), as attributes or by `import ddtree_gen.reference`.
+stays light), as attributes or by `import ddtree_gen.reference`. The torch path with the same records:
+`import ddtree_gen.torch_api`, then `ddtree_gen.torch_api.load(spec)` (torch.ops.ddtree; torch needed there only).
 
 Errors (ddtree_gen.errors), all raised on purpose with a message naming the wrong thing: DdtreeError, the
 base of SpecError (a spec file), ArgumentError (a launch's arguments, before any launch), BuildError

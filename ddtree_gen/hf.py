@@ -51,7 +51,7 @@ from .trees import pack_tree_mask
 from .types import TreeBuildOutput
 
 __all__ = ["rope_parameters", "yarn_mscale", "softmax_scale", "spec_for", "MlaAdapter", "write_kv", "TreeTarget",
-           "tree_record", "tree_depths", "additive_tree_mask", "tiny_config", "tiny_model"]
+           "tree_record", "pad_tree", "tree_depths", "additive_tree_mask", "tiny_config", "tiny_model"]
 
 
 # ---------------------------------------------------------------------------------------------------------- config
@@ -329,10 +329,17 @@ def tree_depths(parents):
     return d
 
 
-def tree_record(parents, tokens, prefix_lens, words: int | None = None) -> TreeBuildOutput:
+def tree_record(parents, tokens, prefix_lens, words: int | None = None, *,
+                max_tree_size: int | None = None) -> TreeBuildOutput:
     """A TreeBuildOutput (numpy) of trees given as parents and tokens [B, N] (-1 padding after num_nodes; node
     numbers in an order where parents come first): what tree_accept and TreeTarget.verify read of a tree an engine
-    built itself (scores 0)."""
+    built itself (scores 0). max_tree_size: its rows (a spec's N, as tree_build makes them; pad_tree), else N.
+    TreeTarget takes a record of any N up to its spec's on every path (it pads one for the kernels' tree_accept)."""
+    if max_tree_size is not None:
+        n = np.asarray(parents).shape[-1]
+        if max_tree_size < n:
+            raise ValueError(f"max_tree_size: {max_tree_size}, fewer than the {n} rows of parents")
+        return pad_tree(tree_record(parents, tokens, prefix_lens, words), max_tree_size)
     par = np.asarray(parents).astype(np.int32)
     tok = np.asarray(tokens).astype(np.int32)
     bsz, n = par.shape
@@ -358,6 +365,36 @@ def tree_record(parents, tokens, prefix_lens, words: int | None = None) -> TreeB
                            np.where(live, prefix + depths, -1).astype(np.int32),
                            np.where(live, 0.0, -np.inf).astype(np.float32),
                            pack_tree_mask(par, words, num_nodes), first_child, next_sibling)
+
+
+# what tree_build writes in a padding row, per field (num_nodes has no rows)
+_PAD = {"scores": -np.inf, "tree_mask": 0}
+
+
+def _pad_rows(x, n: int, value):
+    """x [B, N', ...] (numpy or torch) with rows N'..n-1 of `value` appended along dimension 1."""
+    rows = x.shape[1]
+    if rows >= n:
+        return x
+    if isinstance(x, torch.Tensor):
+        base = x.view(torch.int32) if x.dtype == torch.uint32 else x   # (torch.cat has no uint32 kernel)
+        fill = torch.full((x.shape[0], n - rows, *x.shape[2:]), value, dtype=base.dtype, device=x.device)
+        out = torch.cat([base, fill], 1)
+        return out.view(torch.uint32) if x.dtype == torch.uint32 else out
+    x = np.asarray(x)
+    return np.concatenate([x, np.full((x.shape[0], n - rows, *x.shape[2:]), value, x.dtype)], 1)
+
+
+def pad_tree(tree, n: int) -> TreeBuildOutput:
+    """`tree` (tree_record's or tree_build's record, numpy or torch, or anything with its fields) with n rows: the
+    rows after its own are padding as tree_build writes it (-1; scores -inf, mask words 0), num_nodes unchanged. The
+    kernels' tree_accept takes trees of the spec's N rows only; a record with more rows than n is returned as it is
+    (the launcher's check names it). Fields the record lacks are None."""
+    fields = []
+    for name in TreeBuildOutput._fields:
+        x = getattr(tree, name, None)
+        fields.append(x if x is None or name == "num_nodes" else _pad_rows(x, n, _PAD.get(name, -1)))
+    return TreeBuildOutput(*fields)
 
 
 def additive_tree_mask(prefix_len: int, parents, dtype=torch.float32):
@@ -580,7 +617,13 @@ class TreeTarget:
             _reference.kv_commit(acc, _host(prefix_lens), caches, np.asarray(block_table))
             return acc
         pl = self._table(prefix_lens, "int32")
-        acc = self.kernels.tree_accept(tree, target.contiguous(), pl)
+        # a record of fewer rows than the spec's N (tree_record's of N' nodes) is padded to N as tree_build writes it:
+        # the kernels' tree_accept takes [B, N] trees, the reference any N; numpy fields go to the device
+        n = self.kernels.spec.max_tree_size
+        padded = pad_tree(tree, n)
+        rec = padded._replace(**{f: self._table(getattr(padded, f), "int32") for f in
+                                 ("num_nodes", "tokens", "first_child", "next_sibling")})
+        acc = self.kernels.tree_accept(rec, _pad_rows(target, n, -1).contiguous(), pl)
         self.kernels.kv_commit(acc, pl, caches, self._table(block_table, "int32"))
         return acc
 

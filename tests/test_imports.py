@@ -33,7 +33,7 @@ LAYERS = [
     ["launch.checks", "launch.protocol", "ops:launch"],                  # launchers and the kernels' declarations
     ["registry"],                                                        # the declarations collected
     ["kernel_set"],                                                      # launchers bound to a spec's binaries
-    ["torch_ops", "model", "bench", "sanitize", "hf",                   # users of kernel sets (bench/: a package; hf: transformers)
+    ["torch_ops", "torch_api", "model", "bench", "sanitize", "hf",      # users of kernel sets (bench/: a package; hf: transformers)
      "bundles"],                                                         # and of the declarations (bundles: refs/)
     ["cli", "__main__", "__init__"],
 ]

@@ -2,7 +2,8 @@
 
 tree_build: cpu_heap_builder (plain-Python heapq). tree_verify: torch_peers (eager einsum + softmax, SDPA)
 and flashmla_peers (FlashMLA's dense decode, and the split path FlashMLA + our tail + merge_states, when
-`flash_mla` is importable). draft_topk: torch_topk (torch.topk + logsumexp).
+`flash_mla` is importable). draft_topk: torch_topk (torch.topk + logsumexp). A whole step (bench step):
+flashmla_decode, plain decoding's attention (FlashMLA at s_q = 1 in every layer).
 """
 from __future__ import annotations
 
@@ -128,6 +129,37 @@ def flashmla_peers(ks, x):
 
     return {"FlashMLA dense (no mask)": dense, "split: FlashMLA + tail + merge": split}
 
+
+def flashmla_decode(layers):
+    """Plain decoding's attention, what a DDTree step is weighed against in `bench step`: FlashMLA's dense decode at
+    s_q = 1 in every layer (`layers`: one tree_verify input dict a layer, its own cache): each request's first query
+    row over its L + 1 keys (the new token written at position L), no mask. Returns (fn, None), fn() running every
+    layer's call on CuPy's current stream (so a CUDA graph of it captures them), or (None, why) where flash_mla is not
+    importable (needs.import_flash_mla)."""
+    from ..needs import import_flash_mla
+    try:
+        flash_mla = import_flash_mla()
+    except ImportError as e:
+        return None, str(e).split(". ")[0]
+    import cupy
+    import torch
+    dl = torch.utils.dlpack.from_dlpack
+    calls = []
+    meta, splits = flash_mla.get_mla_metadata()      # one shape in every layer: the scheduling is shared
+    for x in layers:
+        qn, qp = dl(x["q_nope"]).view(torch.bfloat16), dl(x["q_pe"]).view(torch.bfloat16)
+        q = torch.cat([qn[:, :1], qp[:, :1]], -1).contiguous()              # [B, 1, H, R+P]
+        cache = dl(x["kv_cache"]).view(torch.bfloat16)
+        kv = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])  # [num_pages, page, 1, R+P]
+        lens = (dl(x["prefix_lens"]) + 1).to(torch.int32)
+        calls.append((q, kv, dl(x["block_table"]), lens, qn.shape[-1], x["softmax_scale"]))
+
+    def every_layer():
+        with torch.cuda.stream(torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)):
+            for q, kv, table, lens, r, scale in calls:
+                flash_mla.flash_mla_with_kvcache(q, kv, table, lens, r, meta, splits, softmax_scale=scale,
+                                                 causal=False)
+    return every_layer, None
 
 
 def torch_topk(logits, k: int):
