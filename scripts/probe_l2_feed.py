@@ -34,7 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 SLAB_BYTES = 64 * 128            # one TMA box: 64 keys x 64 bf16 columns
 SLABS = 9                        # 576 / 64
@@ -60,8 +60,10 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // the barrier at the same offset in CTA `cta` of the cluster (a consumer releases a multicast stage everywhere)
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" :: "r"(bar), "r"(cta) : "memory"); }
-__device__ __forceinline__ uint64_t gtimer() { uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n"
+                 :: "r"(bar), "r"(cta) : "memory"); }
+__device__ __forceinline__ uint64_t gtimer() {
+    uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
     uint32_t done;
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -77,7 +79,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         if (gtimer() - t0 > 2000000000ull) asm volatile("trap;");
 }
 __device__ __forceinline__ void tma_load(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, { %2, %3 }], [%4];\n"
                  :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory"); }
 // the box into the same offset of every CTA in `mask`, completing on each one's barrier at offset `bar`
 __device__ __forceinline__ void tma_load_mcast(uint32_t dst, const TmaMap* map, int c0, int c1, uint32_t bar,
@@ -87,12 +90,13 @@ __device__ __forceinline__ void tma_load_mcast(uint32_t dst, const TmaMap* map, 
                  :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask) : "memory"); }
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory"); }
-__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
 __device__ __forceinline__ uint32_t smid() { uint32_t r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }
 
-// CTA b streams `tiles` key tiles, tile i = (group * gstride + i) mod n_src with group = b / gsize, box by box through a
-// ring of `ring` slab buffers. rec[b]: smid, clock and globaltimer at start and end, cluster rank; sums[b]: the sum of
-// the 32-bit words its consumers read (reads passes over every box).
+// CTA b streams `tiles` key tiles, tile i = (group * gstride + i) mod n_src with group = b / gsize, box by box
+// through a ring of `ring` slab buffers. rec[b]: smid, clock and globaltimer at start and end, cluster rank;
+// sums[b]: the sum of the 32-bit words its consumers read (`reads` passes over every box).
 template <int CLUSTER, int MCAST>
 __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, int gsize, long long gstride, int ring,
                                      int reads, uint64_t* rec, uint32_t* sums) {
@@ -119,7 +123,8 @@ __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, in
             const int row = (int)(((first + n) % n_src) * 64);
             if (!MCAST) tma_load(buf0 + s * SLAB_BYTES, map, sl * 64, row, full0 + 8 * s);
             else if (sl % CLUSTER == (int)rank)
-                tma_load_mcast(buf0 + s * SLAB_BYTES, map, sl * 64, row, full0 + 8 * s, (unsigned short)((1u << CLUSTER) - 1));
+                tma_load_mcast(buf0 + s * SLAB_BYTES, map, sl * 64, row, full0 + 8 * s,
+                               (unsigned short)((1u << CLUSTER) - 1));
         }
     } else if (tid >= 32) {               // the consumers
         const int ct = tid - 32;
@@ -238,6 +243,8 @@ def table(rows: list, peak: float, datasheet: float, sms: int, clock_ghz: float,
                        f"{r['error']}")
             continue
         note = [] if r["co_resident"] else ["NOT one wave"]
+        if r["sms"] == 1:
+            note.append("one SM: read B/clk/SM")
         if r.get("check") is False:
             note.append("DATA CHECK FAILED")
         out.append(f"{r['config']:<38} {r['ctas']:>5} {r['sms']:>4} {r['window_us']:>8.1f} {r['clock_ghz']:>5.2f} "
@@ -259,7 +266,9 @@ def table(rows: list, peak: float, datasheet: float, sms: int, clock_ghz: float,
             lower = "the feed" if r["tflops_allowed"] < peak else "the compute"
             out.append(f"{key}: feed allows {r['tflops_allowed']:.0f} TFLOP/s vs {peak:.0f} measured peak "
                        f"({datasheet:.0f} datasheet): lower is {lower}"
-                       + ("" if r["tflops_allowed"] >= datasheet else " (below the datasheet peak)"))
+                       + ("" if r["tflops_allowed"] >= datasheet else " (below the datasheet peak)")
+                       + (f"; x9 = {9 * r['tflops_allowed']:.0f} where the 9 row tiles of H=8 Nq=65 share each tile "
+                          "through L2" if key.startswith("HBM") else ""))
     return "\n".join(out)
 
 
@@ -272,7 +281,7 @@ def parse(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=660.0, help="measured dense peak (default 660)")
     ap.add_argument("--datasheet-tflops", type=float, default=989.0, help="datasheet dense bf16 (default 989)")
     ap.add_argument("--only", action="append", help="run only configurations whose name contains this (repeatable)")
-    ap.add_argument("--ncu", action="store_true", help="also profile tree_verify_wgmma (B=1 H=8 L=65536 Nq=65) with ncu")
+    ap.add_argument("--ncu", action="store_true", help="also profile tree_verify (B=1 H=8 L=65536 Nq=65) with ncu")
     ap.add_argument("--ncu-target", action="store_true", help="only launch that call (what --ncu profiles)")
     ap.add_argument("--compile-only", action="store_true", help="compile the probe for sm_90a (no GPU) and exit")
     a = ap.parse_args(argv)
@@ -339,7 +348,7 @@ class Probe:
         return LaunchConfig(grid, 1, 1, THREADS, 1, 1, smem, stream, attrs, nattrs)
 
     def max_clusters(self, fn, grid: int, smem: int) -> int | None:
-        """Clusters of `fn` (compile-time size: no attribute) co-resident on the chip; None if the driver cannot tell."""
+        """Clusters of `fn` (its size compiled in) co-resident on the chip; None if the driver cannot tell."""
         n = ctypes.c_int()
         c = self._launch_config(grid, smem, None, None, 0)
         rc = self.lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.byref(c))
@@ -370,7 +379,7 @@ class Probe:
         except self.cp.cuda.driver.CUDADriverError:
             if cfg.cluster == 1:
                 raise
-            # a driver that wants the cluster size at launch: cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            # a driver that wants the cluster size at launch: cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             class Attr(ctypes.Structure):
                 _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("x", ctypes.c_uint), ("y", ctypes.c_uint),
                             ("z", ctypes.c_uint), ("rest", ctypes.c_char * 52)]
@@ -384,7 +393,7 @@ class Probe:
         words, tile_sums = src
         n_src = len(tile_sums)
         fn = self.fn[(cfg.cluster, cfg.mcast)]
-        fit = self.blocks_per_sm(fn, cfg.smem())
+        fit = self.blocks_per_sm(fn, cfg.smem()) if cfg.cluster == 1 else 1   # clusters: max_clusters below
         if fit < max(1, cfg.per_sm):
             return dict(config=cfg.name, error=f"only {fit} CTA(s) of {cfg.smem()} B fit an SM")
         grid = 1 if cfg.per_sm == 0 else cfg.per_sm * self.sms // cfg.cluster * cfg.cluster
@@ -396,31 +405,34 @@ class Probe:
         if cfg.source == "hbm":   # every tile once per launch: each group its own range
             tiles = n_src // groups
             gstride = tiles
+            if tiles < 4:
+                return dict(config=cfg.name, error=f"HBM source too small: {n_src} tiles for {groups} CTA groups")
         else:
             tiles = max(4, tiles_per_sm // max(1, cfg.per_sm))
             gstride = 7
-        stream = cp.cuda.Stream(non_blocking=True)
-        rec = cp.zeros((grid, 6), dtype=cp.uint64)
-        sums = cp.zeros(grid, dtype=cp.uint32)
-        # the data check: a short launch, 1 read of every box; CTA b's expected sum from CuPy's per-tile sums
-        check_tiles = min(tiles, 3 * cfg.ring // SLABS + 5)
-        self.launch(cfg, grid, words, n_src, check_tiles, gstride, 1, rec, sums, stream)
-        stream.synchronize()
-        got = cp.asnumpy(sums).astype("uint64")
-        first = [(b // cfg.cluster) * gstride for b in range(grid)]
-        want = [sum(int(tile_sums[(f + i) % n_src]) for i in range(check_tiles)) % (1 << 32) for f in first]
-        check = all(int(g) == w for g, w in zip(got, want))
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        results = []
-        for rep in range(reps + 1):   # the first launch warms up
-            sums.fill(0)
-            start.record(stream)
-            self.launch(cfg, grid, words, n_src, tiles, gstride, cfg.reads, rec, sums, stream)
-            end.record(stream)
-            end.synchronize()
-            if rep:
-                ms = cp.cuda.get_elapsed_time(start, end)
-                results.append(summarize(cfg, cp.asnumpy(rec).tolist(), tiles, ms))
+        stream = cp.cuda.Stream()   # every CuPy operation below on it (allocations, fills, copies): no race
+        with stream:
+            rec = cp.zeros((grid, 6), dtype=cp.uint64)
+            sums = cp.zeros(grid, dtype=cp.uint32)
+            # the data check: a short launch, 1 read of every box; CTA b's expected sum from CuPy's per-tile sums
+            check_tiles = min(tiles, 3 * cfg.ring // SLABS + 5)
+            self.launch(cfg, grid, words, n_src, check_tiles, gstride, 1, rec, sums, stream)
+            stream.synchronize()
+            got = cp.asnumpy(sums).tolist()
+            want = [sum(int(tile_sums[((b // cfg.cluster) * gstride + i) % n_src]) for i in range(check_tiles))
+                    % (1 << 32) for b in range(grid)]
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            results = []
+            for rep in range(reps + 1):   # the first launch warms up
+                sums.fill(0)
+                start.record(stream)
+                self.launch(cfg, grid, words, n_src, tiles, gstride, cfg.reads, rec, sums, stream)
+                end.record(stream)
+                end.synchronize()
+                if rep:
+                    ms = cp.cuda.get_elapsed_time(start, end)
+                    results.append(summarize(cfg, cp.asnumpy(rec).tolist(), tiles, ms))
+        check = got == want
         row = sorted(results, key=lambda r: r["chip_tb_s"])[len(results) // 2]   # the median launch
         row.update(check=check, tiles_per_cta=tiles, smem=cfg.smem(), ring=cfg.ring, reads=cfg.reads,
                    source=cfg.source, spread_tb_s=[round(r["chip_tb_s"], 3) for r in results])
@@ -436,17 +448,19 @@ FEED_METRICS = [   # asked for if this ncu knows them (ncu --query-metrics --chi
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "sm__inst_executed_pipe_tensor_op_gmma.sum", "smsp__inst_executed_pipe_tensor.sum",
-    "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed", "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
     "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct", "smsp__warp_issue_stalled_wait_per_warp_active.pct",
-    "smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct", "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
 ]
 
 
 def find_ncu() -> str | None:
-    for c in [shutil.which("ncu"), "/usr/local/cuda/bin/ncu", *sorted(
-            p for d in ("/opt/nvidia/nsight-compute", "/usr/local") if os.path.isdir(d)
-            for p in (os.path.join(d, e, "ncu") for e in os.listdir(d)))]:
+    import glob
+    for c in [shutil.which("ncu"), *sorted(glob.glob("/usr/local/cuda*/bin/ncu")),
+              *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))]:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     return None
@@ -466,19 +480,25 @@ def known_metrics(ncu: str, wanted: list) -> list:
 
 
 def ncu_command(ncu: str, metrics: list) -> list:
-    return [ncu, "--target-processes", "all", "--clock-control", "none", "-k", "regex:^ddtree_tree_verify_wgmma$", "--launch-skip", "2", "--launch-count",
-            "1", "--section", "SpeedOfLight", "--section", "WarpStateStats", "--metrics", ",".join(metrics),
+    return [ncu, "--target-processes", "all", "--clock-control", "none", "-k", "regex:^ddtree_tree_verify_wgmma$",
+            "--launch-skip", "2", "--launch-count", "1", "--section", "SpeedOfLight", "--section", "WarpStateStats",
+            "--metrics", ",".join(metrics),
             sys.executable, os.path.abspath(__file__), "--ncu-target"]
+
+
+def verify_set():
+    """kimi-k2.6-tp8's tree_verify_wgmma and split-KV combine, sm_90a (compiled into the cache if needed; no GPU)."""
+    import ddtree_gen
+    from ddtree_gen.plans.split_kv import COMBINE
+    return ddtree_gen.load("kimi-k2.6-tp8", kernels=["tree_verify_wgmma", COMBINE], arch="sm_90a")
 
 
 def ncu_target() -> None:
     """One B=1, H=8, L=65536, Nq=65 call of tree_verify (the default route: tree_verify_wgmma, its seesaw build, and
     the split-KV combine where it splits), three times."""
     import numpy as np
-    import ddtree_gen
     from ddtree_gen.inputs import verify_inputs
-    from ddtree_gen.plans.split_kv import COMBINE
-    ks = ddtree_gen.load("kimi-k2.6-tp8", kernels=["tree_verify_wgmma", COMBINE], arch="sm_90a")
+    ks = verify_set()
     x = verify_inputs(ks.spec, 1, np.full(1, 65536), 65)
     for _ in range(3):
         ks.tree_verify(**x)
@@ -506,6 +526,8 @@ def main(argv=None) -> int:
         print(f"probe_l2_feed: needs compute capability 9.0 (sm_90a: H100 / H200); device {dev.id} is {name}",
               file=sys.stderr)
         return 2
+    cupy.zeros(1, dtype=cupy.uint8)   # the device's context exists before the module is loaded into it
+    dev.synchronize()
     probe = Probe(built)
     l2_mb = props["l2CacheSize"] / 2**20
     print(f"{name}: {probe.sms} SMs, L2 {l2_mb:.0f} MB; probe registers {regs}", flush=True)
@@ -514,12 +536,12 @@ def main(argv=None) -> int:
         chosen = [c for c in chosen if c.source != "hbm"]
     rows, sources = [], {}
     for cfg in chosen:
-        if cfg.source not in sources:
-            tiles = L2_TILES if cfg.source == "l2" else int(a.hbm_gb * 1e9) // TILE_BYTES
-            if cfg.source == "hbm" and tiles * TILE_BYTES < 4 * props["l2CacheSize"]:
-                raise SystemExit(f"--hbm-gb {a.hbm_gb}: not 4x larger than the {l2_mb:.0f} MB L2")
-            sources[cfg.source] = probe.source(tiles)
         try:
+            if cfg.source not in sources:
+                tiles = L2_TILES if cfg.source == "l2" else int(a.hbm_gb * 1e9) // TILE_BYTES
+                if cfg.source == "hbm" and tiles * TILE_BYTES < 4 * props["l2CacheSize"]:
+                    raise ValueError(f"--hbm-gb {a.hbm_gb}: not 4x larger than the {l2_mb:.0f} MB L2")
+                sources[cfg.source] = probe.source(tiles)
             row = probe.run(cfg, sources[cfg.source], a.reps, a.tiles)
         except Exception as e:   # one row's failure (a launch error) is reported; a sticky error ends the run below
             row = dict(config=cfg.name, error=f"{type(e).__name__}: {e}"[:200])
@@ -549,12 +571,16 @@ def main(argv=None) -> int:
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
             report = ""
+            try:   # compiled here, so that ncu's time limit is the profile's alone
+                verify_set()
+            except Exception as e:
+                report += f"loading the kernel set before ncu failed: {type(e).__name__}: {e}\n"
             for attempt in (cmd, [x for i, x in enumerate(cmd) if "--metrics" not in cmd[max(0, i - 1):i + 1]]):
                 try:   # the second attempt: the sections alone, if this ncu refused a metric
-                    p = subprocess.run(attempt, capture_output=True, text=True, timeout=150, env=env)
+                    p = subprocess.run(attempt, capture_output=True, text=True, timeout=120, env=env)
                     report += " ".join(attempt) + "\n" + p.stdout + p.stderr + f"\n(ncu exit status {p.returncode})\n"
                 except subprocess.TimeoutExpired:
-                    report += "ncu: timed out after 150 s\n"
+                    report += "ncu: timed out after 120 s\n"
                     break
                 if p.returncode == 0 or "metric" not in (p.stdout + p.stderr).lower():
                     break

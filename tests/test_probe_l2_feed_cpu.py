@@ -91,3 +91,68 @@ def test_source_compiles_for_sm_90a(probe):
     assert set(built.reports) == {*probe.ENTRIES.values(), "fill_words"}
     assert ptx.count("multicast::cluster") == 2 and ".reqnctapercluster 4, 1, 1" in ptx
     assert all(r.spill_stores == 0 for r in built.reports.values())
+
+
+class _Stream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _fake_probe(probe, corrupt=False):
+    """Probe.run's host side over a stand-in device: launch() does what the CUDA source does (CTA b streams tiles
+    (b // gsize * gstride + i) mod n_src, its consumers sum every word `reads` times), in numpy."""
+    import types
+    import numpy as np
+    cp = types.SimpleNamespace(zeros=np.zeros, asnumpy=np.asarray, uint64=np.uint64, uint32=np.uint32,
+                               cuda=types.SimpleNamespace(Stream=_Stream, Event=_Event,
+                                                          get_elapsed_time=lambda a, b: 2.0))
+    p = probe.Probe.__new__(probe.Probe)
+    p.cp, p.sms, p.fn, p.launches = cp, 132, {k: k[0] for k in probe.ENTRIES}, []   # a "function": its cluster size
+    p.blocks_per_sm = lambda fn, smem: 3 if smem > 60000 else 4
+    p.max_clusters = lambda fn, grid, smem: 32 if fn == 4 else grid // fn   # 32 clusters of 4 co-resident, not 33
+
+    def launch(cfg, grid, words, n_src, tiles, gstride, reads, rec, sums, stream):
+        p.launches.append((cfg.name, grid, tiles, gstride))
+        for b in range(grid):
+            t = [(b // cfg.cluster * gstride + i) % n_src for i in range(tiles)]
+            sums[b] = (int(words[t].sum()) * reads + (b == 5 and corrupt)) % (1 << 32)
+            rec[b] = [b % p.sms, 0, 1_800_000, 0, 1_000_000, b % cfg.cluster]
+    p.launch = launch
+    return p
+
+
+def test_run_checks_each_ctas_tiles(probe):
+    import numpy as np
+    words = np.random.default_rng(3).integers(0, 2**32, 64, dtype=np.uint64)   # one "sum" per tile
+    src = (words, words % (1 << 32))
+    p = _fake_probe(probe)
+    by_name = {c.name: c for c in probe.CONFIGS}
+    row = p.run(by_name["1 CTA/SM, ring 2 tiles (seesaw)"], src, 3, 1500)
+    assert row["check"] and row["ctas"] == 132 and row["tiles_per_cta"] == 1500 and len(row["spread_tb_s"]) == 3
+    # the check launch: 3 x 18 / 9 + 5 = 11 tiles (every stage reused), the tiles of CTA b from b x 7
+    assert p.launches[0] == ("1 CTA/SM, ring 2 tiles (seesaw)", 132, 11, 7)
+    row = p.run(by_name["cluster 4, multicast"], src, 1, 1500)
+    assert row["check"] and row["ctas"] == 128 and row["l2_read_tb_s"] == pytest.approx(row["chip_tb_s"] / 4)
+    assert p.run(by_name["4 CTA/SM, ring 2/3 tile each"], src, 1, 1500)["tiles_per_cta"] == 375
+    assert p.run(by_name["1 SM alone, ring 2 tiles"], src, 1, 1500)["ctas"] == 1
+    big = np.random.default_rng(4).integers(0, 2**32, 20345, dtype=np.uint64)   # 1.5 GB of tiles
+    hbm = p.run(by_name["HBM, cluster 2, multicast"], (big, big), 1, 1500)
+    assert hbm["check"] and hbm["ctas"] == 132 and hbm["tiles_per_cta"] == 20345 // 66   # each tile once per launch
+    assert "too small" in p.run(by_name["HBM, 1 CTA/SM, ring 2 tiles"], src, 1, 1500)["error"]
+    assert not _fake_probe(probe, corrupt=True).run(by_name["cluster 2, own copies"], src, 1, 1500)["check"]
+    p.blocks_per_sm = lambda fn, smem: 1
+    assert p.run(by_name["2 CTA/SM, ring 1 tile each"], src, 1, 1500)["error"] == "only 1 CTA(s) of 73872 B fit an SM"
