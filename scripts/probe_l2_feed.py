@@ -359,9 +359,9 @@ class Probe:
         words = tiles * TILE_BYTES // 4
         buf = cp.empty(words, dtype=cp.uint32)
         self.fill((min(65535, -(-words // 256)),), (256,), (buf, cp.uint64(words), cp.uint32(tiles)))
-        sums = buf.reshape(tiles, TILE_BYTES // 4).sum(axis=1, dtype=cp.uint64) % (1 << 32)
+        sums = buf.reshape(tiles, TILE_BYTES // 4).sum(axis=1, dtype=cp.uint64) & cp.uint64(0xFFFFFFFF)
         cp.cuda.Device().synchronize()
-        return buf, cp.asnumpy(sums).astype("uint64")
+        return buf, [int(x) for x in cp.asnumpy(sums)]
 
     def launch(self, cfg: Config, grid: int, words, n_src: int, tiles: int, gstride: int, reads: int, rec, sums,
                stream) -> None:
@@ -518,9 +518,14 @@ def main(argv=None) -> int:
         print(f"compiled for sm_90a: {len(built.cubin)} bytes of cubin; registers {regs}")
         return 0
     import cupy
+    try:
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        print(f"probe_l2_feed: no usable CUDA device ({e}); --compile-only checks the source without one",
+              file=sys.stderr)
+        return 2
     os.makedirs(a.out, exist_ok=True)
-    dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     if (props["major"], props["minor"]) != (9, 0):
         print(f"probe_l2_feed: needs compute capability 9.0 (sm_90a: H100 / H200); device {dev.id} is {name}",
