@@ -44,6 +44,8 @@ FLOP_PER_CLK_SM = 4096           # dense bf16 per SM per clock (4 tensor cores x
 THREADS = 160                    # producer warp + 4 consumer warps
 L2_TILES = 64                    # the L2-resident source: 4.7 MB
 MAX_SMEM = 227 * 1024            # opt-in shared memory per block on sm_90
+HOLD_PEAK = round(TILE_FLOP / FLOP_PER_CLK_SM / SLABS)   # 242 clocks of math per box at the tensor pipe's full rate
+HOLD_660 = round(HOLD_PEAK * 989 / 660)                   # 363: at FlashMLA's 660 of the datasheet's 989 TFLOP/s
 
 SOURCE = r"""
 typedef unsigned int uint32_t;
@@ -99,7 +101,7 @@ __device__ __forceinline__ uint32_t smid() { uint32_t r; asm volatile("mov.u32 %
 // sums[b]: the sum of the 32-bit words its consumers read (`reads` passes over every box).
 template <int CLUSTER, int MCAST>
 __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, int gsize, long long gstride, int ring,
-                                     int reads, uint64_t* rec, uint32_t* sums) {
+                                     int reads, int hold, uint64_t* rec, uint32_t* sums) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t buf0 = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t full0 = buf0 + ring * SLAB_BYTES, empty0 = full0 + 8 * ring;
@@ -129,9 +131,15 @@ __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, in
     } else if (tid >= 32) {               // the consumers
         const int ct = tid - 32;
         uint32_t acc = 0;
+        long long busy_until = clock64();
         for (int g = 0; g < total; ++g) {
             const int s = g % ring;
             mbar_wait(full0 + 8 * s, (uint32_t)(g / ring) & 1u);
+            if (hold > 0 && ct == 0) {     // the math on this box: `hold` clocks, after the box and the previous math
+                const long long now = clock64();
+                busy_until = (now > busy_until ? now : busy_until) + hold;
+                while (clock64() < busy_until) { }
+            }
             for (int p = 0; p < reads; ++p) {
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -154,7 +162,8 @@ __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, in
 }
 #define ENTRY(NAME, DIMS, C, M) extern "C" __global__ void DIMS __launch_bounds__(160, 1) NAME(           \
     const __grid_constant__ TmaMap map, int tiles, int n_src, int gsize, long long gstride, int ring, int reads, \
-    uint64_t* rec, uint32_t* sums) { feed<C, M>(&map, tiles, n_src, gsize, gstride, ring, reads, rec, sums); }
+    int hold, uint64_t* rec, uint32_t* sums) {                                                                  \
+    feed<C, M>(&map, tiles, n_src, gsize, gstride, ring, reads, hold, rec, sums); }
 ENTRY(feed_c1, , 1, 0)
 ENTRY(feed_c2_own, __cluster_dims__(2, 1, 1), 2, 0)
 ENTRY(feed_c2_mcast, __cluster_dims__(2, 1, 1), 2, 1)
@@ -181,6 +190,7 @@ class Config:
     per_sm: int = 1        # CTAs per SM (0: one CTA on one SM, alone)
     ring: int = 18         # 8 KB slab buffers per CTA
     reads: int = 0         # ld.shared passes over every box
+    hold: int = 0          # clocks of "math" per box: the consumer holds each box that long (0: releases at once)
 
     def smem(self) -> int:
         return self.ring * (SLAB_BYTES + 16)
@@ -194,6 +204,9 @@ CONFIGS = [   # the cluster rows last: a deadlock there (the watchdog's trap) en
     Config("2 CTA/SM, ring 1 tile each", "l2", per_sm=2, ring=9),
     Config("4 CTA/SM, ring 2/3 tile each", "l2", per_sm=4, ring=6),
     Config("1 CTA/SM, ring 2, 3 ld.shared reads", "l2", reads=3),
+    Config("ring 2, math at full rate (242 clk/box)", "l2", hold=HOLD_PEAK),
+    Config("ring 1, math at full rate (242 clk/box)", "l2", ring=9, hold=HOLD_PEAK),
+    Config("ring 2, math at 660/989 (363 clk/box)", "l2", hold=HOLD_660),
     Config("HBM, 1 CTA/SM, ring 2 tiles", "hbm"),
     Config("HBM, 1 CTA/SM, ring 3 tiles", "hbm", ring=27),
     Config("cluster 2, own copies", "l2", cluster=2),
@@ -221,6 +234,9 @@ def summarize(cfg: Config, rec, tiles: int, event_ms: float) -> dict:
         raise RuntimeError(f"{cfg.name}: globaltimer window {window_ns} ns; the records are not a finished launch")
     ghz = statistics.median((int(x[2]) - int(x[1])) / max(1, int(x[4]) - int(x[3])) for x in rec)
     delivered = ctas * tiles * TILE_BYTES
+    # the consumer's math as a share of its time (1.0: the feed never starved it)
+    busy = (statistics.median(tiles * SLABS * cfg.hold / max(1, int(x[2]) - int(x[1])) for x in rec)
+            if cfg.hold else None)
     chip = delivered / (window_ns * 1e-9)
     per_sm = chip / len(sm_ids)
     return dict(config=cfg.name, ctas=ctas, sms=len(sm_ids), cluster=cfg.cluster, mcast=cfg.mcast,
@@ -229,7 +245,7 @@ def summarize(cfg: Config, rec, tiles: int, event_ms: float) -> dict:
                 window_us=window_ns / 1e3, event_us=event_ms * 1e3, clock_ghz=ghz,
                 chip_tb_s=chip / 1e12, sm_gb_s=per_sm / 1e9, b_per_clk_sm=per_sm / (ghz * 1e9),
                 l2_read_tb_s=chip / (cfg.cluster if cfg.mcast else 1) / 1e12,
-                tflops_allowed=chip / TILE_BYTES * TILE_FLOP / 1e12)
+                tflops_allowed=chip / TILE_BYTES * TILE_FLOP / 1e12, math_busy=busy)
 
 
 def table(rows: list, peak: float, datasheet: float, sms: int, clock_ghz: float, device: str) -> str:
@@ -245,6 +261,8 @@ def table(rows: list, peak: float, datasheet: float, sms: int, clock_ghz: float,
         note = [] if r["co_resident"] else ["NOT one wave"]
         if r["sms"] == 1:
             note.append("one SM: read B/clk/SM")
+        if r.get("math_busy") is not None:
+            note.append(f"math busy {100 * r['math_busy']:.0f} % of the time")
         if r.get("check") is False:
             note.append("DATA CHECK FAILED")
         out.append(f"{r['config']:<38} {r['ctas']:>5} {r['sms']:>4} {r['window_us']:>8.1f} {r['clock_ghz']:>5.2f} "
@@ -363,13 +381,13 @@ class Probe:
         cp.cuda.Device().synchronize()
         return buf, [int(x) for x in cp.asnumpy(sums)]
 
-    def launch(self, cfg: Config, grid: int, words, n_src: int, tiles: int, gstride: int, reads: int, rec, sums,
-               stream) -> None:
+    def launch(self, cfg: Config, grid: int, words, n_src: int, tiles: int, gstride: int, reads: int, hold: int,
+               rec, sums, stream) -> None:
         from ddtree_gen.callplan import TensorMap, tensor_map_words
         words16 = tensor_map_words(words.data.ptr, TensorMap(0, n_src * 64, 576, 64, 64, 2, 128))
         gsize = cfg.cluster
         vals = [(ctypes.c_uint64 * 16)(*words16), ctypes.c_int(tiles), ctypes.c_int(n_src), ctypes.c_int(gsize),
-                ctypes.c_longlong(gstride), ctypes.c_int(cfg.ring), ctypes.c_int(reads),
+                ctypes.c_longlong(gstride), ctypes.c_int(cfg.ring), ctypes.c_int(reads), ctypes.c_int(hold),
                 ctypes.c_uint64(rec.data.ptr), ctypes.c_uint64(sums.data.ptr)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         fn = self.fn[(cfg.cluster, cfg.mcast)].ptr
@@ -416,7 +434,7 @@ class Probe:
             sums = cp.zeros(grid, dtype=cp.uint32)
             # the data check: a short launch, 1 read of every box; CTA b's expected sum from CuPy's per-tile sums
             check_tiles = min(tiles, 3 * cfg.ring // SLABS + 5)
-            self.launch(cfg, grid, words, n_src, check_tiles, gstride, 1, rec, sums, stream)
+            self.launch(cfg, grid, words, n_src, check_tiles, gstride, 1, 0, rec, sums, stream)
             stream.synchronize()
             got = cp.asnumpy(sums).tolist()
             want = [sum(int(tile_sums[((b // cfg.cluster) * gstride + i) % n_src]) for i in range(check_tiles))
@@ -426,7 +444,7 @@ class Probe:
             for rep in range(reps + 1):   # the first launch warms up
                 sums.fill(0)
                 start.record(stream)
-                self.launch(cfg, grid, words, n_src, tiles, gstride, cfg.reads, rec, sums, stream)
+                self.launch(cfg, grid, words, n_src, tiles, gstride, cfg.reads, cfg.hold, rec, sums, stream)
                 end.record(stream)
                 end.synchronize()
                 if rep:

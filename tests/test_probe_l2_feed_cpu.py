@@ -45,6 +45,11 @@ def test_summarize_rates(probe):
     assert row["co_resident"] and row["ctas_per_sm_max"] == 1 and row["event_us"] == pytest.approx(1100)
     two = probe.summarize(probe.Config("y", "l2", per_sm=2), _records(264, 1.8, 0, 1_000_000), 50, 1.0)
     assert two["sms"] == 132 and two["ctas_per_sm_max"] == 2 and two["l2_read_tb_s"] == two["chip_tb_s"]
+    assert row["math_busy"] is None
+    # a consumer holding each box 242 clocks: 100 tiles x 9 boxes x 242 of 1.8 M clocks
+    held = probe.summarize(probe.Config("h", "l2", hold=probe.HOLD_PEAK), _records(132, 1.8, 0, 1_000_000), 100, 1.0)
+    assert probe.HOLD_PEAK == 242 and probe.HOLD_660 == 363 and held["math_busy"] == pytest.approx(217800 / 1.8e6)
+    assert "math busy 12 % of the time" in probe.table([dict(held, check=True)], 660.0, 989.0, 132, 1.8, "H100")
     # a second wave: some CTA starts after another has ended
     late = _records(4, 1.8, 0, 1000) + _records(1, 1.8, 5000, 1000)
     assert not probe.summarize(cfg, late, 10, 0.01)["co_resident"]
@@ -125,7 +130,7 @@ def _fake_probe(probe, corrupt=False):
     p.blocks_per_sm = lambda fn, smem: 3 if smem > 60000 else 4
     p.max_clusters = lambda fn, grid, smem: 32 if fn == 4 else grid // fn   # 32 clusters of 4 co-resident, not 33
 
-    def launch(cfg, grid, words, n_src, tiles, gstride, reads, rec, sums, stream):
+    def launch(cfg, grid, words, n_src, tiles, gstride, reads, hold, rec, sums, stream):
         p.launches.append((cfg.name, grid, tiles, gstride))
         for b in range(grid):
             t = [(b // cfg.cluster * gstride + i) % n_src for i in range(tiles)]
