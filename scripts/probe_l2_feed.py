@@ -191,6 +191,10 @@ class Config:
     ring: int = 18         # 8 KB slab buffers per CTA
     reads: int = 0         # ld.shared passes over every box
     hold: int = 0          # clocks of "math" per box: the consumer holds each box that long (0: releases at once)
+    share: int = 0         # CTAs reading the same tiles without a cluster (0: the cluster's CTAs)
+
+    def gsize(self) -> int:
+        return self.share or self.cluster
 
     def smem(self) -> int:
         return self.ring * (SLAB_BYTES + 16)
@@ -209,13 +213,15 @@ CONFIGS = [   # the cluster rows last: a deadlock there (the watchdog's trap) en
     Config("ring 2, math at 660/989 (363 clk/box)", "l2", hold=HOLD_660),
     Config("HBM, 1 CTA/SM, ring 2 tiles", "hbm"),
     Config("HBM, 1 CTA/SM, ring 3 tiles", "hbm", ring=27),
+    Config("9 CTAs share each tile (H=8 row tiles)", "l2", share=9),
+    Config("HBM, 9 CTAs share each tile (64k keys)", "hbm", share=9),
     Config("cluster 2, own copies", "l2", cluster=2),
     Config("cluster 4, own copies", "l2", cluster=4),
     Config("cluster 2, multicast", "l2", cluster=2, mcast=True),
     Config("cluster 4, multicast", "l2", cluster=4, mcast=True),
     Config("HBM, cluster 2, multicast", "hbm", cluster=2, mcast=True),
 ]
-assert all(c.smem() <= MAX_SMEM for c in CONFIGS) and all(c.cluster == 1 or not c.reads for c in CONFIGS)
+assert all(c.smem() <= MAX_SMEM and (c.cluster == 1 or not (c.reads or c.share)) for c in CONFIGS)
 
 
 def needed_rates(peak_tflops: float, sms: int, clock_ghz: float) -> dict:
@@ -385,7 +391,7 @@ class Probe:
                rec, sums, stream) -> None:
         from ddtree_gen.callplan import TensorMap, tensor_map_words
         words16 = tensor_map_words(words.data.ptr, TensorMap(0, n_src * 64, 576, 64, 64, 2, 128))
-        gsize = cfg.cluster
+        gsize = cfg.gsize()
         vals = [(ctypes.c_uint64 * 16)(*words16), ctypes.c_int(tiles), ctypes.c_int(n_src), ctypes.c_int(gsize),
                 ctypes.c_longlong(gstride), ctypes.c_int(cfg.ring), ctypes.c_int(reads), ctypes.c_int(hold),
                 ctypes.c_uint64(rec.data.ptr), ctypes.c_uint64(sums.data.ptr)]
@@ -414,12 +420,12 @@ class Probe:
         fit = self.blocks_per_sm(fn, cfg.smem()) if cfg.cluster == 1 else 1   # clusters: max_clusters below
         if fit < max(1, cfg.per_sm):
             return dict(config=cfg.name, error=f"only {fit} CTA(s) of {cfg.smem()} B fit an SM")
-        grid = 1 if cfg.per_sm == 0 else cfg.per_sm * self.sms // cfg.cluster * cfg.cluster
+        grid = 1 if cfg.per_sm == 0 else cfg.per_sm * self.sms // cfg.gsize() * cfg.gsize()
         if cfg.cluster > 1:
             mc = self.max_clusters(fn, grid, cfg.smem())
             if mc is not None:
                 grid = min(grid, mc * cfg.cluster)
-        groups = grid // cfg.cluster
+        groups = grid // cfg.gsize()
         if cfg.source == "hbm":   # every tile once per launch: each group its own range
             tiles = n_src // groups
             gstride = tiles
@@ -437,7 +443,7 @@ class Probe:
             self.launch(cfg, grid, words, n_src, check_tiles, gstride, 1, 0, rec, sums, stream)
             stream.synchronize()
             got = cp.asnumpy(sums).tolist()
-            want = [sum(int(tile_sums[((b // cfg.cluster) * gstride + i) % n_src]) for i in range(check_tiles))
+            want = [sum(int(tile_sums[((b // cfg.gsize()) * gstride + i) % n_src]) for i in range(check_tiles))
                     % (1 << 32) for b in range(grid)]
             start, end = cp.cuda.Event(), cp.cuda.Event()
             results = []

@@ -133,7 +133,7 @@ def _fake_probe(probe, corrupt=False):
     def launch(cfg, grid, words, n_src, tiles, gstride, reads, hold, rec, sums, stream):
         p.launches.append((cfg.name, grid, tiles, gstride))
         for b in range(grid):
-            t = [(b // cfg.cluster * gstride + i) % n_src for i in range(tiles)]
+            t = [(b // (cfg.share or cfg.cluster) * gstride + i) % n_src for i in range(tiles)]
             sums[b] = (int(words[t].sum()) * reads + (b == 5 and corrupt)) % (1 << 32)
             rec[b] = [b % p.sms, 0, 1_800_000, 0, 1_000_000, b % cfg.cluster]
     p.launch = launch
@@ -158,6 +158,9 @@ def test_run_checks_each_ctas_tiles(probe):
     hbm = p.run(by_name["HBM, cluster 2, multicast"], (big, big), 1, 1500)
     assert hbm["check"] and hbm["ctas"] == 132 and hbm["tiles_per_cta"] == 20345 // 66   # each tile once per launch
     assert "too small" in p.run(by_name["HBM, 1 CTA/SM, ring 2 tiles"], src, 1, 1500)["error"]
+    shared = p.run(by_name["HBM, 9 CTAs share each tile (64k keys)"], (big, big), 1, 1500)
+    assert shared["check"] and shared["ctas"] == 126 and shared["tiles_per_cta"] == 20345 // 14
+    assert p.launches[-1][1:] == (126, 20345 // 14, 20345 // 14)       # 14 groups of 9, each its own range
     assert not _fake_probe(probe, corrupt=True).run(by_name["cluster 2, own copies"], src, 1, 1500)["check"]
     p.blocks_per_sm = lambda fn, smem: 1
     assert p.run(by_name["2 CTA/SM, ring 1 tile each"], src, 1, 1500)["error"] == "only 1 CTA(s) of 73872 B fit an SM"
