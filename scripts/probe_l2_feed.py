@@ -8,10 +8,13 @@ issues the boxes into a ring of RING slab buffers of 8 KB: 18 = the seesaw's two
 (wait for each box, optionally read it READS times with ld.shared, release it). Configurations (one table row each):
   * L2-resident source (64 tiles, 4.7 MB): one CTA on one SM alone; 1 CTA per SM with rings of 1, 2, 3 tiles;
     2 and 4 CTAs per SM; the seesaw's ring with 3 reads of every box (shared-memory port contention, as wgmma's
-    reads of K, Q and V add ~3 tile-reads per key tile);
+    reads of K, Q and V add ~3 tile-reads per key tile); a consumer paced like the math (each box held for its share
+    of a 64-row tile's 2,176 clocks at the full tensor rate, or at 660/989 of it: is the math ever starved?);
+  * 9 CTAs reading the same tiles in the same order (the row tiles of an H=8 Nq=65 request), from L2 and from HBM;
   * 2- and 4-CTA clusters reading the same tiles: each CTA its own copy, or each tile ONCE per cluster by TMA
     multicast (cp.async.bulk.tensor...multicast::cluster; box j issued by CTA j mod N to every CTA's mbarrier);
   * HBM source (--hbm-gb, default 1.5 GB): every tile read once per launch, 1 CTA per SM, and 2-CTA multicast.
+Tested without a GPU by tests/test_probe_l2_feed_cpu.py (the source compiles for sm_90a; the host side over a stand-in).
 Per row: CTAs, SMs, bytes delivered into shared memory per second (chip and per SM) and per SM clock (the clock read
 in the kernel: clock64 against globaltimer), bytes read from L2 (multicast: delivered / N), and the dense bf16 rate
 that feed allows: each delivered tile is one (64-row tile, 64-key tile) pair of work, 2*64*64*(576+512) FLOP
