@@ -65,7 +65,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // the barrier at the same offset in CTA `cta` of the cluster (a consumer releases a multicast stage everywhere)
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n"   /* .release.cluster: a MEMBAR.GPU each */
                  :: "r"(bar), "r"(cta) : "memory"); }
 __device__ __forceinline__ uint64_t gtimer() {
     uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
@@ -121,23 +121,25 @@ __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, in
     uint64_t* const r = rec + 6 * blockIdx.x;
     if (tid == 0) {                       // the producer
         r[0] = smid(); r[1] = clock64(); r[3] = gtimer(); r[5] = rank;
+        // box g = slab sl of tile t into stage s, its k-th use; counters, not divisions (one thread issues every box)
+        int s = 0, k = 0, sl = 0, t = (int)(first % n_src);
         for (int g = 0; g < total; ++g) {
-            const int s = g % ring, k = g / ring, n = g / SLABS, sl = g - n * SLABS;
             if (k > 0) mbar_wait(empty0 + 8 * s, (uint32_t)(k - 1) & 1u);   // every reader released its last use
             mbar_expect_tx(full0 + 8 * s, SLAB_BYTES);
-            const int row = (int)(((first + n) % n_src) * 64);
-            if (!MCAST) tma_load(buf0 + s * SLAB_BYTES, map, sl * 64, row, full0 + 8 * s);
+            if (!MCAST) tma_load(buf0 + s * SLAB_BYTES, map, sl * 64, t * 64, full0 + 8 * s);
             else if (sl % CLUSTER == (int)rank)
-                tma_load_mcast(buf0 + s * SLAB_BYTES, map, sl * 64, row, full0 + 8 * s,
+                tma_load_mcast(buf0 + s * SLAB_BYTES, map, sl * 64, t * 64, full0 + 8 * s,
                                (unsigned short)((1u << CLUSTER) - 1));
+            if (++s == ring) { s = 0; ++k; }
+            if (++sl == SLABS) { sl = 0; if (++t == n_src) t = 0; }
         }
     } else if (tid >= 32) {               // the consumers
         const int ct = tid - 32;
         uint32_t acc = 0;
         long long busy_until = clock64();
+        int s = 0, k = 0;
         for (int g = 0; g < total; ++g) {
-            const int s = g % ring;
-            mbar_wait(full0 + 8 * s, (uint32_t)(g / ring) & 1u);
+            mbar_wait(full0 + 8 * s, (uint32_t)k & 1u);
             if (hold > 0 && ct == 0) {     // the math on this box: `hold` clocks, after the box and the previous math
                 const long long now = clock64();
                 busy_until = (now > busy_until ? now : busy_until) + hold;
@@ -157,6 +159,7 @@ __device__ __forceinline__ void feed(const TmaMap* map, int tiles, int n_src, in
                 if (MCAST) { for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(empty0 + 8 * s, c); }
                 else mbar_arrive(empty0 + 8 * s);
             }
+            if (++s == ring) { s = 0; ++k; }
         }
         if (ct == 0) { r[2] = clock64(); r[4] = gtimer(); }
         atomicAdd(sums + blockIdx.x, acc);
