@@ -3,7 +3,7 @@
 
 What: one key tile of tree_verify = 64 keys x 576 bf16 columns = 73,728 bytes, loaded as the seesaw loads it
 (templates/tree_verify_seesaw.cu.j2): 9 TMA boxes of 64 keys x 64 columns, 128-byte swizzle, one mbarrier per box,
-the tensor map encoded as the kernels' (ddtree_gen.callplan.tensor_map_words). A CTA = a producer warp (lane 0
+the tensor map encoded as the kernels' (ddtree_gen.launch.callplan.tensor_map_words). A CTA = a producer warp (lane 0
 issues the boxes into a ring of RING slab buffers of 8 KB: 18 = the seesaw's two tile buffers) and 4 consumer warps
 (wait for each box, optionally read it READS times with ld.shared, release it). Configurations (one table row each):
   * L2-resident source (64 tiles, 4.7 MB): one CTA on one SM alone; 1 CTA per SM with rings of 1, 2, 3 tiles;
@@ -333,7 +333,7 @@ def parse(argv=None):
 
 def compile_probe():
     """The probe's cubin for sm_90a (NVRTC through CuPy, as the project's kernels; no GPU needed)."""
-    from ddtree_gen import compile as cc
+    from ddtree_gen.build import compile as cc
     return cc.compile_source(SOURCE, "probe_l2_feed.cu", [*ENTRIES.values(), "fill_words"],
                              options=cc.options("sm_90a"))
 
@@ -395,7 +395,7 @@ class Probe:
 
     def launch(self, cfg: Config, grid: int, words, n_src: int, tiles: int, gstride: int, reads: int, hold: int,
                rec, sums, stream) -> None:
-        from ddtree_gen.callplan import TensorMap, tensor_map_words
+        from ddtree_gen.launch.callplan import TensorMap, tensor_map_words
         words16 = tensor_map_words(words.data.ptr, TensorMap(0, n_src * 64, 576, 64, 64, 2, 128))
         gsize = cfg.gsize()
         vals = [(ctypes.c_uint64 * 16)(*words16), ctypes.c_int(tiles), ctypes.c_int(n_src), ctypes.c_int(gsize),
@@ -519,7 +519,7 @@ def ncu_command(ncu: str, metrics: list) -> list:
 def verify_set():
     """kimi-k2.6-tp8's tree_verify_wgmma and split-KV combine, sm_90a (compiled into the cache if needed; no GPU)."""
     import ddtree_gen
-    from ddtree_gen.plans.split_kv import COMBINE
+    from ddtree_gen.ops.tree_verify.split import COMBINE
     return ddtree_gen.load("kimi-k2.6-tp8", kernels=["tree_verify_wgmma", COMBINE], arch="sm_90a")
 
 
