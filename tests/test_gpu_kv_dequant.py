@@ -108,33 +108,6 @@ def test_kv_dequant_matches_reference(spec, knobs):
     assert np.array_equal(to_host(fresh.kv_cache)[done], want.kv_cache[done]), f"seed={seed}"
 
 
-@pytest.mark.parametrize("knobs", [o for o in OPTIONS if o.get("schedule") == "stream"], ids=_option_id)
-def test_kv_dequant_stream_many_units_per_block(spec, knobs):
-    """The stream schedule with more work units than its grid (each block walks several, with converted and skipped
-    units in every position of its walk): the reference's bits, every byte of the workspace."""
-    ks = _load(spec, ("kv_dequant",), knobs)
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    page, row = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
-    b, max_pages, num_pages = 16, 60, 300
-    kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)
-    table = rng.integers(-3, num_pages + 3, (b, max_pages)).astype(np.int32)
-    prefix = rng.integers(-2, max_pages * page, b).astype(np.int32)
-    qlens = rng.integers(0, 66, b).astype(np.int32)
-    consts = ks.constants("kv_dequant")
-    import cupy
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    assert b * max_pages * consts["PARTS"] > 2 * sms * consts["MIN_BLOCKS"], "a case of several units per block"
-    poison = reference.KvDequantOutput(np.full((b * max_pages, page, row), POISON_KV, np.uint16),
-                                       np.full((b, max_pages), POISON_TABLE, np.int32))
-    want = reference.kv_dequant(kv, table, prefix, qlens,
-                                out=reference.KvDequantOutput(poison.kv_cache.copy(), poison.block_table.copy()))
-    out = reference.KvDequantOutput(to_device(poison.kv_cache), to_device(poison.block_table))
-    ks.kv_dequant(to_device(kv), to_device(table), to_device(prefix), to_device(qlens), out=out)
-    assert np.array_equal(to_host(out.block_table), want.block_table), f"block table differs, seed={seed}"
-    assert np.array_equal(to_host(out.kv_cache), want.kv_cache), f"workspace differs, seed={seed}"
-
-
 def test_kv_dequant_torch(spec):
     torch = cuda_torch()
     ks = _load(spec, ("kv_dequant",))

@@ -168,7 +168,7 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
         if dequant:
             if max_pages:   # (none: the kernel reads no key, nor the table)
                 steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
-                                          offer.constants(KV_DEQUANT), sms))
+                                          offer.constants(KV_DEQUANT)))
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
         tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
