@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import cuda_torch, skip_unless_runs
-from ddtree_gen import reference
+from ddtree_gen import inputs, reference
 from ddtree_gen.plans.kv_dequant import CANDIDATES, EDGE_OPTIONS, workspace_elems
 from test_gpu_tree_verify import (POISON_LSE, POISON_OUT, SCALES, WGMMA, check_against, check_rows_written,
                                   heads_to_check, poisoned)
@@ -73,7 +73,7 @@ def _dequant_case(spec, rng):
     num_pages, max_pages = 40, 9
     kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)
     kv[0].reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
-    table = rng.permutation(num_pages * 2)[:7 * max_pages].reshape(7, max_pages).astype(np.int32) % (num_pages + 3)
+    table = inputs.block_table(rng, [max_pages * page] * 7, page)[0] % (num_pages + 3)   # repeats, past the cache
     table[0, 0], table[1, 2], table[2, 1] = 0, -1, num_pages
     prefix = np.array([8 * page + 5, 3 * page - 1, page, 2**31 - 3, 4, -1, 0], np.int32)
     qlens = np.array([65, 1, 1, 65, 0, 5, 1], np.int32)
