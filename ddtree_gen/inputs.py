@@ -96,26 +96,34 @@ def garbage_entries(num_pages: int) -> np.ndarray:
 
 
 def block_table(rng, tokens, page_size: int, *, extra_pages: int = 0, spare_columns: int = 0, unused=0,
-                permute: bool = True) -> tuple[np.ndarray, int]:
+                permute: bool = True, first_pages=None) -> tuple[np.ndarray, int]:
     """(block table [B, max_pages] int32, num_pages) for requests of `tokens` cache positions each: request i
     gets ceil(tokens[i] / page_size) pages, in order, from a random permutation of num_pages = their sum +
     extra_pages (permute=False: 0, 1, 2, ...); max_pages = the most any request needs (at least 1) +
-    spare_columns. Entries past a request's pages: `unused` (an int), or "garbage" (garbage_entries, drawn
-    after the permutation)."""
-    need = [-(-int(t) // page_size) for t in tokens]
-    max_pages = max(need + [1]) + spare_columns
+    spare_columns. first_pages: per request, the first column that gets a page (a window of the request's
+    positions, e.g. its tree's pages only; the columns before it are unused, and it needs only the pages from
+    there). Entries past (or before) a request's pages: `unused` (an int), "garbage" (garbage_entries) or "any"
+    (any value in [-3, num_pages + 3): pages of other requests among them), drawn after the permutation."""
+    first = [0] * len(tokens) if first_pages is None else [int(f) for f in first_pages]
+    end = [-(-int(t) // page_size) for t in tokens]
+    if len(first) != len(end) or any(not 0 <= f <= e for f, e in zip(first, end)):
+        raise ValueError(f"first_pages {first}: one per request, each in [0, its pages {end}]")
+    need = [e - f for f, e in zip(first, end)]
+    max_pages = max(end + [1]) + spare_columns
     num_pages = sum(need) + extra_pages
     order = rng.permutation(num_pages).astype(np.int32) if permute else np.arange(num_pages, dtype=np.int32)
-    if isinstance(unused, str):
-        if unused != "garbage":
-            raise ValueError(f"unused: {unused!r}, expected an int or 'garbage'")
+    if unused == "garbage":
         table = rng.choice(garbage_entries(num_pages), size=(len(need), max_pages)).astype(np.int32)
+    elif unused == "any":
+        table = rng.integers(-3, num_pages + 3, (len(need), max_pages)).astype(np.int32)
+    elif isinstance(unused, str):
+        raise ValueError(f"unused: {unused!r}, expected an int, 'garbage' or 'any'")
     else:
         table = np.full((len(need), max_pages), unused, np.int32)
     used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = order[used:used + n]
-        used += n
+    for i, (f, e) in enumerate(zip(first, end)):
+        table[i, f:e] = order[used:used + e - f]
+        used += e - f
     return table, num_pages
 
 

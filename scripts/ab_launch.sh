@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `ddtree-gen bench launch` of an older commit and of this tree, alternately, in one process each, on one GPU.
 #
-# When: a launch-path change's H200 rows moved by more than the bench's run-to-run noise (perf.md round 4: rows
+# When: a launch-path change's H200 rows moved by more than the bench's run-to-run noise (docs/perf/journal-host.md round 4: rows
 # 8-11 us worse with torch.add unchanged), to tell a real change from the host's noise in one device call.
 # What: exports COMMIT (default cd3eca8) with `git archive COMMIT ddtree_gen generated specs templates
 # pyproject.toml` into build/ab-launch/COMMIT (build/ is ignored), then runs `python3 -m ddtree_gen bench launch`

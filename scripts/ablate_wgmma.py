@@ -3,7 +3,7 @@
 ablation in scripts/compare_schedules.py --ablate.)
 
 When: on a GPU after changing the tile loop of templates/tree_verify_wgmma.cu.j2, to redo the
-ablation table of docs/perf.md; each cut in CUTS must still occur in the rendered source (asserted).
+ablation table of docs/perf/journal-tree-verify.md; each cut in CUTS must still occur in the rendered source (asserted).
 The cuts are written for the TMA build (bf16 cache, 64-key pages: every spec in specs/).
 Run: PYTHONPATH=. python scripts/ablate_wgmma.py
 """

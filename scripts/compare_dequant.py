@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """kv_dequant's build options side by side against torch moving the same bytes, and tree_verify(fp8_path="dequant")
-end to end with each of them, in one process on the same inputs (docs/perf.md "The pre-pass at the copy rate").
+end to end with each of them, in one process on the same inputs (docs/perf/journal-fp8.md "The pre-pass at the copy rate").
 
 Per shape (B, H, L; Nq = 65, the shapes of `ddtree-gen bench kv-dtype`), on the fp8 spec of that H:
 * kv_dequant alone, per build option (plans/kv_dequant.CANDIDATES by default: the default build first): CUDA-graph
@@ -33,12 +33,11 @@ POISON_KV, POISON_TABLE = 0xABCD, 0x5EEDBEEF
 
 
 def parse_knobs(text: str) -> dict:
-    """"schedule=stream,parts=1,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked
-    against plans/kv_dequant.KNOBS and the build's plan (argparse type)."""
+    """"parts=1,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked against
+    plans/kv_dequant.KNOBS and the build's plan (a retired knob: the plan's message, where its figures are; argparse
+    type)."""
     from ddtree_gen.errors import BuildError, SpecError
-    from ddtree_gen.ops import by_name
-    from ddtree_gen.ops.kv_dequant.plan import KNOBS
-    from ddtree_gen.build.variant import variant
+    from ddtree_gen.ops.kv_dequant.plan import KNOBS, RETIRED, plan
     from ddtree_gen.spec import find_spec
     if text.strip() == "default":
         return {}
@@ -49,11 +48,11 @@ def parse_knobs(text: str) -> dict:
         if not sep or not key or not value:
             raise argparse.ArgumentTypeError(f"option {text!r}: expected KNOB=VALUE[,KNOB=VALUE...] or 'default' "
                                              f"(knobs: {', '.join(KNOBS)})")
-        if key not in KNOBS:
+        if key not in KNOBS and key not in RETIRED:
             raise argparse.ArgumentTypeError(f"option {text!r}: no knob {key!r} (knobs: {', '.join(KNOBS)})")
-        knobs[key] = int(value) if isinstance(KNOBS[key], int) and value.lstrip("-").isdigit() else value
+        knobs[key] = int(value) if isinstance(KNOBS.get(key), int) and value.lstrip("-").isdigit() else value
     try:
-        variant(by_name("kv_dequant"), find_spec("kimi-k2.6-tp8-fp8"), **knobs).plan()
+        plan(find_spec("kimi-k2.6-tp8-fp8"), {**KNOBS, **knobs})   # (a retired knob: the plan says where its figures are)
     except (BuildError, SpecError) as e:
         raise argparse.ArgumentTypeError(f"option {text!r}: {e}") from None
     return {k: v for k, v in knobs.items() if v != KNOBS[k]}

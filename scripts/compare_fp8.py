@@ -7,7 +7,7 @@ kernel (the default before), and the bf16 seesaw with and without rope_early (th
 its arithmetic left out (ablate bits 3, 4; wrong results on purpose), --no-lockstep leaves the lockstep build out.
 Prints per shape the CUDA-graph times, % of the bf16 matmul peak measured in the same run, fp8 speed (bf16 ms /
 fp8 ms) and how far each fp8 build's output is from the fp8 lockstep one's (relative, per row, the worst row).
-When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's fp8 path (docs/perf.md, "FP8 on the seesaw").
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's fp8 path (docs/perf/journal-fp8.md, "FP8 on the seesaw").
 Run: PYTHONPATH=. python scripts/compare_fp8.py [--shapes B,H,L ...]
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ seesaw's output is from the lockstep one's and from the split path's (relative, 
 --parts the seesaw on the chunks grid and on the balanced "parts" grid, each by name ("seesaw" is the default kernel
 set: where tree_verify_wgmma's parts build ships, B >= 8 runs it), --l2-hint with L2 evict-first key loads; --p-store the seesaw with
 its P tiles stored by stmatrix (the default: 32-bit stores); --rescale the seesaw's other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
-When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf.md, "seesaw").
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf/journal-tree-verify.md, "The seesaw schedule on TMA tiles").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 variants tree_verify_wgmma.lockstep.tma and .lockstep.cpasync, build/variant.py; the default build is the seesaw,
 scripts/compare_schedules.py), on the same inputs in one process: the outputs must be
 bit-identical (same math on the same tiles), then both are timed (CUDA-graph replay).
-When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf.md, "TMA key tiles").
+When: on a GPU after changing the TMA path of templates/tree_verify_wgmma.cu.j2 (docs/perf/journal-tree-verify.md, "TMA key tiles").
 Run: PYTHONPATH=. python scripts/compare_tma.py
 """
 from __future__ import annotations

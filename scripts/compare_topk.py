@@ -5,7 +5,7 @@ chunks schedule; plans/draft_topk.SCHEDULES). Per shape: the ids of all compared
 rows columns within 2e-5 + 2^-21 |x| of chunks' (their sums add in another order), and rows of each against
 reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
 % of the floor: the logits read once at the device-to-device copy rate measured in the same run.
-When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf.md, "draft_topk").
+When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf/journal-kernels.md, "draft_topk (issue 23 part 1)").
 --rows-per-sm N ...: the rows build again with kernels/draft_topk.ROWS_PER_SM = N and ROWS_MIN_CHUNKS = 0 (it streams a
 row per block where the rows are at least N x SMs, whatever V, else runs the chunks schedule; 0: streaming on every
 shape), one column each.

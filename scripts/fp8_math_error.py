@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How far an FP8-products tree_verify would be from the exact answer: a numpy emulation, no GPU (issue 22's
-moonshot; docs/perf.md "FP8 products: the design for the next session").
+moonshot; docs/perf/journal-fp8.md "FP8 products: the design for the next session").
 
 One request's 65 queries x H heads against L prefix keys of an e4m3 cache (kv_scale mapping the cache's largest
 magnitude to 448), every query seeing every key. The reference is float64 attention on the dequantized cache with the

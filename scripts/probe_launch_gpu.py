@@ -16,7 +16,7 @@ What, one table, torch CUDA inputs of `bench launch`'s tiny problem (its call ta
     outputs as two allocations and as one buffer with views, torch.add of 16 floats, torch.cuda.current_stream(),
     the raw stream lookup the runtime uses (torch._C._cuda_getCurrentRawStream), and one bare cuLaunchKernel of an
     empty kernel (cupy.cuda.driver.launchKernel, the runtime's entry point), alone, with the runtime's per-call
-    device and stream lookups around it (the runtime's bound launch), and through ctypes (perf.md round 6).
+    device and stream lookups around it (the runtime's bound launch), and through ctypes (docs/perf/journal-host.md round 6).
 Run: python scripts/probe_launch_gpu.py [--spec kimi-k2.6-tp8] [--calls 2000] [--runs 5] [--stage-calls 200]
 Needs a CUDA device (torch with CUDA, CuPy); refuses in one line without one.
 """

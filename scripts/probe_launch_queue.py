@@ -2,7 +2,7 @@
 """Host time per eager call against the launch queue's state: `bench launch`'s own calls (torch inputs, kimi-k2.6-tp8),
 each issued in bursts of 10 / 25 / 50 / 200 / 400 calls without waiting (the clock stopped before the
 synchronisation), and one call timed alone on an idle GPU (best of 200). A call whose time grows with the burst is
-held back by the GPU; one whose time falls with it pays something per burst (docs/perf.md, host time round 3,
+held back by the GPU; one whose time falls with it pays something per burst (docs/perf/journal-host.md, host time round 3,
 "Measured after that reading").
 When: after a change to the launch path, where `bench launch`'s "host us" and the CPU harness disagree.
 Run: PYTHONPATH=. python scripts/probe_launch_queue.py [--calls NAME ...]

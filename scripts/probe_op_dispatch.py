@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a torch op's time over its plain call goes, without a GPU (docs/perf.md "Host time per eager call, round 4").
+"""Where a torch op's time over its plain call goes, without a GPU (docs/perf/journal-host.md "Host time per eager call, round 4").
 
 When: before changing how torch_ops registers or dispatches the ops, to see which part of op - plain a change
 can reach. How: scripts/profile_launch.py's stand-in kernel set and calls (ddtree_gen.bench.stand_in and

@@ -3,7 +3,7 @@
 
 The fp8 default is kv_dequant (the call's pages, e4m3 -> a bf16 workspace) and then the bf16-cache attention: at H = 8
 the pre-pass's 16-62 us sit on the critical path before a kernel that is not bandwidth-bound. Within one call that
-costs what it costs (perf.md: three placements measured). Across layers it need not: layer l + 1's prefix pages do
+costs what it costs (docs/perf/journal-fp8.md "The pre-pass under the previous layer's attention": three placements measured). Across layers it need not: layer l + 1's prefix pages do
 not change during the step (only the tree's pages, written by layer l + 1's own forward, do), so an engine could
 convert them on a second stream while layer l's attention runs, and leave only the tree's pages for the call.
 

@@ -6,7 +6,7 @@ loop's cycles and nanoseconds read inside the kernel (clock64, %globaltimer; the
 a printf added), and the latencies of the warp
 operations on a pop's chain (redux, ballot, shfl, lds, fadd), each as a chain of dependent ones.
 When: on a GPU after changing the pop loop of templates/tree_build.cu.j2, to compare with the
-probe numbers in docs/perf.md ("tree_build").
+probe numbers in docs/perf/journal-kernels.md ("tree_build").
 Run: PYTHONPATH=. python scripts/probe_tree_build.py
 """
 import argparse

@@ -6,7 +6,7 @@ fragments in registers (the A-from-registers layout), one k-step with A in the n
 4 x m64n256k16 per warpgroup (P: 64 x 64 K-major, V: the K tile read MN-major), for both
 orders of the V descriptor's strides. Prints the relative error of each against numpy.
 When: on a GPU, before changing an operand layout of templates/tree_verify_wgmma.cu.j2 (smem
-descriptors, swizzle, register-A fragments; e.g. the TMA step of docs/perf.md), to settle the new
+descriptors, swizzle, register-A fragments; e.g. the TMA step of docs/perf/journal-tree-verify.md), to settle the new
 layout in isolation (SOURCE below is self-contained, not rendered from the template).
 Run: PYTHONPATH=. python scripts/probe_wgmma.py
 """

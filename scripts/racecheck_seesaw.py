@@ -8,7 +8,7 @@ goes through a named barrier that one side arrives at (bar.arrive: a release) an
 an acquire). If racecheck does not take bar.arrive as a release, it reports exactly those hand-offs; the
 sync_handoffs build orders the same accesses with bar.sync on both sides. Reports in the default build and none in
 sync_handoffs say the hazards are the tool's reading of bar.arrive; reports in both are races to fix.
-When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's hand-offs (docs/perf.md, "seesaw").
+When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2's hand-offs (docs/perf/journal-tree-verify.md, "The seesaw schedule on TMA tiles").
 Controls (2026-12-01): both builds gave reports (default 10 sites, sync_handoffs 12, H200), among them a write and
 a read of the epilogue's row sums separated by two __syncthreads(), which no execution can order wrongly. So the
 script also runs two small kernels with no race at all: "control-even" (a hand-off through bar.sync 1, 256 on both
@@ -23,7 +23,7 @@ in a loop, the seesaw's two patterns; --stress found no run that differs.
 Run: PYTHONPATH=. python scripts/racecheck_seesaw.py   (it runs itself under compute-sanitizer, once per build;
 it prints the counts, and the controls' distinct reported sites as file:line of their source, compiled with
 -lineinfo; the kernel's builds carry no line information: a -lineinfo build of it, 2026-12-01, put its sites at
-the sScale0 / sScale1 hand-offs and the epilogue's row sums, docs/perf.md)
+the sScale0 / sScale1 hand-offs and the epilogue's row sums, docs/perf/journal-tree-verify.md)
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ so this script takes the PTX from NVRTC (the build's options) and assembles it w
 disassembles with nvdisasm. Both come from the CUDA toolkit or from the pip wheels
 nvidia-cuda-nvcc (ptxas) and nvidia-cuda-nvdisasm; pass their folder with --bin or put them on PATH.
 When (no GPU needed): after changing templates/tree_verify_mma.cu.j2 or tree_verify_wgmma.cu.j2, to
-check the MMA instruction counts per tile and that there are no local-memory accesses (docs/perf.md).
+check the MMA instruction counts per tile and that there are no local-memory accesses (docs/perf/journal-tree-verify.md).
 
 PYTHONPATH=. python scripts/sass_summary.py [--bin DIR] [SPEC] [KERNEL ...]
 """

@@ -4,7 +4,7 @@ in one process: the default route, the chunks grid (tree_verify_wgmma, a block p
 several split counts, the balanced parts grid (the seesaw with grid="parts", a block per row tile x part over the
 batch's key tiles) at several part counts, and FlashMLA's dense decode when flash_mla is importable. Per shape:
 CUDA-graph replay medians, the ratio of each to FlashMLA; --kernels adds each launch's own time (torch.profiler).
-This is the measurement behind ops/tree_verify/split.py's rules (docs/perf.md "tree_verify on real traffic").
+This is the measurement behind ops/tree_verify/split.py's rules (docs/perf/journal-tree-verify.md "tree_verify on real traffic").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/sweep_schedule.py [--seed N] [--count K] [--kernels]
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """scripts/fp8_math_error.py (the FP8-products emulation, no GPU): its rounding helpers keep e4m3's error bounds, and
-its modes order as the design in docs/perf.md relies on (a small shape, a fixed seed)."""
+its modes order as the design in docs/perf/journal-fp8.md relies on (a small shape, a fixed seed)."""
 import importlib.util
 from pathlib import Path
 

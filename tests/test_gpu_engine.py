@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from ddtree_gen import bf16, reference
+from ddtree_gen import bf16, inputs, reference
 from ddtree_gen.errors import ArgumentError
 from verify_cases import fresh_seed, kv_torch, make_inputs, random_bf16_normal, random_e4m3_normal, random_kv_scale
 
@@ -221,14 +221,11 @@ def _step_inputs(spec, torch, rng):
     b, n, h, r, p = 2, spec.max_tree_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
     ids, lps, roots, _ = build_inputs(spec, rng, b)
     prefix = np.array([100, 37], np.int32)
-    pages = -(-(prefix + n) // spec.page_size)
-    table = np.arange(int(pages.sum()), dtype=np.int32)
-    bt = np.zeros((b, int(pages.max())), np.int32)
-    bt[0, :pages[0]], bt[1, :pages[1]] = table[:pages[0]], table[pages[0]:]
+    bt, num_pages = inputs.block_table(rng, prefix + n, spec.page_size, permute=False)   # contiguous pages
     dev = "cuda"
     t = lambda a: torch.from_numpy(a).to(dev)   # noqa: E731
     bits = lambda shape: torch.from_numpy(random_bf16_normal(rng, shape)).to(dev).view(torch.bfloat16)  # noqa: E731
-    kv_shape = (int(pages.sum()), spec.page_size, r + p)
+    kv_shape = (num_pages, spec.page_size, r + p)
     kv = kv_torch(spec, random_e4m3_normal(rng, kv_shape) if spec.kv_fp8 else random_bf16_normal(rng, kv_shape), dev)
     return dict(spec=spec.name, ids=t(ids), lps=t(lps), roots=t(roots), prefix=t(prefix), table=t(bt),
                 kv=kv, q_nope=bits((b, n, h, r)), q_pe=bits((b, n, h, p)),

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import ddtree_gen  # noqa: E402
-from ddtree_gen import hf  # noqa: E402
+from ddtree_gen import hf, inputs  # noqa: E402
 from ddtree_gen.trees import pack_tree_mask, tree_parents  # noqa: E402
 
 KERNELS = ["tree_verify", "tree_verify_wgmma", "tree_verify_mma", "tree_verify_mma_combine", "tree_accept",
@@ -65,9 +65,9 @@ def test_kernels_match_transformers(h, yarn, q_lora, inter, layers, prefix, kind
 
     ks = _kset(cfg, kv_dtype)
     target = hf.TreeTarget(model, kernels=ks, kv_scale=KV_SCALE if kv_dtype != "bf16" else None)
-    pages = -(-(prefix + nodes) // 64) + 1
+    table, pages = inputs.block_table(np.random.default_rng(1), [prefix + nodes], 64, extra_pages=1)   # scattered
     caches = target.new_caches(pages, 64)
-    table = torch.from_numpy(np.random.default_rng(1).permutation(pages)[None].astype(np.int32)).cuda()
+    table = torch.from_numpy(table).cuda()
     target.prefill(ids[None, :prefix], caches, table)
     tree = hf.tree_record(parents[None], ids[None, prefix:], [prefix], ks.spec.mask_words)
     tree_t = type(tree)(*[torch.from_numpy(np.ascontiguousarray(f)).cuda() for f in tree])

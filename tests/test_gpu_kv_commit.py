@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree_gen import reference
+from ddtree_gen import inputs, reference
 from ddtree_gen.types import TreeAcceptOutput
 from conftest import cuda_torch
 from verify_cases import fresh_seed, kv_np_dtype, kv_torch, random_cache_bits
@@ -36,14 +36,8 @@ def _cache_case(spec, rng, b):
     that put the tree across page boundaries."""
     n, page = spec.max_tree_size, spec.page_size
     prefix = rng.integers(0, 3 * page, b).astype(np.int32)
-    per = -(-(prefix.astype(int) + n) // page)
-    num_pages = int(per.sum()) + 4
-    perm = rng.permutation(num_pages).astype(np.int32)
-    table = np.full((b, int(per.max()) + 1), -1, np.int32)
-    k = 0
-    for i in range(b):
-        table[i, :per[i]] = perm[k:k + per[i]]
-        k += per[i]
+    table, num_pages = inputs.block_table(rng, prefix.astype(int) + n, page, extra_pages=4, spare_columns=1,
+                                          unused=-1)
     caches = [random_cache_bits(rng, spec, (num_pages, page, spec.kv_lora_rank + spec.qk_rope_head_dim))
               for _ in range(LAYERS)]
     return prefix, table, caches

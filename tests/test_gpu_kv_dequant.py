@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import cuda_torch, skip_unless_runs
-from ddtree_gen import reference
+from ddtree_gen import inputs, reference
 from ddtree_gen.ops.kv_dequant.plan import CANDIDATES, EDGE_OPTIONS, workspace_elems
 from test_gpu_tree_verify import (POISON_LSE, POISON_OUT, SCALES, WGMMA, check_against, check_rows_written,
                                   heads_to_check, poisoned)
@@ -73,7 +73,7 @@ def _dequant_case(spec, rng):
     num_pages, max_pages = 40, 9
     kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)
     kv[0].reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
-    table = rng.permutation(num_pages * 2)[:7 * max_pages].reshape(7, max_pages).astype(np.int32) % (num_pages + 3)
+    table = inputs.block_table(rng, [max_pages * page] * 7, page)[0] % (num_pages + 3)   # repeats, past the cache
     table[0, 0], table[1, 2], table[2, 1] = 0, -1, num_pages
     prefix = np.array([8 * page + 5, 3 * page - 1, page, 2**31 - 3, 4, -1, 0], np.int32)
     qlens = np.array([65, 1, 1, 65, 0, 5, 1], np.int32)
@@ -106,33 +106,6 @@ def test_kv_dequant_matches_reference(spec, knobs):
     done = want.block_table.reshape(-1) >= 0
     assert np.array_equal(to_host(fresh.block_table), want.block_table)
     assert np.array_equal(to_host(fresh.kv_cache)[done], want.kv_cache[done]), f"seed={seed}"
-
-
-@pytest.mark.parametrize("knobs", [o for o in OPTIONS if o.get("schedule") == "stream"], ids=_option_id)
-def test_kv_dequant_stream_many_units_per_block(spec, knobs):
-    """The stream schedule with more work units than its grid (each block walks several, with converted and skipped
-    units in every position of its walk): the reference's bits, every byte of the workspace."""
-    ks = _load(spec, ("kv_dequant",), knobs)
-    seed = fresh_seed()
-    rng = np.random.default_rng(seed)
-    page, row = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
-    b, max_pages, num_pages = 16, 60, 300
-    kv = rng.integers(0, 256, (num_pages, page, row), dtype=np.uint8)
-    table = rng.integers(-3, num_pages + 3, (b, max_pages)).astype(np.int32)
-    prefix = rng.integers(-2, max_pages * page, b).astype(np.int32)
-    qlens = rng.integers(0, 66, b).astype(np.int32)
-    consts = ks.constants("kv_dequant")
-    import cupy
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    assert b * max_pages * consts["PARTS"] > 2 * sms * consts["MIN_BLOCKS"], "a case of several units per block"
-    poison = reference.KvDequantOutput(np.full((b * max_pages, page, row), POISON_KV, np.uint16),
-                                       np.full((b, max_pages), POISON_TABLE, np.int32))
-    want = reference.kv_dequant(kv, table, prefix, qlens,
-                                out=reference.KvDequantOutput(poison.kv_cache.copy(), poison.block_table.copy()))
-    out = reference.KvDequantOutput(to_device(poison.kv_cache), to_device(poison.block_table))
-    ks.kv_dequant(to_device(kv), to_device(table), to_device(prefix), to_device(qlens), out=out)
-    assert np.array_equal(to_host(out.block_table), want.block_table), f"block table differs, seed={seed}"
-    assert np.array_equal(to_host(out.kv_cache), want.kv_cache), f"workspace differs, seed={seed}"
 
 
 def test_kv_dequant_torch(spec):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ddtree_gen import inputs
 from ddtree_gen import reference as ref
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.types import TreeAcceptOutput, TreeBuildOutput
@@ -118,18 +119,11 @@ def make_cache(rng, spec, prefix, b, spare_pages=7, table_kind="permutation"):
     width = spec.kv_lora_rank + spec.qk_rope_head_dim
     first = prefix.astype(np.int64) // page
     last = (prefix.astype(np.int64) + n - 1) // page
-    need = int((last - first + 1).sum())
-    num_pages = need + spare_pages
-    max_pages = int(last.max()) + 1 + int(rng.integers(0, 3))
+    # junk outside the windows ("any"): valid pages of other requests, negatives, too large
+    table, num_pages = inputs.block_table(rng, prefix.astype(np.int64) + n, page, first_pages=first,
+                                          extra_pages=spare_pages, spare_columns=int(rng.integers(0, 3)),
+                                          unused="any")
     kv = random_cache_bits(rng, spec, (num_pages, page, width))
-    # junk outside the windows: valid pages of other requests, negatives, too large
-    table = rng.integers(-3, num_pages + 3, (b, max_pages)).astype(np.int32)
-    perm = rng.permutation(num_pages).astype(np.int32)
-    at = 0
-    for r in range(b):
-        k = int(last[r] - first[r] + 1)
-        table[r, first[r]:last[r] + 1] = perm[at:at + k]
-        at += k
     if table_kind == "holes":       # some pages of the windows missing: those moves are skipped
         for r in range(b):
             for idx in range(int(first[r]), int(last[r]) + 1):
@@ -395,14 +389,8 @@ def test_tree_accept_repeated_steps(ks, spec, seed):
     # every request's pages cover three steps: positions prefix .. prefix + 3 (N + 1)
     page, width = spec.page_size, spec.kv_lora_rank + spec.qk_rope_head_dim
     end = prefix.astype(np.int64) + 3 * (n + 1)
-    num_pages = int(((end // page) - (prefix // page) + 1).sum()) + 3
+    table, num_pages = inputs.block_table(rng, end + 1, page, first_pages=prefix // page, extra_pages=3, unused=-1)
     kv = random_cache_bits(rng, spec, (num_pages, page, width))
-    table = np.full((b, int(end.max()) // page + 1), -1, np.int32)
-    perm, at = rng.permutation(num_pages), 0
-    for r in range(b):
-        lo, hi = int(prefix[r]) // page, int(end[r]) // page
-        table[r, lo:hi + 1] = perm[at:at + hi - lo + 1]
-        at += hi - lo + 1
     kv_dev, kv_want = cupy.asarray(kv), kv.copy()
     table_dev = cupy.asarray(table)
     for step in range(3):

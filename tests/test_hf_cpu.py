@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import ddtree_gen  # noqa: E402
-from ddtree_gen import hf, reference  # noqa: E402
+from ddtree_gen import hf, inputs, reference  # noqa: E402
 from ddtree_gen.trees import ancestor_mask, pack_tree_mask, tree_parents  # noqa: E402
 
 # (H, yarn / rope extras, q_lora_rank, rope_interleave, layers, prefix, tree kind, nodes); OTHER_DIMS: other R, P,
@@ -73,9 +73,8 @@ def _ours(model, prefix, parents, ids, cache_dtype="float32", page=64, mla_chang
     if mla_change:
         target.adapters = [dataclasses.replace(a, **mla_change) for a in target.adapters]
     n = len(parents)
-    pages = -(-(prefix + n) // page)
-    caches = target.new_caches(pages + 1, page, cache_dtype)
-    table = np.random.default_rng(1).permutation(pages + 1)[:pages][None].astype(np.int32)   # scattered pages
+    table, pages = inputs.block_table(np.random.default_rng(1), [prefix + n], page, extra_pages=1)   # scattered pages
+    caches = target.new_caches(pages, page, cache_dtype)
     target.prefill(ids[None, :prefix], caches, table)
     tree = hf.tree_record(parents[None], ids[None, prefix:], [prefix])
     logits, attns = target.verify(tree, caches, table, [prefix], return_attention=True)

@@ -27,6 +27,22 @@ def test_block_table_unused_entries_and_order():
     assert set(table[0, 1:].tolist()) <= set(inputs.garbage_entries(num_pages).tolist())
     with pytest.raises(ValueError):
         inputs.block_table(np.random.default_rng(1), [10], 64, unused="zeros")
+    table, num_pages = inputs.block_table(np.random.default_rng(1), [10, 10], 64, spare_columns=6, unused="any")
+    assert table[:, 1:].min() >= -3 and table[:, 1:].max() < num_pages + 3 and len(set(table[:, 1:].ravel())) > 2
+
+
+def test_block_table_windows():
+    """first_pages: each request's pages from that column on (its tree's window), only those pages in the pool;
+    the columns before and after are unused."""
+    table, num_pages = inputs.block_table(np.random.default_rng(6), [200, 65, 64], 64, first_pages=[2, 0, 1],
+                                          unused=-1, spare_columns=1)
+    assert num_pages == 2 + 2 + 0 and table.shape == (3, 5)
+    assert (table[0, :2] == -1).all() and (table[0, 4:] == -1).all() and (table[1, 2:] == -1).all()
+    assert (table[2] == -1).all()                                                # its one page before the window
+    assert sorted(np.concatenate([table[0, 2:4], table[1, :2]]).tolist()) == list(range(num_pages))
+    for bad in ([5, 0, 0], [0, 0]):
+        with pytest.raises(ValueError, match="first_pages"):
+            inputs.block_table(np.random.default_rng(6), [200, 65, 64], 64, first_pages=bad)
 
 
 def test_bad_pages_point_outside_the_cache():

@@ -714,7 +714,7 @@ def test_bench_kv_dtype_loads_the_dequantize_path():
 # ------------------------------------------------------------------------ kv_dequant's build options
 
 def test_build_options_default_and_names():
-    """The default build is the page schedule of 256 threads, two parts per page, warp stores and no L2 hint (file
+    """The default build is one block of 256 threads per half page (two parts per page) with warp stores (file
     kv_dequant.cu); the first kernel stays the build parts=1, store="pair" (its body as it was); every other option is
     a build named by its knobs, rendered with its constants."""
     from ddtree_gen.build.render import render
@@ -722,7 +722,7 @@ def test_build_options_default_and_names():
     v = variant(kdef, FP8)
     assert v.name == "kv_dequant" and v.is_default and v.config == kd_plans.KNOBS
     c = v.plan().template_constants()
-    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"]) == (0, 2, 1, 0, 256)
+    assert (c["PARTS"], c["WARP_STORE"], c["THREADS"]) == (2, 1, 256)
     first = variant(kdef, FP8, parts=1, store="pair")
     assert first.name == "kv_dequant.p1.pair" and first.plan().template_constants()["WARP_STORE"] == 0
     assert "the first kernel's body" not in render(variant(kdef, FP8, store="pair"))   # parts 2: the general body
@@ -730,22 +730,20 @@ def test_build_options_default_and_names():
     names = {variant(kdef, FP8, **k).name for k in kd_plans.CANDIDATES + kd_plans.EDGE_OPTIONS}
     assert len(names) == len(kd_plans.CANDIDATES) + len(kd_plans.EDGE_OPTIONS)   # distinct builds
     assert kd_plans.CANDIDATES[0] == {} and {"parts": 1, "store": "pair"} in kd_plans.CANDIDATES
-    s = variant(kdef, FP8, schedule="stream", parts=3, store="pair", l2="src_evict_first", threads=128)
-    assert s.name == "kv_dequant.stream.p3.pair.l2-src-evict-first.t128" and not s.is_default
+    s = variant(kdef, FP8, parts=3, store="pair", threads=128)
+    assert s.name == "kv_dequant.p3.pair.t128" and not s.is_default
     c = s.plan().template_constants()
-    assert (c["STREAM"], c["PARTS"], c["WARP_STORE"], c["L2_HINT"], c["THREADS"], c["MIN_BLOCKS"]) == \
-        (1, 3, 0, 1, 128, 1024 // 128)
+    assert (c["PARTS"], c["WARP_STORE"], c["THREADS"]) == (3, 0, 128)
     text = render(s)
-    assert "the first kernel's body" not in text and "#define STREAM 1" in text
-    assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in text
-    assert "L2::cache_hint" in text and "createpolicy.fractional.L2::evict_first" in text
-    assert variant(kdef, FP8, l2="streaming").plan().template_constants()["L2_HINT"] == 2
+    assert "the first kernel's body" not in text and "#define PARTS 3" in text and "#define WARP_STORE 0" in text
+    # the retired options left the template (no build renders them)
+    for build in (v, first, s):
+        text = render(build)
+        assert not [w for w in ("STREAM", "L2_HINT", "MIN_BLOCKS", "createpolicy", "st.global.cs") if w in text]
 
 
 @pytest.mark.parametrize("knobs,words", [
-    (dict(schedule="persistent"), "schedule 'persistent', one of page, stream"),
     (dict(store="scatter"), "store 'scatter', one of pair, warp"),
-    (dict(l2="keep"), "l2 'keep', one of normal, src_evict_first, streaming"),
     (dict(parts=0), "parts 0, an integer in"),
     (dict(parts=2.0), "parts 2.0, an integer in"),
     (dict(threads=100), "threads 100, a multiple of 32"),
@@ -757,51 +755,68 @@ def test_build_option_errors(knobs, words):
         variant(by_name("kv_dequant"), FP8, **knobs).plan()
 
 
+@pytest.mark.parametrize("knobs", [dict(schedule="stream"), dict(schedule="page"), dict(l2="src_evict_first"),
+                                   dict(l2="streaming", parts=1)], ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_retired_build_knobs_refused(knobs):
+    """The stream schedule and the L2 hints are retired (measured no better): no longer knobs of the variant, and a
+    config that still names one, whatever its value, is refused by the plan naming the knob and the journal section
+    that holds the figures (as tree_verify_wgmma's retired knobs: tests/test_variants.py)."""
+    from ddtree_gen.errors import BuildError, SpecError
+    knob = next(iter(knobs))
+    with pytest.raises(BuildError, match=f"no knob '{knob}'"):
+        variant(by_name("kv_dequant"), FP8, **knobs)
+    with pytest.raises(SpecError, match=f'kv_dequant: {knob}: a retired build knob, measured no better '
+                                        f'\\(docs/perf/journal-fp8.md "The pre-pass at the copy rate"'):
+        kd_plans.plan(FP8, {**kd_plans.KNOBS, **knobs})
+    with pytest.raises(SpecError, match="kv_dequant: no build option 'min_blocks', its options: parts, store, threads"):
+        kd_plans.plan(FP8, {**kd_plans.KNOBS, "min_blocks": 2})
+
+
+def test_retired_knobs_figures_exist():
+    """The section a retired knob's error names is a real heading of the journal file it names."""
+    from pathlib import Path
+    import re
+    for where in set(kd_plans.RETIRED.values()):
+        path, section = re.fullmatch(r'(\S+) "(.+)"', where).groups()
+        text = (Path(__file__).resolve().parents[1] / path).read_text()
+        assert re.search(rf"^#+ {re.escape(section)}\b", text, re.M), where
+
+
 def test_dequant_grid():
-    """The page schedule: one block per work unit (B x max_pages x parts), refused past 2^31 - 1 naming
-    block_table; the stream schedule: at most SMs x MIN_BLOCKS blocks."""
+    """One block per work unit (B x max_pages x parts), refused past 2^31 - 1 naming block_table."""
     kdef = by_name("kv_dequant")
     page = variant(kdef, FP8, parts=3).plan().template_constants()
-    assert kd.dequant_grid(page, 8, 66, 132) == 8 * 66 * 3
-    assert kd.dequant_grid(variant(kdef, FP8, parts=1).plan().template_constants(), 1, 66, 132) == 66
-    assert kd.dequant_grid(variant(kdef, FP8).plan().template_constants(), 1, 66, 132) == 132   # the default
-    stream = variant(kdef, FP8, schedule="stream", parts=2).plan().template_constants()
-    assert kd.dequant_grid(stream, 32, 66, 132) == 132 * 4          # 4224 units walked by 528 blocks
-    assert kd.dequant_grid(stream, 1, 66, 132) == 132               # B = 1: one unit per SM
-    assert kd.dequant_grid(stream, 1, 10, 132) == 20
-    assert kd.dequant_grid(stream, 2**15, 2**15, 132) == 528        # no 32-bit limit on the units walked
+    assert kd.dequant_grid(page, 8, 66) == 8 * 66 * 3
+    assert kd.dequant_grid(variant(kdef, FP8, parts=1).plan().template_constants(), 1, 66) == 66
+    assert kd.dequant_grid(variant(kdef, FP8).plan().template_constants(), 1, 66) == 132   # the default
     with pytest.raises(ArgumentError, match="block_table: 32768 requests x 32768 pages x 3 parts"):
-        kd.dequant_grid(page, 2**15, 2**15, 132)
+        kd.dequant_grid(page, 2**15, 2**15)
 
 
-def emulate_assignment(consts, b, max_pages, sms):
-    """The template's work assignment (templates/kv_dequant.cu.j2: units, parts, pieces; the page schedule's block
-    per unit or the stream schedule's grid stride) replayed in Python: per workspace page, how often each of its
-    16-byte output chunks is stored, and per (b, j) how often its table entry is written, if every page is
-    converted."""
+def emulate_assignment(consts, b, max_pages):
+    """The template's work assignment (templates/kv_dequant.cu.j2: units, parts, pieces; a block per unit) replayed
+    in Python: per workspace page, how often each of its 16-byte output chunks is stored, and per (b, j) how often
+    its table entry is written, if every page is converted."""
     vec = 8 if consts["WARP_STORE"] else 16
     pieces = consts["PAGE_BYTES"] // vec
     parts, threads = consts["PARTS"], consts["THREADS"]
     part_pieces = -(-pieces // parts)
     per_thread = -(-part_pieces // threads)
-    units = b * max_pages * parts
-    grid = kd.dequant_grid(consts, b, max_pages, sms)
     out16 = np.zeros((b * max_pages, consts["PAGE_BYTES"] * 2 // 16), np.int64)
     table = np.zeros(b * max_pages, np.int64)
     t = np.arange(threads)
-    for block in range(grid):
-        for u in range(block, units, grid if consts["STREAM"] else units):
-            w, part = divmod(u, parts)
-            table[w] += 1 if part == 0 else 0
-            first = part * part_pieces
-            end = min(first + part_pieces, pieces)
-            c = (first + t[:, None] + threads * np.arange(per_thread)[None, :]).reshape(-1)
-            c = c[c < end]
-            if vec == 8:
-                np.add.at(out16[w], c, 1)
-            else:
-                np.add.at(out16[w], 2 * c, 1)
-                np.add.at(out16[w], 2 * c + 1, 1)
+    for u in range(kd.dequant_grid(consts, b, max_pages)):   # block u: work unit u
+        w, part = divmod(u, parts)
+        table[w] += 1 if part == 0 else 0
+        first = part * part_pieces
+        end = min(first + part_pieces, pieces)
+        c = (first + t[:, None] + threads * np.arange(per_thread)[None, :]).reshape(-1)
+        c = c[c < end]
+        if vec == 8:
+            np.add.at(out16[w], c, 1)
+        else:
+            np.add.at(out16[w], 2 * c, 1)
+            np.add.at(out16[w], 2 * c + 1, 1)
     return out16, table
 
 
@@ -816,27 +831,10 @@ def test_work_assignment_covers_every_byte_once(knobs):
     for spec in (FP8, odd):
         consts = dict(variant(kdef, spec, **knobs).plan().template_constants())
         consts["PAGE_BYTES"] = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
-        for b, max_pages, sms in ((1, 5, 3), (3, 7, 2)):
-            out16, table = emulate_assignment(consts, b, max_pages, sms)
+        for b, max_pages in ((1, 5), (3, 7)):
+            out16, table = emulate_assignment(consts, b, max_pages)
             assert (out16 == 1).all(), (spec.name, b, max_pages, np.argwhere(out16 != 1)[:3])
             assert (table == 1).all(), (spec.name, b, max_pages)
-
-
-def test_stream_build_launch_plan(fake_device, monkeypatch):
-    """A kernel set whose kv_dequant is a stream build: its grid is SMs x MIN_BLOCKS (fewer blocks than units), the
-    arguments as the page schedule's; the dequantize path of tree_verify takes the same grid."""
-    new = Arrays()
-    args = dq_args(FP8, new)
-    stream = variant(by_name("kv_dequant"), FP8, schedule="stream", parts=2).plan().template_constants()
-    kset = Recording(FP8)
-    real = kset.constants
-    monkeypatch.setattr(kset, "constants", lambda name, device=None: stream if name == "kv_dequant" else real(name))
-    monkeypatch.setattr(kd, "sm_count", lambda device: 3)
-    out = reference.KvDequantOutput(new((B * MAX_PAGES, 64, 576), np.uint16), new((B, MAX_PAGES), np.int32))
-    kd.launch(kset, **args, out=out)
-    (name, grid, ka), = kset.got
-    assert name == "kv_dequant" and grid == (min(B * MAX_PAGES * 2, 3 * stream["MIN_BLOCKS"]),) == (12,)
-    assert ka[6:] == [PAGES, MAX_PAGES, B]
 
 
 def test_kv_dequant_pointer_checks_are_the_shared_helpers(fake_device):
@@ -885,17 +883,19 @@ def test_compare_script_parsing():
     mod, _ = _compare_script()
     assert mod.SHAPES == KV_DTYPE_CONFIGS
     args = mod.build_parser().parse_args(["--shapes", "8,8,4096", "1,128,64", "--options",
-                                          "schedule=stream,parts=3,store=pair", "default", "threads=256,store=warp"])
+                                          "parts=3,store=pair", "default", "threads=256,store=warp"])
     assert args.shapes == [(8, 8, 4096), (1, 128, 64)]
-    assert args.options == [{"schedule": "stream", "parts": 3, "store": "pair"}, {}, {}]   # default knobs: dropped
-    assert mod._options(args.options) == [{}, {"schedule": "stream", "parts": 3, "store": "pair"}]
+    assert args.options == [{"parts": 3, "store": "pair"}, {}, {}]   # default knobs: dropped
+    assert mod._options(args.options) == [{}, {"parts": 3, "store": "pair"}]
     assert mod._options(None) == [dict(k) for k in kd_plans.CANDIDATES] and kd_plans.CANDIDATES[0] == {}
     assert mod.option_label({"store": "pair", "parts": 2}) == "parts=2,store=pair" and mod.option_label({}) == "default"
     for bad, words in (("8,8", "expected B,H,L"), ("0,8,4096", "expected B,H,L"), ("a,b,c", "expected B,H,L")):
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             mod.parse_shape(bad)
     for bad, words in (("bogus=1", "no knob 'bogus'"), ("parts", "expected KNOB=VALUE"),
-                       ("parts=0", "parts 0, an integer in"), ("store=scatter", "store 'scatter', one of pair, warp")):
+                       ("parts=0", "parts 0, an integer in"), ("store=scatter", "store 'scatter', one of pair, warp"),
+                       ("schedule=stream", "schedule: a retired build knob, measured no better"),
+                       ("l2=streaming", "l2: a retired build knob")):
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             mod.parse_knobs(bad)
 

@@ -696,7 +696,7 @@ def test_makespan_model():
 
 def test_short_context_splits():
     """Short contexts: the fixed-cost model's split count at the shapes it was fitted to (scripts/sweep_splits.py,
-    H200; docs/perf.md "Short contexts"): no split where one wave holds the blocks and the keys are few, the most
+    H200; docs/perf/journal-tree-verify.md "Short contexts"): no split where one wave holds the blocks and the keys are few, the most
     chunks one wave holds where the batch is small."""
     ss = split_kv.short_splits
     assert ss(72, 132, 3, 2) == 1 and ss(72, 132, 5, 3) == 1 and ss(72, 132, 9, 5) == 1 and ss(72, 132, 17, 9) == 1

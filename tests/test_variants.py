@@ -94,7 +94,7 @@ def test_knobs_are_checked(kimi):
         with pytest.raises(BuildError, match=f"no knob '{knob}'"):
             variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), **{knob: value})
         config = {**wg_plans.variant_config(find_spec("kimi-k2.6-tp8-fp8")), knob: value}
-        with pytest.raises(SpecError, match=f"{knob}: a retired build knob, measured slower \\(docs/perf.md"):
+        with pytest.raises(SpecError, match=f"{knob}: a retired build knob, measured slower \\(docs/perf/journal-fp8.md"):
             wg_plans.verify_plan(find_spec("kimi-k2.6-tp8-fp8"), config=config)
 
 

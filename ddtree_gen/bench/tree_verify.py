@@ -119,7 +119,7 @@ def sweep(args) -> None:
         print(f"ours / FlashMLA over {len(ratios)} shapes: worst {max(ratios):.2f}, median "
               f"{statistics.median(ratios):.2f}, at most 1.05 on {sum(r <= 1.05 for r in ratios)}")
     else:
-        print("FlashMLA not importable: no ratios (see docs/perf.md for how to get it)")
+        print("FlashMLA not importable: no ratios (docs/benchmarks.md: FlashMLA's package on PYTHONPATH)")
 
 
 def _plot(points, peak, path) -> None:

@@ -63,27 +63,21 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 //   * the workspace block table gets w for such a page and -1 for every other (b, j): tree_verify then sees the
 //     same visible keys as on the e4m3 cache (a key whose page is not in [0, num_pages) is never read).
 // Every (b, j) writes its table entry (its part 0's thread 0); pages of the workspace not converted are not written.
-// Bandwidth-bound: 3 bytes moved per e4m3 byte. The build options (plans/kv_dequant.KNOBS), same outputs bit for bit:
-//   STREAM 0 ("page"): one block per work unit, every load of a thread first, then its stores.
-//   STREAM 1 ("stream"): a persistent grid (SMs x MIN_BLOCKS blocks) walking the units with a grid stride; the next
-//     unit's lengths, table entry and loads are issued before the current one is converted and stored (two register
-//     buffers that swap roles), so one SM's loads and stores overlap.
+// Bandwidth-bound: 3 bytes moved per e4m3 byte. One block per work unit, every load of a thread first, then its
+// stores. The build options (plans/kv_dequant.KNOBS), same outputs bit for bit:
+//   PARTS: work units per page.
 //   WARP_STORE 0 ("pair", the first kernel): 16-byte pieces, two 16-byte stores each (a warp store: every other 16
 //     bytes of 1 KB, half sectors); 1 ("warp", the default): 8-byte pieces, one 16-byte store each (a warp store: 512
 //     contiguous bytes); 1.6x the rate of "pair" on the H200.
-//   L2_HINT 0 ("normal"); 1 ("src_evict_first"): the e4m3 loads with an L2 evict-first policy (the source is read
-//     once; the workspace the attention kernel reads next stays in L2 in preference); 2 ("streaming"): that, and the
-//     workspace stores st.global.cs (evict-first).
+// (The "stream" schedule and the L2 hints, measured no better, were retired in issue 44: docs/perf/journal-fp8.md
+// "The pre-pass at the copy rate"; their code is in git history.)
 
 #define PAGE 64
 #define ROW (512 + 64)          // bytes per e4m3 entry
 #define THREADS 256
 #define CHUNKS 2304              // 16-byte e4m3 chunks per page: PAGE * ROW / 16
-#define STREAM 0
 #define PARTS 2                // work units per page
 #define WARP_STORE 1
-#define L2_HINT 0
-#define MIN_BLOCKS 4      // the stream grid: blocks per SM (resident by __launch_bounds__)
 #define VEC (WARP_STORE ? 8 : 16)        // e4m3 bytes per piece (a thread's load)
 #define PIECES (PAGE * ROW / VEC)        // pieces per page
 #define PART_PIECES ((PIECES + PARTS - 1) / PARTS)
@@ -98,55 +92,27 @@ typedef uint2 piece_t;
 typedef uint4 piece_t;
 #endif
 
-__device__ __forceinline__ unsigned long long l2_policy() {
-    unsigned long long policy = 0;
-#if L2_HINT
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
-    return policy;
-}
-
-__device__ __forceinline__ piece_t load_once(const piece_t* p, unsigned long long policy) {
+__device__ __forceinline__ piece_t load_once(const piece_t* p) {
     piece_t v;
 #if WARP_STORE
-  #if L2_HINT
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 { %0, %1 }, [%2], %3;"
-                 : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
-  #else
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 { %0, %1 }, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  #endif
 #else
-  #if L2_HINT
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 { %0, %1, %2, %3 }, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-  #else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  #endif
 #endif
-    (void)policy;
     return v;
-}
-
-__device__ __forceinline__ void store16(uint4* p, uint4 v) {
-#if L2_HINT == 2
-    asm volatile("st.global.cs.v4.u32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-#else
-    *p = v;
-#endif
 }
 
 // Piece c of a page (VEC e4m3 bytes) -> its 2 VEC bytes of bf16 at out (the page's first 16 bytes).
 __device__ __forceinline__ void convert_store(const piece_t& x, uint4* out, int c) {
 #if WARP_STORE
     const uint2 a = fp8x4_to_bf16x4(x.x), bb = fp8x4_to_bf16x4(x.y);
-    store16(out + c, make_uint4(a.x, a.y, bb.x, bb.y));
+    out[c] = make_uint4(a.x, a.y, bb.x, bb.y);
 #else
     const uint2 a = fp8x4_to_bf16x4(x.x), bb = fp8x4_to_bf16x4(x.y);
     const uint2 cc = fp8x4_to_bf16x4(x.z), d = fp8x4_to_bf16x4(x.w);
-    store16(out + 2 * c, make_uint4(a.x, a.y, bb.x, bb.y));          // bytes 0-7 of the chunk -> 16 bytes of bf16
-    store16(out + 2 * c + 1, make_uint4(cc.x, cc.y, d.x, d.y));      // bytes 8-15
+    out[2 * c] = make_uint4(a.x, a.y, bb.x, bb.y);                   // bytes 0-7 of the chunk -> 16 bytes of bf16
+    out[2 * c + 1] = make_uint4(cc.x, cc.y, d.x, d.y);               // bytes 8-15
 #endif
 }
 
@@ -168,14 +134,14 @@ __device__ __forceinline__ bool in_part(int c, int end) { return WHOLE || c < en
 
 // The loads of work unit u (its page's source src >= 0): the thread's pieces of part u % PARTS.
 __device__ __forceinline__ void load_unit(piece_t (&x)[PER_THREAD], const fp8_t* __restrict__ kv_cache, int src,
-                                          long long u, unsigned long long policy) {
+                                          long long u) {
     const int first = (int)(u % PARTS) * PART_PIECES;
     const int end = min(first + PART_PIECES, PIECES);
     const piece_t* in = reinterpret_cast<const piece_t*>(kv_cache + (size_t)src * (PAGE * ROW));
     #pragma unroll
     for (int k = 0; k < PER_THREAD; ++k) {
         const int c = first + (int)threadIdx.x + k * THREADS;
-        if (in_part(c, end)) x[k] = load_once(in + c, policy);
+        if (in_part(c, end)) x[k] = load_once(in + c);
     }
 }
 
@@ -196,33 +162,8 @@ __device__ __forceinline__ void store_unit(const piece_t (&x)[PER_THREAD], bf16_
     }
 }
 
-#if STREAM
-// One step of the stream: the next unit's source and loads into `next` (u_next < units), then unit u's stores from
-// `cur`. Returns whether there is a next unit.
-__device__ __forceinline__ bool stream_step(piece_t (&cur)[PER_THREAD], piece_t (&next)[PER_THREAD], long long& u,
-                                            int& src, long long units, const fp8_t* __restrict__ kv_cache,
-                                            const int* __restrict__ block_table, const int* __restrict__ prefix_lens,
-                                            const int* __restrict__ q_lens, bf16_t* __restrict__ kv_out,
-                                            int* __restrict__ table_out, int num_pages, int max_pages,
-                                            unsigned long long policy) {
-    const long long u_next = u + gridDim.x;
-    const bool more = u_next < units;
-    const int src_next = more ? source_page(u_next / PARTS, block_table, prefix_lens, q_lens, num_pages, max_pages)
-                              : -1;
-    if (src_next >= 0) load_unit(next, kv_cache, src_next, u_next, policy);
-    store_unit(cur, kv_out, table_out, src, u);
-    u = u_next;
-    src = src_next;
-    return more;
-}
-#endif
-
 extern "C" __global__ void
-#if STREAM
-__launch_bounds__(THREADS, MIN_BLOCKS)
-#else
 __launch_bounds__(THREADS)
-#endif
 ddtree_kv_dequant(const fp8_t* __restrict__ kv_cache,       // [num_pages, PAGE, R + P] e4m3 bytes
             const int* __restrict__ block_table,     // [B, max_pages]
             const int* __restrict__ prefix_lens,     // [B]
@@ -231,22 +172,11 @@ ddtree_kv_dequant(const fp8_t* __restrict__ kv_cache,       // [num_pages, PAGE,
             int* __restrict__ table_out,             // [B, max_pages]: b * max_pages + j, or -1
             int num_pages, int max_pages, int batch)
 {
-    const unsigned long long policy = l2_policy();
     const long long units = (long long)batch * max_pages * PARTS;
     long long u = blockIdx.x;                                        // (b * max_pages + j) * PARTS + part
     if (u >= units) return;
     int src = source_page(u / PARTS, block_table, prefix_lens, q_lens, num_pages, max_pages);   // block-uniform
     piece_t x[PER_THREAD];
-#if STREAM
-    piece_t y[PER_THREAD];
-    if (src >= 0) load_unit(x, kv_cache, src, u, policy);
-    while (stream_step(x, y, u, src, units, kv_cache, block_table, prefix_lens, q_lens, kv_out, table_out,
-                       num_pages, max_pages, policy) &&
-           stream_step(y, x, u, src, units, kv_cache, block_table, prefix_lens, q_lens, kv_out, table_out,
-                       num_pages, max_pages, policy)) {
-    }
-#else
-    if (src >= 0) load_unit(x, kv_cache, src, u, policy);           // every load first: PER_THREAD in flight
+    if (src >= 0) load_unit(x, kv_cache, src, u);                   // every load first: PER_THREAD in flight
     store_unit(x, kv_out, table_out, src, u);
-#endif
 }

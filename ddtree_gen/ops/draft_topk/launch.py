@@ -27,11 +27,11 @@ from ...launch.checks import INT32_MAX
 KERNEL = "draft_topk"
 # the rows build streams a row per block (stage 2) where the rows are at least ROWS_PER_SM x SMs (198 on an H200: B >= 14
 # at D' = 15), and runs the chunks schedule's stages 0 and 1 below that (fewer rows than SMs leave SMs idle; measured
-# crossover, docs/perf.md "The end of a row selected by the block": B = 16 streams faster, B = 8 does not)
+# crossover, docs/perf/journal-kernels.md "The end of a row selected by the block": B = 16 streams faster, B = 8 does not)
 ROWS_PER_SM = 1.5
 # ... and a row of at least ROWS_MIN_CHUNKS chunks (128 KB of logits): a row of 1-3 chunks streams slower than the chunks
 # schedule takes it (V = 16384 / 32768 / 49152 bf16 at B = 16: 1.23 / 1.01 / 1.02x of its time, 20011 float32 1.12x;
-# 4 chunks 0.84-1.02x, 5-8 chunks 0.82-0.93x: docs/perf.md "draft_topk's switch at small V")
+# 4 chunks 0.84-1.02x, 5-8 chunks 0.82-0.93x: docs/perf/journal-kernels.md "draft_topk's switch at small V")
 ROWS_MIN_CHUNKS = 4
 WS = 3                              # the workspace's index in the call's array list
 _VEC = {"bf16": 8, "float32": 4}    # logits per 16-byte load

@@ -26,10 +26,10 @@ KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounde
 # block, the row's top-k selected by the block, one launch and no workspace, where there are enough rows
 # (kernels/draft_topk.ROWS_PER_SM) and the rows are long (ROWS_MIN_CHUNKS); otherwise the chunks schedule, in the same build. Its log-probs differ from the
 # chunks schedule's by the rounding of another order of the sums (the same ids).
-# (schedule "stream" and the rows' row_end "warps" measured slower: removed in issue 40; docs/perf.md has the figures)
+# (schedule "stream" and the rows' row_end "warps" measured slower: removed in issue 40; docs/perf/journal-kernels.md has the figures)
 SCHEDULES = ("chunks", "rows")
 OPTIONS = ("schedule", "min_blocks")   # the build options (plan's config)
-MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__: 64 registers; docs/perf.md "The end of a row selected by the
+MIN_BLOCKS = 4               # blocks per SM (__launch_bounds__: 64 registers; docs/perf/journal-kernels.md "The end of a row selected by the
                              # block"), where their shared memory fits an SM, else 3 (N - 1 above 128: 70 KB a block); the
                              # build option `min_blocks` ("auto", or 1-4)
 SM_SMEM = 227 * 1024         # the shared memory an H100 / H200 SM gives its blocks
@@ -40,7 +40,7 @@ HPASS = 4                    # rows, the end of a row: radix passes of 8-bit dig
 
 def policy(spec, arch: str = "sm_90a") -> dict:
     """The default build configuration (plans/variant.default_config): the rows schedule with the block's end
-    (docs/perf.md, "The end of a row selected by the block": 111 us against the chunks schedule's 158 at B = 64,
+    (docs/perf/journal-kernels.md, "The end of a row selected by the block": 111 us against the chunks schedule's 158 at B = 64,
     V = 129280; the chunks schedule's own stages below 1.5 rows an SM)."""
     # min_blocks "auto": 4 where they fit an H100 / H200 SM (plan); an A100's 164 KB hold 3 of the default's 46 KB
     return {"schedule": "rows", "min_blocks": "auto" if arch == "sm_90a" else 3}

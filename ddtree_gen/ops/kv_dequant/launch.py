@@ -20,7 +20,7 @@ from . import plan as plans
 from ...build.declaration import Bundles, Declaration
 from ...errors import ArgumentError
 from ...reference import KvDequantOutput
-from ...launch.runtime import Prepared, Step, run_call, sm_count
+from ...launch.runtime import Prepared, Step, run_call
 from ...launch.checks import INT32_MAX, PointerChecks, check_outputs
 
 KERNEL = "kv_dequant"
@@ -73,25 +73,22 @@ def check_workspace_pages(spec, b: int, max_pages: int) -> None:
                             f"{b * max_pages * spec.page_size} workspace rows must be < 2**31 (32-bit row indices)")
 
 
-def dequant_grid(consts: dict, b: int, max_pages: int, sms: int) -> int:
+def dequant_grid(consts: dict, b: int, max_pages: int) -> int:
     """Blocks of the pre-pass's launch for the build's template constants (plans/kv_dequant.plan): the work units,
-    B x max_pages x PARTS, one block each (the page schedule), or at most SMs x MIN_BLOCKS of them walking the units
-    (the stream schedule, STREAM = 1)."""
+    B x max_pages x PARTS, one block each."""
     units = b * max_pages * int(consts.get("PARTS", 1))
-    if consts.get("STREAM"):
-        return min(units, sms * int(consts["MIN_BLOCKS"]))
     if units > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages x {consts.get('PARTS', 1)} parts = "
                             f"{units} blocks are too many for one launch of kv_dequant")
     return units
 
 
-def dequant_step(kv, table, prefix, qlens, ws_kv, ws_table, b: int, max_pages: int, num_pages: int, consts: dict,
-                 sms: int) -> Step:
-    """The pre-pass's launch (dequant_grid: consts are the loaded build's template constants, sms the device's SM
-    count); the arguments are the call's array indices (or (index, byte offset) pairs) of the e4m3 cache, its block
-    table, the lengths and the two outputs."""
-    return Step(KERNEL, (dequant_grid(consts, b, max_pages, sms),),
+def dequant_step(kv, table, prefix, qlens, ws_kv, ws_table, b: int, max_pages: int, num_pages: int,
+                 consts: dict) -> Step:
+    """The pre-pass's launch (dequant_grid: consts are the loaded build's template constants); the arguments are
+    the call's array indices (or (index, byte offset) pairs) of the e4m3 cache, its block table, the lengths and the
+    two outputs."""
+    return Step(KERNEL, (dequant_grid(consts, b, max_pages),),
                 (kv, table, prefix, qlens, ws_kv, ws_table, np.int32(num_pages), np.int32(max_pages), np.int32(b)))
 
 
@@ -112,7 +109,7 @@ def _prepare(kset, arrays, has_out) -> Prepared:
         ptrs.align(outs["out.kv_cache"], "out.kv_cache", 16, READER, access="writes")
         check_outputs(ptrs, inputs, outs)
     consts = kset.constants(KERNEL, device)
-    steps = ((dequant_step(0, 1, 2, 3, 4, 5, b, max_pages, num_pages, consts, sm_count(device)),)
+    steps = ((dequant_step(0, 1, 2, 3, 4, 5, b, max_pages, num_pages, consts),)
              if b * max_pages else ())
     return Prepared(device=device, kind=kv.kind, steps=steps, new=new, aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), returns=(KvDequantOutput, (4, 5)))

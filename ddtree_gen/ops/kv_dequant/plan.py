@@ -7,12 +7,10 @@ tree_verify would not read the page). tree_verify_wgmma's dequantize build (ops/
 built for the fp8 spec) then reads the workspace, with kv_scale applied in fp32 as in the fused fp8 kernel.
 
 Build options (KNOBS; templates/kv_dequant.cu.j2 says how each works; every option gives the same outputs bit for
-bit): `schedule` "page" (one block per work unit: the default, with parts 2) or "stream" (a persistent grid of SMs x MIN_BLOCKS
-blocks walking the units with the next one's loads in flight); `parts` (work units per page); `store` "warp" (8-byte
-loads, one 16-byte store each: contiguous warp stores; the default) or "pair" (16-byte loads, two 16-byte stores each:
-the first kernel, half-sector stores); `l2`
-"normal", "src_evict_first" (the e4m3 loads evict-first in L2) or "streaming" (that, and st.global.cs stores);
-`threads` per block. docs/perf.md "The pre-pass at the copy rate".
+bit): `parts` (work units per page, one block each; the default 2); `store` "warp" (8-byte loads, one 16-byte store
+each: contiguous warp stores; the default) or "pair" (16-byte loads, two 16-byte stores each: the first kernel,
+half-sector stores); `threads` per block. docs/perf/journal-fp8.md "The pre-pass at the copy rate". Retired (RETIRED):
+the "stream" schedule and the L2 hints, measured no better there.
 """
 from __future__ import annotations
 
@@ -26,60 +24,58 @@ from ...build.kernel_def import KernelDef
 
 THREADS = 256                    # threads per block of the default build
 CHUNKS = PAGE * (R + P) / 16     # 16-byte e4m3 chunks per page (R, P multiples of 16: whole)
-SCHEDULES = ("page", "stream")
 STORES = ("pair", "warp")
-L2_HINTS = ("normal", "src_evict_first", "streaming")
 MAX_PARTS = 64
+FIGURES = 'docs/perf/journal-fp8.md "The pre-pass at the copy rate"'   # where every option was measured
 # the build options at their values in the default build: one block of 256 threads per half page (parts 2: B = 1's
 # 66 pages fill 132 SMs), 8-byte loads and contiguous warp stores ("warp", measured 1.6x the first kernel's "pair"
-# stores at B >= 8 on the H200; parts 2: 0.8x the time of one block per page at B = 1, the same elsewhere:
-# docs/perf.md "The pre-pass at the copy rate")
-KNOBS = {"schedule": "page", "parts": 2, "store": "warp", "l2": "normal", "threads": THREADS}
-STREAM_THREADS_PER_SM = 1024     # the stream grid's resident threads per SM: MIN_BLOCKS = 1024 / threads
+# stores at B >= 8 on the H200; parts 2: 0.8x the time of one block per page at B = 1, the same elsewhere: FIGURES)
+KNOBS = {"parts": 2, "store": "warp", "threads": THREADS}
+# Retired build knobs (issue 44, as the seesaw's in issue 40): a config naming one is a SpecError pointing at the
+# figures; their code is in git history. `schedule` "stream" (a persistent grid walking the work units, the next
+# unit's loads in flight): 16.0-66.4 us against the page schedule's 16.5-64.4 on the same shapes, no better; `l2`
+# "src_evict_first" / "streaming" (L2 evict-first loads, st.global.cs stores): within +-2 % of no hint.
+RETIRED = {"schedule": FIGURES, "l2": FIGURES}
 # the builds scripts/compare_dequant.py times side by side (knobs off the default; {}: the default build): the first
-# kernel (parts 1, store "pair") and the other options measured on the H200 (docs/perf.md "The pre-pass at the copy rate");
-# the GPU tests check each bit for bit, with EDGE_OPTIONS (parts that do not divide a page: the bounds tests)
-CANDIDATES = ({}, {"parts": 1, "store": "pair"}, {"parts": 1}, {"store": "pair"}, {"schedule": "stream"},
-              {"schedule": "stream", "store": "pair"},
-              {"schedule": "stream", "l2": "src_evict_first"},
-              {"schedule": "stream", "l2": "streaming"},
-              {"schedule": "stream", "parts": 4, "threads": 128},
-              {"schedule": "stream", "parts": 1, "threads": 512})
-EDGE_OPTIONS = ({"parts": 5}, {"parts": 5, "store": "pair"}, {"schedule": "stream", "parts": 7},
-                {"schedule": "stream", "parts": 5, "threads": 96, "l2": "src_evict_first"})
+# kernel (parts 1, store "pair"), each option alone (FIGURES) and two other block sizes; the GPU tests check each bit
+# for bit, with EDGE_OPTIONS (parts that do not divide a page, a block size not a power of two: the bounds tests)
+CANDIDATES = ({}, {"parts": 1, "store": "pair"}, {"parts": 1}, {"store": "pair"}, {"parts": 4, "threads": 128},
+              {"parts": 1, "threads": 512})
+EDGE_OPTIONS = ({"parts": 5}, {"parts": 5, "store": "pair"}, {"parts": 7}, {"parts": 5, "threads": 96})
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): the page schedule of 256 threads, two parts
-    per page, warp stores, no L2 hint (docs/perf.md "The pre-pass at the copy rate": 92-93 % of the same-run bf16 copy
-    rate at B >= 8, 78 % at B = 1; the stream schedule and the L2 hints measured no better)."""
+    """The default build configuration (plans/variant.default_config): one block of 256 threads per half page (two
+    parts per page), warp stores (FIGURES: 92-93 % of the same-run bf16 copy rate at B >= 8, 78 % at B = 1)."""
     return dict(KNOBS)
 
 
 def spell(config) -> tuple:
     """A configuration's part of the variant name: kv_dequant (the default), e.g. kv_dequant.p1.pair (the first
-    kernel), kv_dequant.stream, kv_dequant.l2-src-evict-first, kv_dequant.t128; each knob off its default adds its
-    part."""
+    kernel), kv_dequant.t128; each knob off its default adds its part."""
     parts = []
-    if config["schedule"] != KNOBS["schedule"]:
-        parts.append(config["schedule"])
     if config["parts"] != KNOBS["parts"]:
         parts.append(f"p{config['parts']}")
     if config["store"] != KNOBS["store"]:
         parts.append(config["store"])
-    if config["l2"] != KNOBS["l2"]:
-        parts.append("l2-" + config["l2"].replace("_", "-"))
     if config["threads"] != KNOBS["threads"]:
         parts.append(f"t{config['threads']}")
     return tuple(parts)
 
 
 def _checked(config: dict) -> dict:
-    """The config's knobs checked: a SpecError naming the knob and its allowed values."""
+    """The config's knobs checked: a SpecError naming the knob and its allowed values (a retired knob: where its
+    figures are)."""
+    retired = sorted(k for k in RETIRED if k in config)
+    if retired:
+        raise SpecError(f"kv_dequant: {retired[0]}: a retired build knob, measured no better ({RETIRED[retired[0]]}; "
+                        f"its code is in git history)")
+    unknown = [k for k in config if k not in KNOBS]
+    if unknown:
+        raise SpecError(f"kv_dequant: no build option {unknown[0]!r}, its options: {', '.join(KNOBS)}")
     config = {**KNOBS, **config}
-    for knob, allowed in (("schedule", SCHEDULES), ("store", STORES), ("l2", L2_HINTS)):
-        if config[knob] not in allowed:
-            raise SpecError(f"kv_dequant: {knob} {config[knob]!r}, one of {', '.join(allowed)}")
+    if config["store"] not in STORES:
+        raise SpecError(f"kv_dequant: store {config['store']!r}, one of {', '.join(STORES)}")
     parts, threads = config["parts"], config["threads"]
     if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= MAX_PARTS:
         raise SpecError(f"kv_dequant: parts {parts!r}, an integer in [1, {MAX_PARTS}] (work units per page)")
@@ -90,15 +86,10 @@ def _checked(config: dict) -> dict:
 
 def plan(spec, config=None) -> Plan:
     config = _checked(config or policy(spec))
-    stream = config["schedule"] == "stream"
-    threads = config["threads"]
-    # the stream schedule's grid is SMs x min_blocks (kernels/kv_dequant.dequant_step), resident by its
-    # __launch_bounds__; the page schedule's min_blocks is the resource model's only
-    min_blocks = max(1, STREAM_THREADS_PER_SM // threads) if stream else 4
-    consts = {"CHUNKS": CHUNKS, "STREAM": sympy.Integer(int(stream)), "PARTS": sympy.Integer(config["parts"]),
-              "WARP_STORE": sympy.Integer(int(config["store"] == "warp")),
-              "L2_HINT": sympy.Integer(L2_HINTS.index(config["l2"]))}
-    return Plan(kernel="kv_dequant", spec=spec, threads=sympy.Integer(threads), min_blocks=min_blocks,
+    # one block per work unit; min_blocks is the resource model's only (the kernel's __launch_bounds__ names none)
+    consts = {"CHUNKS": CHUNKS, "PARTS": sympy.Integer(config["parts"]),
+              "WARP_STORE": sympy.Integer(int(config["store"] == "warp"))}
+    return Plan(kernel="kv_dequant", spec=spec, threads=sympy.Integer(config["threads"]), min_blocks=4,
                 static_smem=sympy.Integer(0), consts=consts)
 
 

@@ -131,7 +131,6 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     max_keys = nq if tail else max_pages * spec.page_size
-    sms = sm_count(qn.device) if b else DEFAULT_SMS
     if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
     if splits > 1 and COMBINE not in offer.builds:
@@ -168,7 +167,7 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
         if dequant:
             if max_pages:   # (none: the kernel reads no key, nor the table)
                 steps.append(dequant_step(2, 3, 4, 5, kv, table, b, max_pages, num_pages,
-                                          offer.constants(KV_DEQUANT), sms))
+                                          offer.constants(KV_DEQUANT)))
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
         tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)

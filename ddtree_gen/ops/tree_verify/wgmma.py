@@ -147,7 +147,7 @@ def schedule_for(spec, kernel: str) -> str:
 # two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built"); seg_cost (the parts grid): a segment's fixed
 # cost in key tiles when the batch's work is cut into parts (SEG_COST of templates/tree_verify_seesaw.cu.j2: each request
 # costs seg_cost + its tiles; docs/perf.md "tree_verify on real traffic").
-# Retired (measured slower, their code in git history before this change, their figures in docs/perf.md): fp8_mma and
+# Retired (measured slower, their code in git history, their figures in docs/perf/journal-fp8.md): fp8_mma and
 # vt_stages ("FP8 products, built": 0.61-1.02x of the exact path, ~4 % output error) and convert "inline" ("The
 # converter inside the parts kernel, built": 0.77x of bf16 against the pre-pass path's 0.84x)
 # kv_source "workspace": the build reads kv_dequant's bf16 workspace (the dequantize path's builds), not the spec's cache.
@@ -155,8 +155,9 @@ KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "s
          "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "seg_cost": 6,
          "kv_source": "cache"}
 KV_SOURCES = ("cache", "workspace")
-RETIRED = {"fp8_mma": 'docs/perf.md "FP8 products, built"', "vt_stages": 'docs/perf.md "FP8 products, built"',
-           "convert": 'docs/perf.md "The converter inside the parts kernel, built"'}
+RETIRED = {"fp8_mma": 'docs/perf/journal-fp8.md "FP8 products, built"',
+           "vt_stages": 'docs/perf/journal-fp8.md "FP8 products, built"',
+           "convert": 'docs/perf/journal-fp8.md "The converter inside the parts kernel, built"'}
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
