@@ -125,3 +125,22 @@ def test_what_each_page_size_takes(page, fake_devices):  # noqa: F811
     fp8 = page_variant(find_spec("kimi-k2.6-tp8-fp8"), page)
     choice = which_kernel(fake_set(fp8), 8, 65, -(-4161 // page), device=0)
     assert (choice.fp8_path, choice.schedule) == (("dequant", "seesaw") if tma else ("fused", "lockstep"))
+
+
+def test_documented_commands_parse():
+    """Every `ddtree-gen bench tree_verify ...` command of docs/benchmarks.md and docs/engine.md (the comment cut
+    off) is one the command line takes; --sweep and --pages among them."""
+    import re
+    import shlex
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for doc in ("docs/benchmarks.md", "docs/engine.md"):
+        for line in (root / doc).read_text().splitlines():
+            m = re.match(r"\s*(ddtree-gen bench tree_verify[^#]*)", line)
+            if m:
+                argv = shlex.split(m[1].replace("DIR", "out"))[1:]
+                args = cli.build_parser().parse_args(argv)
+                found.append((doc, args.sweep, args.pages))
+    assert any(s for _, s, _ in found) and any(p == (1, 16, 64) for _, _, p in found)
+    assert {d for d, _, _ in found} == {"docs/benchmarks.md", "docs/engine.md"}
