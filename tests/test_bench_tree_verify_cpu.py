@@ -144,3 +144,28 @@ def test_documented_commands_parse():
                 found.append((doc, args.sweep, args.pages))
     assert any(s for _, s, _ in found) and any(p == (1, 16, 64) for _, _, p in found)
     assert {d for d, _, _ in found} == {"docs/benchmarks.md", "docs/engine.md"}
+
+
+def test_kernels_are_compiled_together(monkeypatch, capsys):
+    """run() compiles every variant either mode loads in one build_variants call, each once (the shipped page-64
+    spec is in both lists), says what each spec's compiles cost, and raises a variant's build error."""
+    from ddtree_gen.build import artifacts
+    calls = []
+
+    def fake(vs):
+        calls.append(vs)
+        return [artifacts.Built(v, "", "k", b"", None, "compiled" if "page" in v.spec.name else "cached", 2.0)
+                for v in vs]
+    monkeypatch.setattr(artifacts, "build_variants", fake)
+    args = cli.build_parser().parse_args(["bench", "tree_verify", "--sweep", "--pages", "1,64", "--count", "6"])
+    builds = bench_tv._sweep_builds(args) + bench_tv._page_builds(args)
+    bench_tv._build_together(builds)
+    (vs,) = calls
+    assert len(vs) == len(set(vs)) and {v.spec.name for v in vs} >= {"kimi-k2.6-tp8", "kimi-k2.6-tp8-page1"}
+    assert {v.kernel.kernel for v in vs if v.spec.name == "kimi-k2.6-tp8-page1"} <= set(bench_tv.VERIFY_KERNELS)
+    out = capsys.readouterr().out
+    n = sum(v.spec.name == "kimi-k2.6-tp8-page1" for v in vs)
+    assert f"kimi-k2.6-tp8-page1: {n} variants, {2.0 * n:.1f} s of compiles" in out and "kimi-k2.6-tp8:" not in out
+    monkeypatch.setattr(artifacts, "build_variants", lambda vs: [SpecError("no such build")] * len(vs))
+    with pytest.raises(SpecError, match="no such build"):
+        bench_tv._build_together(builds)

@@ -214,6 +214,10 @@ def _build_together(builds) -> None:
     print(f"bench tree_verify: {len(compiled)} of {len(vs)} variants of {len({spec for spec, _ in builds})} specs "
           f"compiled with NVRTC in {time.perf_counter() - t0:.1f} s (wall; {sum(r.seconds for r in compiled):.1f} s "
           f"of compiles), the rest read from the binary cache", flush=True)
+    for name in dict.fromkeys(r.variant.spec.name for r in compiled):   # what each spec cost (a page variant's)
+        mine = [r for r in compiled if r.variant.spec.name == name]
+        print(f"  {name}: {len(mine)} variants, {sum(r.seconds for r in mine):.1f} s of compiles, the longest "
+              f"{max(r.seconds for r in mine):.1f} s", flush=True)
 
 
 def page_sizes(args) -> list:
