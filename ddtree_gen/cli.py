@@ -217,11 +217,27 @@ BENCHES = ("tree_build", "draft_topk", "tree_verify", "kv-dtype", "arch", "tree_
 BENCH_TORCH = {"draft_topk", "tree_verify", "kv-dtype", "arch", "launch"}
 
 
+def page_sizes(text: str) -> tuple:
+    """--pages "1,16,64" -> (1, 16, 64): distinct page sizes in the spec's range (an argparse type: a bad value is
+    an argparse error naming it, before any GPU work)."""
+    from .spec import MAX_PAGE_SIZE
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1 or max(values) > MAX_PAGE_SIZE or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct page sizes separated by commas, each an "
+                                         f"integer in [1, {MAX_PAGE_SIZE}] (e.g. 1,16,64)")
+    return values
+
+
 def cmd_bench(args) -> int:
     from . import needs
     for name in args.kernels:
         if name not in BENCHES:
             raise DdtreeError(f"no benchmark for {name!r} (have: {', '.join(BENCHES)})")
+    if getattr(args, "pages", None) and "tree_verify" not in args.kernels:
+        raise DdtreeError(f"--pages is bench tree_verify's (asked for: {', '.join(args.kernels)})")
     fp8 = any(_specs([s])[0].kv_fp8 for s in args.spec or [])   # an fp8 cache is made through torch
     for name in args.kernels:
         needs.require(f"bench {name}", gpu=True, torch=name in BENCH_TORCH or fp8)
@@ -269,8 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--out", help="write the table (and plot) to this folder")
     be.add_argument("--sweep", action="store_true", help="tree_verify: shapes drawn from the classes of served "
                     "traffic (ragged, long, small batches: ddtree_gen/bench/shapes.py) instead of the fixed table")
-    be.add_argument("--seed", type=int, default=1, help="--sweep: the draw's seed (default 1)")
+    be.add_argument("--seed", type=int, default=1, help="--sweep, --pages: the draw's seed (default 1)")
     be.add_argument("--count", type=int, default=24, help="--sweep: how many shapes (default 24)")
+    be.add_argument("--pages", type=page_sizes, metavar="P,P,...", help="tree_verify: one logical cache laid out in "
+                    "pages of each size (e.g. 1,16,64: SGLang's, vLLM's, FlashMLA's), side by side: the build taken, "
+                    "time, ratio to page 64, the outputs agreeing (with --sweep: both)")
     be.set_defaults(func=cmd_bench)
     from . import sanitize
     sanitize.register(sub)

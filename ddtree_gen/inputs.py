@@ -7,7 +7,8 @@ where a caller wants device arrays (upload: CuPy, optionally misaligned). Pieces
   spec's kind), a kv_scale, any bit pattern of a cache element (cache_bits);
 * the paged cache: block_table (pages from a random permutation, never contiguous; spare columns and pages;
   unused entries 0, -1 or garbage that points outside the cache; equal_block_table: requests of one length),
-  paged_cache (a cache of normal values with its table) and bad_pages (used entries out of range);
+  paged_cache (a cache of normal values with its table), bad_pages (used entries out of range) and relayout (one
+  logical cache laid out in pages of another size: an engine's own layout, for bench tree_verify --pages);
 * trees: tree_masks (the ancestor masks of chain / star / binary / random trees, optionally with junk bits
   at and past q_len), accept_tree (a tree whose accepted path is known) and reference_tree (the numpy
   reference's tree of a random top-k table);
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import bf16, fp8, reference
+from .errors import ArgumentError
+from .spec import MAX_PAGE_SIZE
 from .trees import ancestor_mask, tree_parents
 
 CHAIN = 17    # accept_tree's accepted path runs through nodes CHAIN, CHAIN + 1, ...: every move is a real one
@@ -152,6 +155,48 @@ def bad_pages(table: np.ndarray, num_pages: int) -> np.ndarray:
     if bad.shape[0] > 2:
         bad[2, :] = 2**31 - 1
     return bad
+
+
+def relayout(kv_cache, table, tokens, page_size: int, rng, *, extra_pages: int = 0):
+    """The same logical cache in pages of `page_size` tokens: (kv_cache [num_pages, page_size, D], block table
+    [B, max_pages] int32) where request i's positions 0..tokens[i]-1 hold the rows they hold in (kv_cache, table)
+    (its block table, any page size), its pages drawn from a random permutation (block_table(); extra_pages spare);
+    rows past a request's tokens are 0. numpy or CuPy arrays, as given (the rows are gathered where they lie: the
+    benches' caches stay on the GPU). ArgumentError for a page size outside [1, MAX_PAGE_SIZE] (the spec's
+    range), tokens the table does not hold, or a used entry outside the cache."""
+    if isinstance(page_size, (bool, np.bool_)) or not isinstance(page_size, (int, np.integer)) \
+            or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ArgumentError(f"page_size: {page_size!r} is not a page size (expected an int in [1, {MAX_PAGE_SIZE}], "
+                            f"the spec's range)")
+    page_size = int(page_size)
+    if getattr(kv_cache, "ndim", 0) != 3:
+        raise ArgumentError(f"kv_cache: expected [num_pages, page_size, D], got shape "
+                            f"{getattr(kv_cache, 'shape', '?')}")
+    num_pages, old_page, width = (int(v) for v in kv_cache.shape)
+    host_table = table if isinstance(table, np.ndarray) else table.get()   # (CuPy: .get())
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    if host_table.ndim != 2 or host_table.shape[0] != len(tokens):
+        raise ArgumentError(f"table: expected [{len(tokens)}, max_pages] for {len(tokens)} requests, got "
+                            f"shape {host_table.shape}")
+    if (tokens < 0).any() or (tokens > host_table.shape[1] * old_page).any():
+        raise ArgumentError(f"tokens: each in [0, {host_table.shape[1] * old_page}] (the table's "
+                            f"{host_table.shape[1]} pages of {old_page}), got {tokens.tolist()}")
+    new_table, new_pages = block_table(rng, tokens, page_size, extra_pages=extra_pages)
+    req = np.repeat(np.arange(len(tokens)), tokens)
+    pos = np.arange(int(tokens.sum())) - np.repeat(np.cumsum(tokens) - tokens, tokens)   # position within request
+    old = host_table[req, pos // old_page].astype(np.int64)
+    if len(old) and (old.min() < 0 or old.max() >= num_pages):
+        raise ArgumentError(f"table: a used entry names no page of the {num_pages}-page cache")
+    src = old * old_page + pos % old_page
+    dst = new_table[req, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    if isinstance(kv_cache, np.ndarray):
+        flat = np.zeros((new_pages * page_size, width), kv_cache.dtype)
+        flat[dst] = kv_cache.reshape(-1, width)[src]
+        return flat.reshape(new_pages, page_size, width), new_table
+    import cupy
+    flat = cupy.zeros((new_pages * page_size, width), kv_cache.dtype)
+    flat[cupy.asarray(dst)] = kv_cache.reshape(-1, width)[cupy.asarray(src)]
+    return flat.reshape(new_pages, page_size, width), cupy.asarray(new_table)
 
 
 # ------------------------------------------------------------------------------------------- trees

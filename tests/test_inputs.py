@@ -1,11 +1,14 @@
-"""The input factory (ddtree_gen/inputs.py) without a GPU: block tables, tree masks, the edge-case knobs, and a
-tree_verify batch the numpy reference accepts for every spec."""
+"""The input factory (ddtree_gen/inputs.py) without a GPU: block tables, tree masks, the edge-case knobs, a
+tree_verify batch the numpy reference accepts for every spec, and one logical cache laid out in other page sizes
+(relayout: bench tree_verify --pages)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from ddtree_gen import bf16, inputs, reference
+from ddtree_gen.errors import ArgumentError
+from ddtree_gen.spec import find_spec
 from ddtree_gen.trees import ancestor_mask, tree_parents
 
 
@@ -98,3 +101,73 @@ def test_the_same_seed_gives_the_same_batch(spec):
     b = inputs.tree_verify(spec, np.random.default_rng(7), [3, 9], [2, 2], "random")
     assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
                for x, y in zip(a.host().values(), b.host().values()))
+
+
+def _logical_rows(kv, table, tokens):
+    """Request i's positions 0..tokens[i]-1 as rows, in order, whatever the page size."""
+    page = kv.shape[1]
+    return [np.array([kv[table[i, t // page], t % page] for t in range(n)]).reshape(n, kv.shape[2])
+            for i, n in enumerate(tokens)]
+
+
+def test_relayout_keeps_the_logical_cache():
+    """One logical cache laid out in pages of 1, 5, 16, 64 and 128 tokens: the same rows at the same positions of
+    every request (a random page permutation each: never the identity), rows past a request's tokens 0, on numpy."""
+    spec = find_spec("kimi-k2.6-tp8")
+    tokens = [73, 0, 130, 5]
+    kv, table = inputs.paged_cache(spec, np.random.default_rng(8), tokens)
+    want = _logical_rows(kv, table, tokens)
+    for page in (1, 5, 16, 64, 128):
+        new_kv, new_table = inputs.relayout(kv, table, tokens, page, np.random.default_rng(page), extra_pages=1)
+        need = [-(-n // page) for n in tokens]
+        assert new_kv.shape == (sum(need) + 1, page, kv.shape[2]) and new_kv.dtype == kv.dtype
+        assert new_table.dtype == np.int32 and new_table.shape == (4, max(need))
+        got = _logical_rows(new_kv, new_table, tokens)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), page
+        used = np.concatenate([new_table[i, :n] for i, n in enumerate(need)])
+        assert sorted(used.tolist()) == sorted(set(used.tolist())) and used.max() <= sum(need)
+        if page == 1:   # the permutation is random: page p of request 0 is not page p of the cache
+            assert not np.array_equal(new_table[0, :73], np.arange(73))
+        rows = new_kv.reshape(-1, kv.shape[2])
+        written = {int(new_table[i, t // page]) * page + t % page for i, n in enumerate(tokens) for t in range(n)}
+        assert not rows[[r for r in range(len(rows)) if r not in written]].any()
+
+
+def test_layouts_give_the_same_reference_output():
+    """The three layouts of bench tree_verify --pages (pages of 1, 16 and 64 tokens) of one small batch: the numpy
+    reference gives the same bits for each (the same keys in the same order), and a head's outputs are finite."""
+    spec = find_spec("kimi-k2.6-tp8")
+    inp = inputs.tree_verify(spec, np.random.default_rng(9), [70, 5, 130], [3, 2, 4], "random", nq=4,
+                             values=inputs.bf16_normal)
+    heads = [0, 5]
+    scale = (spec.kv_lora_rank + spec.qk_rope_head_dim) ** -0.5
+    tokens = inp.prefix_lens + inp.q_lens
+    outs = []
+    for page in (1, 16, 64):
+        kv, table = inputs.relayout(inp.kv_cache, inp.block_table, tokens, page, np.random.default_rng(page))
+        outs.append(reference.tree_verify(**inp.host(q_nope=inp.q_nope[:, :, heads], q_pe=inp.q_pe[:, :, heads],
+                                                     kv_cache=kv, block_table=table), softmax_scale=scale))
+    assert np.isfinite(outs[0].out[0, :3]).all() and np.isfinite(outs[0].lse[2, :4]).all()
+    for o in outs[1:]:   # (rows past q_len: the reference's NaN in each)
+        assert np.array_equal(o.out, outs[0].out, equal_nan=True)
+        assert np.array_equal(o.lse, outs[0].lse, equal_nan=True)
+
+
+@pytest.mark.parametrize("page", [0, -16, 4097, 2.5, True, "16", None])
+def test_relayout_refuses_a_bad_page_size(page):
+    kv, table = inputs.paged_cache(find_spec("kimi-k2.6-tp8"), np.random.default_rng(10), [10])
+    with pytest.raises(ArgumentError, match=r"page_size: .* is not a page size \(expected an int in \[1, 4096\]"):
+        inputs.relayout(kv, table, [10], page, np.random.default_rng(0))
+
+
+def test_relayout_refuses_a_table_that_does_not_hold_the_tokens():
+    kv, table = inputs.paged_cache(find_spec("kimi-k2.6-tp8"), np.random.default_rng(11), [10, 70])
+    rng = np.random.default_rng(0)
+    with pytest.raises(ArgumentError, match=r"tokens: each in \[0, 128\]"):
+        inputs.relayout(kv, table, [10, 129], 16, rng)
+    with pytest.raises(ArgumentError, match="table: expected \\[3, max_pages\\]"):
+        inputs.relayout(kv, table, [10, 70, 1], 16, rng)
+    with pytest.raises(ArgumentError, match="names no page"):
+        inputs.relayout(kv, inputs.bad_pages(table, kv.shape[0]), [10, 70], 16, rng)
+    with pytest.raises(ArgumentError, match="kv_cache: expected"):
+        inputs.relayout(kv[0], table, [10, 70], 16, rng)

@@ -1,5 +1,5 @@
 """The specs and shapes the benches share: the shipped spec of each head count, spec variants of other head
-counts or kv_dtypes (built into the binary cache only), the tree_verify kernels and the layer count."""
+counts or kv_dtypes or page sizes (built into the binary cache only), the tree_verify kernels and the layer count."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,3 +24,16 @@ def spec_variant(base, heads: int, kv_dtype: str):
     return dataclasses.replace(want, name=name)
 
 
+
+
+def page_variant(base, page_size: int):
+    """`base` with its cache in pages of `page_size` tokens (an engine's own layout: bench tree_verify --pages):
+    `base` itself at its own page size (the shipped spec: its builds are in generated/), else a spec made in code
+    (ddtree_gen.make_spec, its checks: a SpecError naming page_size) named <base>-page<N>, every other field
+    base's."""
+    if page_size == base.page_size:
+        return base
+    from ..spec import make_spec
+    return make_spec(f"{base.name}-page{page_size}", base.num_heads, base.kv_lora_rank, base.qk_rope_head_dim,
+                     page_size=page_size, max_tree_size=base.max_tree_size, max_depth=base.max_depth,
+                     kv_dtype=base.kv_dtype, archs=base.archs)
