@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_gen import artifacts, cli, paths, registry, resources, sanitize
+from ddtree_gen import artifacts, cli, needs, paths, registry, resources, sanitize
 from ddtree_gen.plans import all_builds, by_name
 from ddtree_gen.plans.variant import default_config, variant
 from ddtree_gen.spec import find_spec, load_spec, spec_paths
@@ -644,6 +644,7 @@ def test_sanitize_main_with_fake_sanitizer(monkeypatch, tmp_path, capsys):
                     "esac\n")
     fake.chmod(0o755)
     monkeypatch.setattr(sanitize, "find_sanitizer", lambda: str(fake))
+    monkeypatch.setattr(needs, "gpu_problem", lambda: None)   # (the worker itself runs under the stand-in)
     args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--out", str(tmp_path / "out")])
     rc = sanitize.main(args)
     out = capsys.readouterr().out
@@ -662,11 +663,26 @@ def test_sanitize_main_with_fake_sanitizer(monkeypatch, tmp_path, capsys):
     assert sanitize.main(args) == 0
 
 
-def test_sanitize_main_without_sanitizer(monkeypatch, capsys):
-    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: None)
-    args = sanitize.build_parser().parse_args([])
-    assert sanitize.main(args) == 2
-    assert "compute-sanitizer" in capsys.readouterr().err
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "no-gpu"])
+@pytest.mark.parametrize("tool", [True, False], ids=["sanitizer", "no-sanitizer"])
+def test_sanitize_without_gpu_or_sanitizer_names_what_is_missing(gpu, tool, monkeypatch, capsys):
+    """One line, exit 2 (needs.EXIT_MISSING), naming each missing thing: without a GPU the line blames the GPU
+    (not compute-sanitizer, which would not help), and names the sanitizer only where it is missing too."""
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: "/bin/true" if tool else None)
+    monkeypatch.setattr(needs, "gpu_problem", lambda: None if gpu else "no NVIDIA driver here (a stand-in)")
+    if gpu and tool:
+        monkeypatch.setattr(sanitize, "_run_tool", lambda cmd, log: ("========= ERROR SUMMARY: 0 errors", 0))
+    args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--tool", "memcheck"])
+    rc = sanitize.main(args)
+    err = capsys.readouterr().err
+    if gpu and tool:
+        assert rc == 0 and err == "", err
+        return
+    assert rc == needs.EXIT_MISSING and len(err.strip().splitlines()) == 1, err
+    wanted = [w for w, there in (("a CUDA GPU", gpu), ("compute-sanitizer", tool)) if not there]
+    assert err.startswith(f"ddtree-gen sanitize: error: sanitize needs {' and '.join(wanted)}: "), err
+    assert ("no NVIDIA driver here (a stand-in)" in err) == (not gpu), err
+    assert ("compute-sanitizer not found" in err) == (not tool), err
 
 
 def test_sanitize_main_unknown_spec(monkeypatch, capsys, in_session):

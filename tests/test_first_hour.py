@@ -303,6 +303,39 @@ def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     assert r.stderr.strip().splitlines() == [f"error: {argv[0]} needs a CUDA GPU: {_no_gpu()}"], r.stderr
 
 
+# a run of a file with some packages made unimportable (set to None in sys.modules: `import` raises
+# ModuleNotFoundError, find_spec says not importable), as on a machine where they are not installed
+_WITHOUT = ("import runpy, sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',') if m]; "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("hidden,args", [("torch,transformers", ["--help"]), ("torch,transformers", []),
+                                         ("torch", ["--device", "cpu"]), ("transformers", []), ("", ["--device", "cuda"])],
+                         ids=["help", "neither", "no-torch", "no-transformers", "cuda-no-gpu"])
+def test_hf_example_refuses_in_one_line(hidden, args, tmp_path):
+    """examples/hf_ddtree.py: --help anywhere; without torch or transformers (the [hf] extra), or --device cuda
+    without a GPU, one line naming what is missing and the extra to install, exit 2 (needs.EXIT_MISSING), no
+    traceback."""
+    import importlib.util
+    from ddtree_gen import needs
+    missing = [m for m in ("torch", "transformers") if m in hidden.split(",") or importlib.util.find_spec(m) is None]
+    if not missing and _no_gpu() is None:
+        pytest.skip("a CUDA GPU is usable here, and torch and transformers installed: the example would run")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", _WITHOUT, hidden, str(REPO / "examples" / "hf_ddtree.py"), *args],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    if args == ["--help"]:
+        assert r.returncode == 0 and r.stdout.startswith("usage:") and r.stderr == "", r.stdout + r.stderr
+        return
+    assert r.returncode == needs.EXIT_MISSING and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    if missing:
+        assert line == (f"error: examples/hf_ddtree.py needs torch and transformers: {' and '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not installed (pip install -e \".[hf]\")"), line
+    else:
+        assert line == f"error: examples/hf_ddtree.py --device cuda needs a CUDA GPU: {_no_gpu()}", line
+
+
 def _repo_files() -> str:
     """Every path git sees in the checkout, ignored ones included (what a script may have written there)."""
     return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,

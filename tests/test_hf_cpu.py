@@ -15,8 +15,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from conftest import need
+
+torch = need("torch")
+need("transformers")
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf, reference  # noqa: E402

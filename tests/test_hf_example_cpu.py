@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from conftest import need
+
+need("torch")
+need("transformers")
 
 
 @pytest.mark.parametrize("flip", [False, True], ids=["plain", "flip-mask-bit"])

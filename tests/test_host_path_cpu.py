@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, LaunchLog
+from conftest import FakeCudaArray, LaunchLog, need
 from ddtree_gen import runtime
 from ddtree_gen.bench import launch, stand_in
 from ddtree_gen.bench.specs import LAYERS
@@ -30,7 +30,7 @@ from ddtree_gen.kernels.kv_commit import launch as kv_commit
 from ddtree_gen.plans.kv_commit import MAX_LAYERS
 from ddtree_gen.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Step, StepPlan, TensorMap
 
-torch = pytest.importorskip("torch")
+torch = need("torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = "kimi-k2.6-tp8"

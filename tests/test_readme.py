@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import need, optional_packages
+
 import ddtree_gen
 from ddtree_gen import reference
 from ddtree_gen.plans import all_kernels
@@ -19,7 +21,7 @@ from ddtree_gen.plans import all_kernels
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", REPO / "docs" / "engine.md", REPO / "docs" / "usage.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-GPU_ONLY = re.compile(r"\b(cupy|torch)\b|\bddtree_gen\.load\(|\bks\.", re.M)   # cupy, torch or a kernel set
+GPU_MODULES = {"cupy", "flash_mla"}   # a block that imports one of these runs on a GPU
 
 
 def _blocks(path: Path) -> list[tuple[int, str]]:
@@ -27,9 +29,69 @@ def _blocks(path: Path) -> list[tuple[int, str]]:
     return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in FENCE.finditer(text)]
 
 
+def _undefined(code: str) -> set:
+    """Names a block reads that nothing in it defines (an import, an assignment, a def, a loop or lambda
+    variable) and that are no builtins: what would be a NameError when it is pasted."""
+    import builtins
+    tree = ast.parse(code)
+    defined, used = set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return used - defined
+
+
+def _imported(tree: ast.AST) -> set[str]:
+    """The dotted names of the modules a piece of code imports (`from a.b import c`: a.b and a.b.c, one of which
+    is a module), anywhere in it."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _package_module(dotted: str) -> Path | None:
+    """The source file of a module of this package (ddtree_gen.hf: ddtree_gen/hf.py), else None."""
+    base = REPO.joinpath(*dotted.split("."))
+    return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+
+
+def needs(code: str) -> tuple[bool, set[str]]:
+    """What a doc block needs, from what it imports: (a GPU?, the optional packages, e.g. {"torch"}). A GPU where it
+    imports CuPy or FlashMLA, loads a kernel set (ddtree_gen.load) or names a CUDA device (torch's "cuda");
+    optional packages (pyproject's extras: torch, transformers) where it imports one, or a module of this package
+    that imports one (ddtree_gen.hf: torch and transformers)."""
+    tree = ast.parse(code)
+    modules = _imported(tree)
+    optional = set(optional_packages())
+    packages = {m.split(".")[0] for m in modules} & optional
+    for source in filter(None, (_package_module(m) for m in modules if m.split(".")[0] == "ddtree_gen")):
+        packages |= {i.split(".")[0] for i in _imported(ast.parse(source.read_text()))} & optional
+    loads = any(isinstance(n, ast.Call) and ast.unparse(n.func) in ("ddtree_gen.load", "load") for n in ast.walk(tree))
+    cuda = any(isinstance(n, ast.Attribute) and n.attr == "cuda" or
+               isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.split(":")[0] == "cuda"
+               for n in ast.walk(tree))
+    return bool({m.split(".")[0] for m in modules} & GPU_MODULES) or loads or cuda, packages
+
+
+def _gpu(code: str) -> bool:
+    """Whether a block needs a GPU, or is a fragment (it reads names it does not define: the caller's kernel set
+    `ks`, CuPy arrays) that runs only where the doc says, so only its calls are checked."""
+    return needs(code)[0] or bool(_undefined(code))
+
+
 def _cases(gpu: bool) -> list:
     return [pytest.param(path, line, code, id=f"{path.name}:{line}") for path in DOCS
-            for line, code in _blocks(path) if bool(GPU_ONLY.search(code)) == gpu]
+            for line, code in _blocks(path) if _gpu(code) == gpu]
 
 
 def _torch_op_names() -> set:
@@ -44,7 +106,10 @@ def test_readme_has_blocks_that_run_without_a_gpu():
 
 @pytest.mark.parametrize("path,line,code", _cases(gpu=False))
 def test_gpu_free_block_runs_as_written(path, line, code, tmp_path):
-    """In a fresh interpreter, as a user pastes it (only `import ddtree_gen` before the attributes it uses)."""
+    """In a fresh interpreter, as a user pastes it (only `import ddtree_gen` before the attributes it uses); a block
+    that needs an optional package (the Hugging Face one: torch and transformers) where it is installed."""
+    for package in sorted(needs(code)[1]):
+        need(package)
     env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
@@ -82,28 +147,10 @@ def _runnable(path: Path) -> list[tuple[int, str]]:
     for line, code in _blocks(path):
         if code.startswith(CONTINUES) and last_gpu is not None:
             code = last_gpu + "\n" + code
-        if GPU_ONLY.search(code):
+        if needs(code)[0]:
             last_gpu = code
         out.append((line, code))
     return out
-
-
-def _undefined(code: str) -> set:
-    """Names a block reads that nothing in it defines (an import, an assignment, a def, a loop or lambda
-    variable) and that are no builtins: what would be a NameError when it is pasted."""
-    import builtins
-    tree = ast.parse(code)
-    defined, used = set(dir(builtins)), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.arg):
-            defined.add(node.arg)
-    return used - defined
 
 
 @pytest.mark.parametrize("line,code", _runnable(REPO / "README.md"), ids=lambda x: str(x)[:12])
@@ -119,13 +166,13 @@ def test_undefined_names_are_found():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("line,code", [(ln, c) for ln, c in _runnable(REPO / "README.md") if GPU_ONLY.search(c)],
+@pytest.mark.parametrize("line,code", [(ln, c) for ln, c in _runnable(REPO / "README.md") if needs(c)[0]],
                          ids=lambda x: str(x)[:12])
 def test_gpu_block_runs_on_a_gpu(line, code, tmp_path):
     """On a GPU: each README block that needs one runs as pasted, in a fresh interpreter (a torch block: where
     torch is installed)."""
-    if "import torch" in code:
-        pytest.importorskip("torch")
+    for package in sorted(needs(code)[1]):
+        need(package)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=600)
