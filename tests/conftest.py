@@ -48,30 +48,43 @@ REPO = Path(__file__).resolve().parent.parent
 # ------------------------------------------------- optional packages: a skip names the extra that installs them
 
 @functools.lru_cache(maxsize=None)
-def optional_packages() -> dict:
-    """{package: the extra of pyproject.toml that installs it} for every package of an extra that is no
-    dependency of the package itself (torch: "torch", transformers: "hf", ...): the first extra naming it."""
+def extras() -> dict:
+    """{extra: the packages it installs that are no dependency of the package itself}, from pyproject.toml
+    (torch: {torch}, hf: {torch, transformers}, ...), in its order."""
     import tomllib
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     name = lambda req: re.split(r"[ <>=!~;\[]", req, maxsplit=1)[0].strip().lower().replace("-", "_")
     base = {name(r) for r in project["dependencies"]}
-    out = {}
-    for extra, reqs in project["optional-dependencies"].items():
-        for package in map(name, reqs):
-            if package not in base:
-                out.setdefault(package, extra)
-    return out
+    return {extra: {name(r) for r in reqs} - base for extra, reqs in project["optional-dependencies"].items()}
 
 
-def install_hint(package: str) -> str:
-    """What to run for an optional package: the extra that installs it."""
-    return f'pip install -e ".[{optional_packages()[package]}]"'
+def optional_packages() -> set:
+    """Every package an extra installs (torch, transformers, ...)."""
+    return set().union(*extras().values())
 
 
-def need(package: str):
-    """The optional package (torch, transformers, ...), imported; else the test (or, at module level, the file)
-    is skipped with a reason naming the extra to install."""
-    return pytest.importorskip(package, reason=f"{package} is not installed ({install_hint(package)})")
+def install_hint(*packages: str) -> str:
+    """What to run for optional packages: the first extra that installs them all."""
+    extra = next(e for e, have in extras().items() if set(packages) <= have)
+    return f'pip install -e ".[{extra}]"'
+
+
+def need(*packages: str):
+    """The optional packages (torch, transformers, ...), imported (one: the module; several: a tuple); else the
+    test (or, at module level, the file) is skipped with a reason naming what is missing and the extra that
+    installs them all."""
+    __tracebackhide__ = True   # the skip's location: the caller's line, not this one
+    import importlib
+    modules, missing = [], []
+    for package in packages:
+        try:
+            modules.append(importlib.import_module(package))
+        except ImportError:
+            missing.append(package)
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+                    f"({install_hint(*packages)})", allow_module_level=True)
+    return modules[0] if len(modules) == 1 else tuple(modules)
 
 
 def cuda_torch():

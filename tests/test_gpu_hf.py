@@ -16,8 +16,7 @@ import pytest
 from conftest import need
 
 pytestmark = pytest.mark.gpu
-torch = need("torch")
-need("transformers")
+torch, _ = need("torch", "transformers")
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf  # noqa: E402

@@ -17,8 +17,7 @@ import pytest
 
 from conftest import need
 
-torch = need("torch")
-need("transformers")
+torch, _ = need("torch", "transformers")
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf, reference  # noqa: E402

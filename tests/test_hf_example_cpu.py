@@ -11,8 +11,7 @@ import pytest
 
 from conftest import need
 
-need("torch")
-need("transformers")
+need("torch", "transformers")
 
 
 @pytest.mark.parametrize("flip", [False, True], ids=["plain", "flip-mask-bit"])

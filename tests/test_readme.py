@@ -108,8 +108,7 @@ def test_readme_has_blocks_that_run_without_a_gpu():
 def test_gpu_free_block_runs_as_written(path, line, code, tmp_path):
     """In a fresh interpreter, as a user pastes it (only `import ddtree_gen` before the attributes it uses); a block
     that needs an optional package (the Hugging Face one: torch and transformers) where it is installed."""
-    for package in sorted(needs(code)[1]):
-        need(package)
+    need(*sorted(needs(code)[1]))
     env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
@@ -171,8 +170,7 @@ def test_undefined_names_are_found():
 def test_gpu_block_runs_on_a_gpu(line, code, tmp_path):
     """On a GPU: each README block that needs one runs as pasted, in a fresh interpreter (a torch block: where
     torch is installed)."""
-    for package in sorted(needs(code)[1]):
-        need(package)
+    need(*sorted(needs(code)[1]))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=600)
