@@ -175,3 +175,20 @@ def test_gpu_block_runs_on_a_gpu(line, code, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=600)
     assert r.returncode == 0, f"README.md:{line}:\n{r.stderr}"
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run runs the README's two commands as written (each line verbatim, in order, comment included), before
+    it installs any extra or runs any other test: CI is green only where the README's promise holds."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"^## Two commands on a fresh machine\n\n```bash\n(.*?)^```", readme, re.S | re.M)
+    assert block, "README.md lost its section 'Two commands on a fresh machine'"
+    commands = [ln for ln in block.group(1).splitlines() if ln.strip()]
+    assert len(commands) == 2 and "pytest" in commands[1], commands
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    missing = [c for c in commands if c not in ci]
+    assert not missing, f".ci/run does not run the README's {missing}"
+    at = [ci.index(c) for c in commands]
+    others = [i for i, ln in enumerate(ci) if not ln.lstrip().startswith("#") and ln not in commands
+              and re.search(r"pip install|pytest", ln)]
+    assert at == sorted(at) and max(at) < min(others), (at, [ci[i] for i in others])
