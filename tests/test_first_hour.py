@@ -336,6 +336,25 @@ def test_hf_example_refuses_in_one_line(hidden, args, tmp_path):
         assert line == f"error: examples/hf_ddtree.py --device cuda needs a CUDA GPU: {_no_gpu()}", line
 
 
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.py")))
+def test_every_example_without_torch_answers_help_and_refuses_in_one_line(example, tmp_path):
+    """Every example, on a machine without torch and transformers: --help works (exit 0), and a plain run ends in
+    one line on stderr naming what is missing, exit 2, no traceback (on a machine without a GPU too)."""
+    from ddtree_gen import needs
+    if _no_gpu() is None:
+        pytest.skip("a CUDA GPU is usable here: an example that needs no torch would run")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    run = lambda *args: subprocess.run([sys.executable, "-c", _WITHOUT, "torch,transformers",
+                                        str(REPO / "examples" / example), *args],
+                                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+    r = run()
+    assert r.returncode == needs.EXIT_MISSING and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: examples/{example} ") and " needs " in line, line
+
+
 def _repo_files() -> str:
     """Every path git sees in the checkout, ignored ones included (what a script may have written there)."""
     return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,
