@@ -1,4 +1,7 @@
-"""Shared test machinery: spec parametrization (ids = spec names), the gpu marker, fakes."""
+"""Shared test machinery: spec parametrization (ids = spec names), the gpu marker (a GPU test skips with one line
+saying why there is no GPU), optional packages (need(): a skip naming the extra to install), the user's binary
+cache (what `ddtree-gen build` filled; the tests compile only what it lacks) and copies of it, the concurrent
+builds of tests/test_builds.py, fakes."""
 from __future__ import annotations
 
 import functools
@@ -118,11 +121,11 @@ def seeded_cache(dest: Path, leave_out=()) -> Path:
     if USER_CACHE.is_dir():
         for meta in USER_CACHE.glob("*.json"):
             try:
-                kind, variant_name = (m := json.loads(meta.read_text()))["binary"], m.get("variant")
+                entry = json.loads(meta.read_text())
+                binary = meta.with_suffix(f".{entry['binary']}")
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            binary = meta.with_suffix(f".{kind}")
-            if variant_name in leave_out or not binary.is_file():
+            if entry.get("variant") in leave_out or not binary.is_file():
                 continue
             shutil.copyfile(binary, dest / binary.name)   # the binary first: an entry is whole once its .json is there
             shutil.copyfile(meta, dest / meta.name)

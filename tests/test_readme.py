@@ -1,6 +1,7 @@
-"""README.md runs as written: every Python block that needs no GPU is executed here (CPU, in CI); every
-other block (on a GPU, with the caller's arrays) at least compiles and calls only what exists: kernel-set
-launchers, torch ops and references of those names."""
+"""README.md runs as written: every Python block that needs no GPU is executed here (CPU, in CI; one that imports
+an optional package where it is installed, else skipped naming the extra); every other block (on a GPU, with the
+caller's arrays) at least compiles and calls only what exists: kernel-set launchers, torch ops and references of
+those names. What a block needs is read from what it imports (block_needs); .ci/run runs the README's commands."""
 from __future__ import annotations
 
 import ast
@@ -65,7 +66,7 @@ def _package_module(dotted: str) -> Path | None:
     return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
 
 
-def needs(code: str) -> tuple[bool, set[str]]:
+def block_needs(code: str) -> tuple[bool, set[str]]:
     """What a doc block needs, from what it imports: (a GPU?, the optional packages, e.g. {"torch"}). A GPU where it
     imports CuPy or FlashMLA, loads a kernel set (ddtree_gen.load) or names a CUDA device (torch's "cuda");
     optional packages (pyproject's extras: torch, transformers) where it imports one, or a module of this package
@@ -86,7 +87,19 @@ def needs(code: str) -> tuple[bool, set[str]]:
 def _gpu(code: str) -> bool:
     """Whether a block needs a GPU, or is a fragment (it reads names it does not define: the caller's kernel set
     `ks`, CuPy arrays) that runs only where the doc says, so only its calls are checked."""
-    return needs(code)[0] or bool(_undefined(code))
+    return block_needs(code)[0] or bool(_undefined(code))
+
+
+def test_block_needs_reads_the_imports():
+    """What a block needs comes from its imports and calls, not from words in it."""
+    assert block_needs("import numpy as np\nprint(np.zeros(1))  # no torch, no cupy here") == (False, set())
+    assert block_needs("from ddtree_gen import hf\nprint(hf)") == (False, {"torch", "transformers"})
+    assert block_needs("import torch\nprint(torch.zeros(1))") == (False, {"torch"})
+    assert block_needs("import torch\nx = torch.zeros(1, device='cuda:0')") == (True, {"torch"})
+    assert block_needs("import torch\nx = torch.zeros(1).cuda()") == (True, {"torch"})
+    assert block_needs("import cupy as cp\nprint(cp.zeros(1))") == (True, set())
+    assert block_needs("import ddtree_gen\nks = ddtree_gen.load('kimi-k2.6-tp8')") == (True, set())
+    assert block_needs("from ddtree_gen.plans import by_name\nprint(by_name('tree_build'))") == (False, set())
 
 
 def _cases(gpu: bool) -> list:
@@ -108,7 +121,7 @@ def test_readme_has_blocks_that_run_without_a_gpu():
 def test_gpu_free_block_runs_as_written(path, line, code, tmp_path):
     """In a fresh interpreter, as a user pastes it (only `import ddtree_gen` before the attributes it uses); a block
     that needs an optional package (the Hugging Face one: torch and transformers) where it is installed."""
-    need(*sorted(needs(code)[1]))
+    need(*sorted(block_needs(code)[1]))
     env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
@@ -146,7 +159,7 @@ def _runnable(path: Path) -> list[tuple[int, str]]:
     for line, code in _blocks(path):
         if code.startswith(CONTINUES) and last_gpu is not None:
             code = last_gpu + "\n" + code
-        if needs(code)[0]:
+        if block_needs(code)[0]:
             last_gpu = code
         out.append((line, code))
     return out
@@ -165,12 +178,12 @@ def test_undefined_names_are_found():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("line,code", [(ln, c) for ln, c in _runnable(REPO / "README.md") if needs(c)[0]],
+@pytest.mark.parametrize("line,code", [(ln, c) for ln, c in _runnable(REPO / "README.md") if block_needs(c)[0]],
                          ids=lambda x: str(x)[:12])
 def test_gpu_block_runs_on_a_gpu(line, code, tmp_path):
     """On a GPU: each README block that needs one runs as pasted, in a fresh interpreter (a torch block: where
     torch is installed)."""
-    need(*sorted(needs(code)[1]))
+    need(*sorted(block_needs(code)[1]))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=600)
