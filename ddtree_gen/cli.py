@@ -37,11 +37,10 @@ def _destination(spec, out):
     return paths.generated_dir(), f"generated/{spec.name}/"
 
 
-def _progress(done, total, v, result) -> None:
-    """One stderr line per variant as it finishes (in completion order; stdout keeps the build order)."""
-    what = ("FAILED" if isinstance(result, DdtreeError) else
-            f"compiled in {result.seconds:.1f}s" if result.status == "compiled" else result.status)
-    print(f"  [{done}/{total} done] {v.spec.name} {v.name} ({v.target}) {what}", file=sys.stderr, flush=True)
+def _variant_line(done, total, status, v, width, took="") -> str:
+    """One line of `build`: [done/total] status spec kernel target; the kernel by its build's name (what
+    --kernel, `list`, the manifest and the kernel set call it)."""
+    return f"[{done}/{total}] {status:<8} {v.spec.name:<18} {v.kernel.name:<{width}} {v.target:<6}{took}".rstrip()
 
 
 def cmd_build(args) -> int:
@@ -59,29 +58,36 @@ def cmd_build(args) -> int:
     kdefs = artifacts.select_kernels(args.kernel)
     plan = [(spec, artifacts.variants(spec, kdefs)) for spec in specs]
     total = sum(len(v) for _, v in plan)
+    print(f"building {total} variants of {len(specs)} spec(s) into the cache {paths.cache_dir()}, "
+          f"{min(jobs, max(total, 1))} at a time", flush=True)
+    for spec in specs:   # a kernel the spec's shape cannot serve (a kernel of another kv_dtype is not the spec's)
+        for k in kdefs:
+            if spec.kv_dtype in k.kv_dtypes and k.unfit(spec):
+                print(f"skipped  {spec.name}: {k.why_not_built(spec)}", flush=True)
+
     width = _kernel_width()
-    print(f"building {total} variants of {len(specs)} spec(s), {min(jobs, max(total, 1))} at a time, into the cache "
-          f"{paths.cache_dir()}", file=sys.stderr, flush=True)
-    results = iter(artifacts.build_variants([v for _, vs in plan for v in vs], jobs=jobs, progress=_progress))
-    rows, failed, notes, compiled, n = [], [], [], 0, 0
+
+    def progress(done, total, v, result):
+        # one line per variant as it finishes (completion order): compiled and failed ones; cached ones with -v
+        if isinstance(result, DdtreeError):
+            print(_variant_line(done, total, "FAILED", v, width), flush=True)
+        elif result.status == "compiled":
+            print(_variant_line(done, total, "compiled", v, width, f" in {result.seconds:.1f}s"), flush=True)
+        elif args.verbose:
+            print(_variant_line(done, total, result.status, v, width), flush=True)
+
+    results = iter(artifacts.build_variants([v for _, vs in plan for v in vs], jobs=jobs, progress=progress))
+    rows, failed, notes, compiled = [], [], [], 0
     for spec, variants in plan:
         built = []
-        notes += [f"{spec.name}: {k.why_not_built(spec)}" for k in kdefs
-                  if spec.kv_dtype in k.kv_dtypes and k.unfit(spec)]
         for v in variants:
-            n += 1
-            kdef, arch = v.kernel, v.target
             b = next(results)
             if isinstance(b, DdtreeError):
-                e = b
-                failed.append((spec.name, kdef.name, arch, str(e)))
-                print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{width}} {arch:<6} FAILED", flush=True)
+                failed.append((spec.name, v.kernel.name, v.target, str(b)))
                 continue
             compiled += b.status == "compiled"
-            took = f" in {b.seconds:.1f}s" if b.status == "compiled" else ""
-            print(f"[{n}/{total}] {spec.name:<18} {kdef.name:<{width}} {arch:<6} {b.status}{took}", flush=True)
             built.append(b)
-            rows.append((spec.name, kdef.name, arch, v.plan(), b.report))
+            rows.append((spec.name, v.kernel.name, v.target, v.plan(), b.report))
         if len(built) == len(variants) and not args.kernel:   # only a complete, successful set is written
             root, where = _destination(spec, args.out)
             if root is None:
@@ -90,19 +96,20 @@ def cmd_build(args) -> int:
                 artifacts.write_generated(spec, built, root)
                 notes.append(f"{spec.name}: wrote {where}")
             # else: up to date; a manifest's binary record is that of the NVRTC it names (check_generated)
-    if rows:
+    if rows and (args.table or args.verbose):
         _resource_table(rows)
-    if notes:
-        print()
-        for note in notes:
-            print(note)
+    for note in notes:
+        print(note)
     for spec_name, kernel, arch, msg in failed:
         print(f"\nbuild of {spec_name}/{kernel} ({arch}) failed (previous artifacts left in place):\n{msg}",
               file=sys.stderr)
+    cached = total - compiled - len(failed)
+    more = "" if args.table or args.verbose else " (--verbose: every variant; --table: ptxas against the resource model)"
     if failed:
+        print(f"{len(failed)} of {total} variants FAILED, compiled {compiled}, {cached} cached")
         return 1
-    print(f"nothing to compile: all {total} variants were cached" if compiled == 0 else
-          f"compiled {compiled} of {total} variants")
+    print((f"nothing to compile: all {total} variants were cached" if compiled == 0 else
+           f"compiled {compiled} of {total} variants, {cached} cached") + more)
     return 0
 
 
@@ -270,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--refresh", action="store_true", help="rewrite generated/<spec>/ even when its sources are "
                                                           "up to date (records this NVRTC's binaries)")
     b.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
-                   help="variants compiled at a time (default: the CPUs this process may use); progress on stderr")
+                   help="variants compiled at a time (default: the CPUs this process may use)")
+    b.add_argument("--verbose", "-v", action="store_true", help="a line for every variant (cached ones too), then "
+                                                                "the resource table")
+    b.add_argument("--table", action="store_true", help="the resource table: ptxas's registers, shared memory "
+                                                        "and spills per variant against the resource model")
     b.set_defaults(func=cmd_build)
     ls = sub.add_parser("list", help="specs, kernels and their build state")
     ls.add_argument("specs", nargs="*")

@@ -7,9 +7,9 @@ Driver (`ddtree-gen sanitize [SPEC...] [--tool T]... [--out DIR]`, or `main(args
 
 streams the output (and writes it to DIR/T.log with --out), reads the sanitizer's
 "ERROR SUMMARY: N errors" line (racecheck: "RACECHECK SUMMARY: ... (N errors, ...)"), and prints a table (tool, errors, exit code). It returns 0 only
-when every tool reported 0 errors and exited 0; 1 otherwise; 2 when compute-sanitizer is not
-found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, the nvidia-cuda-sanitizer-api wheel) or a spec
-is unknown.
+when every tool reported 0 errors and exited 0; 1 otherwise; 2 when there is no usable CUDA GPU or
+compute-sanitizer is not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, the
+nvidia-cuda-sanitizer-api wheel), one line naming what is missing, or when a spec is unknown.
 
 Worker (`python -m ddtree_gen.sanitize --worker [SPEC...] [--kernel K]...`): loads each spec's
 kernel set and launches every registered kernel on small edge-case inputs (batch 2-3), with a
@@ -179,11 +179,18 @@ def main(args) -> int:
     if bad:
         print(f"ddtree-gen sanitize: error: unknown tool {bad[0]!r} (known: {', '.join(TOOLS)})", file=sys.stderr)
         return 2
-    sanitizer = find_sanitizer()
-    if sanitizer is None:
-        print("ddtree-gen sanitize: error: compute-sanitizer not found on PATH or in "
-              f"{', '.join(_candidate_dirs())} (it ships with the CUDA toolkit)", file=sys.stderr)
-        return 2
+    # what the machine lacks, all of it in one line (a GPU first: without one, no sanitizer would help)
+    from . import needs
+    sanitizer, gpu = find_sanitizer(), needs.gpu_problem()
+    missing = [(what, why) for what, why in (
+        ("a CUDA GPU", gpu),
+        ("compute-sanitizer", None if sanitizer else f"compute-sanitizer not found on PATH or in "
+                                                     f"{', '.join(_candidate_dirs())} (it ships with the CUDA toolkit)"))
+        if why]
+    if missing:
+        print(f"ddtree-gen sanitize: error: sanitize needs {' and '.join(w for w, _ in missing)}: "
+              f"{'; '.join(why for _, why in missing)}", file=sys.stderr)
+        return needs.EXIT_MISSING
     out_dir = Path(out) if out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

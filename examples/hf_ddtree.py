@@ -22,7 +22,9 @@ The check: the tokens must be generate()'s (greedy, --new-tokens of them). In th
 must be identical. On the GPU (bf16) the first difference is accepted only if it is a near tie: a float64 copy of the
 model recomputes, from the same hidden state (the common prefix's last position), the logits of the two candidates,
 and their margin is at most --near-tie times the largest |logit|; the example says so and compares no further (the
-two sequences part there). Exit status 0 when correct, 1 otherwise, 2 when a --model path cannot be read.
+two sequences part there). Exit status 0 when correct, 1 otherwise, 2 when a --model path cannot be read or the
+machine lacks what the run needs (torch and transformers: `pip install -e ".[hf]"`; a CUDA GPU for --device cuda),
+said in one line.
 """
 from __future__ import annotations
 
@@ -36,10 +38,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
 import ddtree_gen  # noqa: E402
-from ddtree_gen import hf, reference  # noqa: E402
+from ddtree_gen import needs, reference  # noqa: E402
+
+NEEDED = ("torch", "transformers")   # the [hf] extra; --help works without them, main() refuses in one line
+try:
+    import torch
+    from ddtree_gen import hf
+except ModuleNotFoundError as e:
+    if e.name not in NEEDED:
+        raise
+    torch = hf = None
 
 GPU_KERNELS = ["tree_build", "draft_topk", "tree_verify", "tree_verify_wgmma", "tree_verify_mma",
                "tree_verify_mma_combine", "tree_accept", "kv_commit"]
@@ -121,8 +130,33 @@ def near_tie(model, seq, a, b):
     return abs(float(lg[a] - lg[b])), float(lg.abs().max())
 
 
+def _installed(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):   # (a module set to None in sys.modules: not importable)
+        return False
+
+
+def refusal(device: str) -> str | None:
+    """What this machine lacks for the run (one line), else None: torch and transformers always, a CUDA GPU
+    for --device cuda."""
+    missing = [n for n in NEEDED if not _installed(n)]
+    if missing:
+        return (f"examples/hf_ddtree.py needs torch and transformers: {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not installed (pip install -e \".[hf]\")")
+    if device == "cuda" and (torch is None or not torch.cuda.is_available()):
+        return (f"examples/hf_ddtree.py --device cuda needs a CUDA GPU: "
+                f"{needs.gpu_problem() or 'torch sees no CUDA device (a CPU build of torch?)'}")
+    return None
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    why = refusal(args.device)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return needs.EXIT_MISSING
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model = load_model(args, device)
     cfg = model.config

@@ -1,8 +1,13 @@
-"""Shared test machinery: spec parametrization (ids = spec names), the gpu marker, fakes."""
+"""Shared test machinery: spec parametrization (ids = spec names), the gpu marker (a GPU test skips with one line
+saying why there is no GPU), optional packages (need(): a skip naming the extra to install), the user's binary
+cache (what `ddtree-gen build` filled; the tests compile only what it lacks) and copies of it, the concurrent
+builds of tests/test_builds.py, fakes."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ddtree_gen import paths
 from ddtree_gen.kernel_set import StandInKernelSet
 from ddtree_gen.spec import all_specs, spec_paths
 
@@ -22,14 +28,11 @@ def pytest_configure(config):
 
 @functools.lru_cache(maxsize=None)
 def gpu_reason() -> str | None:
-    """None when a CUDA GPU is usable, else why not."""
-    try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver, no CuPy, no device
-        first = (str(e).strip().splitlines() or [""])[0]
-        return f"no CUDA GPU here ({type(e).__name__}: {first})"   # whole: a cut reason hides the cause
-    return None if n > 0 else "no CUDA GPU here (0 devices)"
+    """None when a CUDA GPU is usable, else why not, in one line: the check the command line makes
+    (needs.gpu_problem: "no NVIDIA driver here ..." where libcuda does not load, not CuPy's misleading
+    "driver version is insufficient")."""
+    from ddtree_gen.needs import gpu_problem
+    return gpu_problem()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,12 +48,100 @@ SPECS = all_specs()
 REPO = Path(__file__).resolve().parent.parent
 
 
-# ------------------------------------------------- the session's one build of every shipped variant
+# ------------------------------------------------- optional packages: a skip names the extra that installs them
+
+@functools.lru_cache(maxsize=None)
+def extras() -> dict:
+    """{extra: the packages it installs that are no dependency of the package itself}, from pyproject.toml
+    (torch: {torch}, hf: {torch, transformers}, ...), in its order."""
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.split(r"[ <>=!~;\[]", req, maxsplit=1)[0].strip().lower().replace("-", "_")
+    base = {name(r) for r in project["dependencies"]}
+    return {extra: {name(r) for r in reqs} - base for extra, reqs in project["optional-dependencies"].items()}
+
+
+def optional_packages() -> set:
+    """Every package an extra installs (torch, transformers, ...)."""
+    return set().union(*extras().values())
+
+
+def install_hint(*packages: str) -> str:
+    """What to run for optional packages: the first extra that installs them all."""
+    extra = next(e for e, have in extras().items() if set(packages) <= have)
+    return f'pip install -e ".[{extra}]"'
+
+
+def need(*packages: str):
+    """The optional packages (torch, transformers, ...), imported (one: the module; several: a tuple); else the
+    test (or, at module level, the file) is skipped with a reason naming what is missing and the extra that
+    installs them all."""
+    __tracebackhide__ = True   # the skip's location: the caller's line, not this one
+    import importlib
+    modules, missing = [], []
+    for package in packages:
+        try:
+            modules.append(importlib.import_module(package))
+        except ImportError:
+            missing.append(package)
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+                    f"({install_hint(*packages)})", allow_module_level=True)
+    return modules[0] if len(modules) == 1 else tuple(modules)
+
+
+def cuda_torch():
+    """torch, where it sees a CUDA device; else the test is skipped (torch missing, or without CUDA)."""
+    torch = need("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA (a CUDA build of torch and a GPU)")
+    return torch
+
+
+# ------------------------------------------------- the binary cache `ddtree-gen build` filled
+
+USER_CACHE = paths.cache_dir()   # $DDTREE_GEN_CACHE, else ~/.cache/ddtree-gen: what the README's build filled
+
+
+@pytest.fixture
+def user_cache(monkeypatch) -> Path:
+    """DDTREE_GEN_CACHE set to the user's binary cache: a shipped default variant is a cache hit there after
+    `ddtree-gen build`; what it lacks is compiled into it, as load() would. Tests that compile anything but the
+    shipped variants use a cache of their own (seeded_cache) and leave this one as the user's build made it."""
+    monkeypatch.setenv("DDTREE_GEN_CACHE", str(USER_CACHE))
+    return USER_CACHE
+
+
+def seeded_cache(dest: Path, leave_out=()) -> Path:
+    """A private binary cache at `dest`: the entries of the user's cache copied (what a test compiles there,
+    a spec of its own, an edited template, stays out of the user's cache), less those of the variants named in
+    `leave_out` (procedural names: "tree_build", ...), which a test then compiles. An entry is its .json and
+    its binary; a broken one is not copied (compile_variant would rebuild it anyway)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if USER_CACHE.is_dir():
+        for meta in USER_CACHE.glob("*.json"):
+            try:
+                entry = json.loads(meta.read_text())
+                binary = meta.with_suffix(f".{entry['binary']}")
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if entry.get("variant") in leave_out or not binary.is_file():
+                continue
+            shutil.copyfile(binary, dest / binary.name)   # the binary first: an entry is whole once its .json is there
+            shutil.copyfile(meta, dest / meta.name)
+    return dest
+
+
+# ------------------------------------------------- concurrent builds on one cache (tests/test_builds.py)
+
+SMALL_KERNELS = ("tree_build", "merge_states", "tree_accept")   # ~0.2 s each to compile
 
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> Path:
-    """The session's binary cache: empty until `concurrent_build` fills it with every shipped variant."""
-    return tmp_path_factory.mktemp("ddtree-cache")
+    """The concurrent build's binary cache: the user's cache copied, less every build of SMALL_KERNELS, which the
+    four processes then compile (each exactly once) while the rest are cache hits. (Without a prior `ddtree-gen
+    build` the copy holds less, and the concurrent build compiles the rest: slower, not wrong.)"""
+    return seeded_cache(tmp_path_factory.mktemp("ddtree-cache"), leave_out=SMALL_KERNELS)
 
 
 @pytest.fixture(scope="session")
@@ -75,13 +166,14 @@ def _overlapping_pairs(names: list[str]) -> list[list[str]]:
 
 @pytest.fixture(scope="session")
 def concurrent_build(session_root, session_cache):
-    """Four `build` processes started at once on one (empty) cache and one generated/ tree (each compiling on
-    its default threads): (root, [(exit, stdout, stderr)], seconds, the cache's file names right after).
-    This is the session's only compile of every shipped variant (~130 variants: most of the CPU suite's
-    time); `shipped_cache` hands that cache to the tests of other files."""
+    """Four `build` processes started at once on one cache (session_cache: every shipped variant but those of
+    SMALL_KERNELS) and one empty generated/ tree, each compiling on its default threads: (root, [(exit, stdout,
+    stderr)], seconds, the cache's file names before, and right after). Each writes generated/ of every spec it
+    builds, and the variants missing from the cache are compiled with two processes asking for each at once."""
     names = [p.stem for p in spec_paths(REPO / "specs")]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                DDTREE_GEN_CACHE=str(session_cache), DDTREE_GEN_ROOT=str(session_root))
+    before = sorted(p.name for p in session_cache.iterdir())
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "ddtree_gen", "build", *group], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -91,42 +183,12 @@ def concurrent_build(session_root, session_cache):
         out, err = p.communicate(timeout=900)
         results.append((p.returncode, out, err))
     seconds = time.perf_counter() - t0
-    if all(rc == 0 for rc, _, _ in results):
-        _BUILT.append(session_cache)
-    return session_root, results, seconds, sorted(p.name for p in session_cache.iterdir())
-
-
-_BUILT: list = []   # the session cache, once the concurrent build has filled it with every shipped variant
-
-
-def built_or_own_cache(own: Path) -> Path:
-    """The session cache where the concurrent build already ran in this session (a full run: tests/test_builds.py
-    comes first, and its build is the session's one compile of every shipped variant), else `own`: a test file
-    run alone compiles only what it needs, into a cache of its own, and never starts the whole build."""
-    return _BUILT[0] if _BUILT else own
-
-
-@pytest.fixture
-def shipped_cache(tmp_path_factory, monkeypatch) -> Path:
-    """DDTREE_GEN_CACHE set to built_or_own_cache(): a shipped default variant is a cache hit there in a full run
-    (compiled once, by the concurrent build), compiled into a cache of the test's own otherwise. Tests may add
-    entries to it."""
-    cache = built_or_own_cache(tmp_path_factory.mktemp("own-cache"))
-    monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
-    return cache
+    return session_root, results, seconds, before, sorted(p.name for p in session_cache.iterdir())
 
 
 def pytest_generate_tests(metafunc):
     if "spec" in metafunc.fixturenames:
         metafunc.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
-
-
-def cuda_torch():
-    """torch, where it sees a CUDA device; else the test is skipped (torch missing, or without CUDA)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    return torch
 
 
 def random_prompts(batch: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:

@@ -6,8 +6,9 @@ the previous generated/ in place; (c) a corrupted cache entry is rebuilt, never 
 model agrees with ptxas for every spec, kernel and build target (sm_90a cubin; sm_80 PTX, through
 the sm_80 cubin NVRTC assembles from it); plus the sanitizer driver's CPU parts.
 
-Every test works on a copy of specs/ and templates/ under a temporary DDTREE_GEN_ROOT and a
-temporary DDTREE_GEN_CACHE shared by the session, so the repository is never written.
+Every test works on a copy of specs/ and templates/ under a temporary DDTREE_GEN_ROOT, so the repository is
+never written; a test that compiles reads the user's binary cache (what `ddtree-gen build` filled: shipped
+variants are cache hits) or, where it compiles anything else, a cache of its own.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from pathlib import Path
 import pytest
 
 from ddtree_gen.build import artifacts, resources
-from ddtree_gen import cli, paths, registry, sanitize
+from ddtree_gen import cli, needs, paths, registry, sanitize
 from ddtree_gen.ops import all_builds, by_name
 from ddtree_gen.build.variant import default_config, variant
 from ddtree_gen.spec import find_spec, load_spec, spec_paths
+
+from conftest import SMALL_KERNELS
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_NAMES = [p.stem for p in spec_paths(REPO / "specs")]
@@ -107,29 +110,42 @@ def _cli_inproc(monkeypatch, capsys, root: Path, cache: Path, *args: str) -> tup
 
 # --------------------------------------------------------------------------- fixtures
 
-# session_cache, session_root, concurrent_build: tests/conftest.py (shared: every shipped variant is compiled once
-# per session, by the concurrent build, and other test files read that cache through `shipped_cache`)
+# session_cache, session_root, concurrent_build: tests/conftest.py (the concurrent build's cache is the user's,
+# copied, less the small kernels' entries, which it compiles)
 
 
 @pytest.fixture
-def in_session(monkeypatch, session_root, session_cache):
+def in_session(monkeypatch, session_root, user_cache):
+    """The session's copy of specs/ and templates/, and the user's binary cache (shipped variants: cache hits)."""
     monkeypatch.setenv("DDTREE_GEN_ROOT", str(session_root))
-    monkeypatch.setenv("DDTREE_GEN_CACHE", str(session_cache))
 
 
 # ------------------------------------------------------------------ (a) concurrency
 
+def _compiled_lines(out: str) -> list[tuple[str, str, str]]:
+    """(spec, kernel, target) of each variant a build's output says it compiled ("[k/n] compiled spec kernel
+    target in Xs")."""
+    return [tuple(ln.split()[2:5]) for ln in out.splitlines() if ln.startswith("[") and ln.split()[1] == "compiled"]
+
+
 def test_concurrent_builds(concurrent_build, session_cache):
-    root, results, seconds, after = concurrent_build   # after: the cache's file names right after the build
+    root, results, seconds, before, after = concurrent_build   # the cache's file names before and right after
     for rc, out, err in results:
         assert rc == 0, f"exit {rc}\n{out}\n{err}"
         assert "Traceback" not in err
     total = sum(len(_variants(n)) for n in SPEC_NAMES)
-    # every variant (kernel x target) was compiled exactly once across the four processes (the others
-    # waited and read it)
-    compiled = sum(line.split()[4] == "compiled" for _, out, _ in results for line in out.splitlines()
-                   if line.startswith("[") and len(line.split()) >= 5)
-    assert compiled == total, "\n".join(out for _, out, _ in results)
+    keys = {}   # (spec, kernel, target) -> cache key, from the manifests the builds wrote
+    for name in SPEC_NAMES:
+        manifest = json.loads((root / "generated" / name / "manifest.json").read_text())
+        keys |= {(name, k, arch): b["cache_key"] for k, e in manifest["kernels"].items() for arch, b in e["builds"].items()}
+    assert len(keys) == total
+    # every variant missing from the cache (kernel x target; at least every build of the small kernels, which
+    # the seed left out) was compiled exactly once across the four processes (the other waited and read it);
+    # the rest were cache hits
+    missing = {v for v, key in keys.items() if f"{key}.json" not in before}
+    assert {v for v in missing if v[1] in SMALL_KERNELS} == {v for v in keys if v[1] in SMALL_KERNELS}
+    compiled = [v for _, out, _ in results for v in _compiled_lines(out)]
+    assert sorted(compiled) == sorted(missing), "\n".join(out for _, out, _ in results)
     for name in SPEC_NAMES:
         manifest = json.loads((root / "generated" / name / "manifest.json").read_text())
         assert manifest["spec"] == name
@@ -141,22 +157,25 @@ def test_concurrent_builds(concurrent_build, session_cache):
             for arch, b in entry["builds"].items():
                 assert (root / "generated" / name / b["source"]).is_file()
                 assert (session_cache / f"{b['cache_key']}.{b['binary']}").is_file(), (name, kname, arch)
-    # (as the four processes left it: later tests add entries of their own to this shared cache)
-    assert _check_cache(session_cache, after) == total
+    # (as the four processes left it: later tests add entries of their own to this cache): the entries of the
+    # manifests all there and intact (the user's cache, copied, may hold others too, of earlier sources)
+    assert {f"{key}.json" for key in keys.values()} <= set(after)
+    assert _check_cache(session_cache, after) >= total
     assert [n for n in after if n.endswith(".tmp")] == _temp_leftovers(root) == []
     # a lock is removed when released: none is left beside the cache entries or in generated/
     assert [n for n in after if n.endswith(".lock")] + sorted((root / "generated").glob(".lock")) == []
     r = _cli(root, session_cache, "build", "--check")
     assert r.returncode == 0, r.stdout + r.stderr
-    print(f"4 concurrent builds of {total} variants: {seconds:.1f} s")
+    print(f"4 concurrent builds of {total} variants ({len(missing)} compiled): {seconds:.1f} s")
 
 
 def test_written_files_respect_umask(concurrent_build, session_cache):
     umask = os.umask(0)
     os.umask(umask)
     want = 0o666 & ~umask
-    root = concurrent_build[0]
-    files = [root / "generated" / SPEC_NAMES[0] / "manifest.json", next(session_cache.glob("*.cubin"))]
+    root, before = concurrent_build[0], concurrent_build[3]
+    compiled = next(p for p in session_cache.glob("*.cubin") if f"{p.stem}.json" not in before)   # by the build
+    files = [root / "generated" / SPEC_NAMES[0] / "manifest.json", compiled]
     assert {f"{f.name}: {f.stat().st_mode & 0o777:o}" for f in files} == {f"{f.name}: {want:o}" for f in files}
 
 
@@ -218,7 +237,7 @@ def test_hopper_only_instruction_fails_the_sm80_build(concurrent_build, session_
     before = _snapshot(root / "generated")
     r = _cli(root, session_cache, "build", SPEC_NAMES[0], "--kernel", "merge_states")
     assert r.returncode == 1, r.stdout + r.stderr
-    lines = {ln.split()[3]: ln for ln in r.stdout.splitlines() if "merge_states" in ln and ln.startswith("[")}
+    lines = {ln.split()[4]: ln for ln in r.stdout.splitlines() if "merge_states" in ln and ln.startswith("[")}
     assert "FAILED" not in lines["sm_90a"] and "FAILED" in lines["sm_80"], r.stdout
     assert f"build of {SPEC_NAMES[0]}/merge_states (sm_80) failed" in r.stderr and "requires .target sm_90" in r.stderr
     r = _cli(root, session_cache, "build", SPEC_NAMES[0])
@@ -303,24 +322,32 @@ def test_corrupted_cache_entry_cli_says_compiled(tree_build_variant, session_roo
         assert artifacts.compile_variant(variant(kdef, spec, arch)).status == "compiled"
     (cubin,) = cache.glob("*.cubin")
     cubin.write_bytes(_flip(cubin.read_bytes()))
-    r = _cli(session_root, cache, "build", "kimi-k2.6-tp8", "--kernel", "tree_build")
+    r = _cli(session_root, cache, "build", "kimi-k2.6-tp8", "--kernel", "tree_build", "--verbose")
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = {ln.split()[3]: ln for ln in r.stdout.splitlines() if "tree_build" in ln and ln.startswith("[")}
-    assert "compiled" in lines["sm_90a"] and "cached" not in lines["sm_90a"], r.stdout
-    assert lines["sm_80"].rstrip().endswith("cached"), r.stdout   # the other target's entry is intact
+    lines = {ln.split()[4]: ln for ln in r.stdout.splitlines() if "tree_build" in ln and ln.startswith("[")}
+    assert lines["sm_90a"].split()[1] == "compiled", r.stdout
+    assert lines["sm_80"].split()[1] == "cached", r.stdout   # the other target's entry is intact
     assert _check_cache(cache) == 2
 
 
 # ------------------------------------------------------------ (d) nothing changed
 
-def test_second_build_compiles_nothing(concurrent_build, session_cache, tmp_path):
+def test_second_build_compiles_nothing(concurrent_build, session_cache, tmp_path, monkeypatch, capsys):
+    """A warm build of every spec says so in two lines (what it builds, and that all was cached; the bar is
+    15); --verbose adds a line per variant, every one cached, and the resource table; generated/ is untouched."""
     root = _clone(concurrent_build[0], tmp_path / "project")
     before = _snapshot(root / "generated")
-    r = _cli(root, session_cache, "build", SPEC_NAMES[0])  # one spec: a warm build costs ~4 s per spec
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "nothing to compile" in r.stdout, r.stdout
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
-    assert len(lines) == len(_variants(SPEC_NAMES[0])) and all(ln.rstrip().endswith("cached") for ln in lines)
+    r = _cli(root, session_cache, "build")
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    total = sum(len(_variants(n)) for n in SPEC_NAMES)
+    assert r.stdout.splitlines()[-1].startswith(f"nothing to compile: all {total} variants were cached"), r.stdout
+    assert len(r.stdout.splitlines()) == 2, r.stdout
+    rc, out = _cli_inproc(monkeypatch, capsys, root, session_cache, "build", SPEC_NAMES[0], "--verbose")
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    assert rc == 0 and len(lines) == len(_variants(SPEC_NAMES[0])), out
+    assert all(ln.split()[1] == "cached" for ln in lines), out
+    table = out.splitlines().index(next(ln for ln in out.splitlines() if ln.endswith("model vs ptxas")))
+    assert len(out.splitlines()[table + 1:-1]) == len(lines), out   # one row per variant, then the summary
     after = _snapshot(root / "generated")
     after.pop(".lock", None)
     assert after == before, "an unchanged rebuild changed generated/"
@@ -530,10 +557,10 @@ def test_wgmma_kernels_have_no_sm80_build(in_session, session_root):
             "tree_verify_tail_mma", "tree_verify_mma_combine"} <= set(others)
 
 
-def test_paths_follow_environment(in_session, session_root, session_cache):
+def test_paths_follow_environment(in_session, session_root, user_cache):
     assert paths.project_root() == session_root
     assert paths.specs_dir() == session_root / "specs"
-    assert paths.cache_dir() == session_cache
+    assert paths.cache_dir() == user_cache
 
 
 # ------------------------------------------------------------- the sanitizer driver (CPU)
@@ -618,6 +645,7 @@ def test_sanitize_main_with_fake_sanitizer(monkeypatch, tmp_path, capsys):
                     "esac\n")
     fake.chmod(0o755)
     monkeypatch.setattr(sanitize, "find_sanitizer", lambda: str(fake))
+    monkeypatch.setattr(needs, "gpu_problem", lambda: None)   # (the worker itself runs under the stand-in)
     args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--out", str(tmp_path / "out")])
     rc = sanitize.main(args)
     out = capsys.readouterr().out
@@ -636,11 +664,26 @@ def test_sanitize_main_with_fake_sanitizer(monkeypatch, tmp_path, capsys):
     assert sanitize.main(args) == 0
 
 
-def test_sanitize_main_without_sanitizer(monkeypatch, capsys):
-    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: None)
-    args = sanitize.build_parser().parse_args([])
-    assert sanitize.main(args) == 2
-    assert "compute-sanitizer" in capsys.readouterr().err
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "no-gpu"])
+@pytest.mark.parametrize("tool", [True, False], ids=["sanitizer", "no-sanitizer"])
+def test_sanitize_without_gpu_or_sanitizer_names_what_is_missing(gpu, tool, monkeypatch, capsys):
+    """One line, exit 2 (needs.EXIT_MISSING), naming each missing thing: without a GPU the line blames the GPU
+    (not compute-sanitizer, which would not help), and names the sanitizer only where it is missing too."""
+    monkeypatch.setattr(sanitize, "find_sanitizer", lambda: "/bin/true" if tool else None)
+    monkeypatch.setattr(needs, "gpu_problem", lambda: None if gpu else "no NVIDIA driver here (a stand-in)")
+    if gpu and tool:
+        monkeypatch.setattr(sanitize, "_run_tool", lambda cmd, log: ("========= ERROR SUMMARY: 0 errors", 0))
+    args = sanitize.build_parser().parse_args(["kimi-k2.6-tp8", "--tool", "memcheck"])
+    rc = sanitize.main(args)
+    err = capsys.readouterr().err
+    if gpu and tool:
+        assert rc == 0 and err == "", err
+        return
+    assert rc == needs.EXIT_MISSING and len(err.strip().splitlines()) == 1, err
+    wanted = [w for w, there in (("a CUDA GPU", gpu), ("compute-sanitizer", tool)) if not there]
+    assert err.startswith(f"ddtree-gen sanitize: error: sanitize needs {' and '.join(wanted)}: "), err
+    assert ("no NVIDIA driver here (a stand-in)" in err) == (not gpu), err
+    assert ("compute-sanitizer not found" in err) == (not tool), err
 
 
 def test_sanitize_main_unknown_spec(monkeypatch, capsys, in_session):

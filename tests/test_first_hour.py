@@ -28,12 +28,11 @@ SHIPPED = "kimi-k2.6-tp8"
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
-    """In a full run the session's cache, which holds every shipped variant (tests/conftest.py: compiled once, by
-    the concurrent build of tests/test_builds.py), so a build of a shipped spec here compiles nothing
-    (test_another_nvrtc_... built one cold before); run alone, a cache of this module's own. The specs of one's
-    own these tests make add entries of their own."""
-    from conftest import built_or_own_cache
-    return built_or_own_cache(tmp_path_factory.mktemp("cache"))
+    """This module's binary cache: the user's copied (tests/conftest.py, seeded_cache), so that a build of a
+    shipped spec here compiles nothing after `ddtree-gen build`; the specs of one's own these tests make add
+    entries of their own there, not in the user's cache."""
+    from conftest import seeded_cache
+    return seeded_cache(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture
@@ -305,6 +304,58 @@ def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     assert r.stderr.strip().splitlines() == [f"error: {argv[0]} needs a CUDA GPU: {_no_gpu()}"], r.stderr
 
 
+# a run of a file with some packages made unimportable (set to None in sys.modules: `import` raises
+# ModuleNotFoundError, find_spec says not importable), as on a machine where they are not installed
+_WITHOUT = ("import runpy, sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',') if m]; "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("hidden,args", [("torch,transformers", ["--help"]), ("torch,transformers", []),
+                                         ("torch", ["--device", "cpu"]), ("transformers", []), ("", ["--device", "cuda"])],
+                         ids=["help", "neither", "no-torch", "no-transformers", "cuda-no-gpu"])
+def test_hf_example_refuses_in_one_line(hidden, args, tmp_path):
+    """examples/hf_ddtree.py: --help anywhere; without torch or transformers (the [hf] extra), or --device cuda
+    without a GPU, one line naming what is missing and the extra to install, exit 2 (needs.EXIT_MISSING), no
+    traceback."""
+    import importlib.util
+    from ddtree_gen import needs
+    missing = [m for m in ("torch", "transformers") if m in hidden.split(",") or importlib.util.find_spec(m) is None]
+    if not missing and _no_gpu() is None:
+        pytest.skip("a CUDA GPU is usable here, and torch and transformers installed: the example would run")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", _WITHOUT, hidden, str(REPO / "examples" / "hf_ddtree.py"), *args],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    if args == ["--help"]:
+        assert r.returncode == 0 and r.stdout.startswith("usage:") and r.stderr == "", r.stdout + r.stderr
+        return
+    assert r.returncode == needs.EXIT_MISSING and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    if missing:
+        assert line == (f"error: examples/hf_ddtree.py needs torch and transformers: {' and '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not installed (pip install -e \".[hf]\")"), line
+    else:
+        assert line == f"error: examples/hf_ddtree.py --device cuda needs a CUDA GPU: {_no_gpu()}", line
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.py")))
+def test_every_example_without_torch_answers_help_and_refuses_in_one_line(example, tmp_path):
+    """Every example, on a machine without torch and transformers: --help works (exit 0), and a plain run ends in
+    one line on stderr naming what is missing, exit 2, no traceback (on a machine without a GPU too)."""
+    from ddtree_gen import needs
+    if _no_gpu() is None:
+        pytest.skip("a CUDA GPU is usable here: an example that needs no torch would run")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DDTREE_GEN_CACHE=str(tmp_path / "cache"))
+    run = lambda *args: subprocess.run([sys.executable, "-c", _WITHOUT, "torch,transformers",
+                                        str(REPO / "examples" / example), *args],
+                                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+    r = run()
+    assert r.returncode == needs.EXIT_MISSING and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: examples/{example} ") and " needs " in line, line
+
+
 def _repo_files() -> str:
     """Every path git sees in the checkout, ignored ones included (what a script may have written there)."""
     return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,
@@ -382,20 +433,23 @@ def _no_times(text: str) -> str:
     return re.sub(r" in [0-9.]+s", "", text)
 
 
-def test_parallel_build_is_the_sequential_build_with_progress_on_stderr(tmp_path, monkeypatch, capsys):
-    """--jobs 2 and --jobs 1 into fresh caches: the same stdout (build order, whatever order the compiles end
-    in) and the same cache entries, byte for byte; progress on stderr, one line per variant; --jobs 0 refused."""
+def test_parallel_build_is_the_sequential_build(tmp_path, monkeypatch, capsys):
+    """--jobs 2 and --jobs 1 into fresh caches: the same lines (one per variant as it is compiled, in the order
+    the compiles end, then the resource table of --table in build order) and the same cache entries, byte for
+    byte; --jobs 0 refused."""
     outs, caches = [], []
     for jobs in ("2", "1"):
         cache = tmp_path / f"cache-{jobs}"
         monkeypatch.setenv("DDTREE_GEN_CACHE", str(cache))
         capsys.readouterr()
-        assert cli.main(["build", SHIPPED, *SMALL_KERNELS, "--jobs", jobs]) == 0
+        assert cli.main(["build", SHIPPED, *SMALL_KERNELS, "--jobs", jobs, "--table"]) == 0
         out = capsys.readouterr()
-        progress = [ln for ln in out.err.splitlines() if "done]" in ln]
-        assert len(progress) == 6 and all("compiled in" in ln for ln in progress), out.err
-        assert f"{'2' if jobs == '2' else '1'} at a time" in out.err, out.err
-        outs.append(_no_times(out.out))
+        progress = [ln for ln in out.out.splitlines() if ln.startswith("[")]
+        assert len(progress) == 6 and all(ln.split()[1] == "compiled" for ln in progress), out.out
+        assert f"{jobs} at a time" in out.out.splitlines()[0] and out.err == "", out
+        lines = _no_times(out.out).splitlines()
+        outs.append((sorted(ln.split("] ", 1)[1] for ln in lines if ln.startswith("[")),   # completion order varies
+                     [ln for ln in lines[1:] if not ln.startswith("[")]))
         caches.append({p.name: p.read_bytes() for p in cache.iterdir() if p.suffix in (".cubin", ".ptx")})
     assert outs[0] == outs[1]
     assert caches[0] == caches[1] and len(caches[0]) == 6

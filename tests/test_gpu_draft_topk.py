@@ -13,6 +13,8 @@ import secrets
 import numpy as np
 import pytest
 
+from conftest import need
+
 from ddtree_gen import bf16
 from ddtree_gen import reference as ref
 from ddtree_gen.ops.draft_topk.plan import NVEC, SCHEDULES, THREADS  # a chunk: THREADS x NVEC 16-byte vectors
@@ -318,7 +320,7 @@ def test_cuda_graph_capture(ks, spec, seed):
 
 def test_torch_tensors(ks, spec, seed):
     """torch.bfloat16 and float32 logits; torch outputs on torch's current stream."""
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((2, 3, 100000)) * 3
     for dt in (torch.bfloat16, torch.float32):
@@ -331,7 +333,7 @@ def test_torch_tensors(ks, spec, seed):
 
 def test_against_torch_topk(ks, spec, seed):
     """What engines do today (torch.topk + logsumexp) on rows without ties: the same tokens and log-probs."""
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     rng = np.random.default_rng(seed)
     x = torch.tensor(rng.permutation(129280 * 2).reshape(1, 2, 129280) / 1000.0, dtype=torch.float32).cuda()
     vals, idx = torch.topk(x, 64, dim=-1)

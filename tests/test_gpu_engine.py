@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import need
+
 from ddtree_gen import bf16, inputs, reference
 from ddtree_gen.errors import ArgumentError
 from verify_cases import fresh_seed, kv_torch, make_inputs, random_bf16_normal, random_e4m3_normal, random_kv_scale
@@ -20,7 +22,7 @@ SPEC_FP8 = "kimi-k2.6-tp8-fp8"   # the same with an fp8 (e4m3) KV cache: torch.f
 
 
 def _torch():
-    return pytest.importorskip("torch", reason="torch is not installed")
+    return need("torch")
 
 
 def _need_gpus(n):

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import need
+
 pytestmark = pytest.mark.gpu
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch, _ = need("torch", "transformers")
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf, inputs  # noqa: E402

@@ -15,8 +15,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from conftest import need
+
+torch, _ = need("torch", "transformers")
 
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf, inputs, reference  # noqa: E402

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from conftest import need
+
+need("torch", "transformers")
 
 
 @pytest.mark.parametrize("flip", [False, True], ids=["plain", "flip-mask-bit"])

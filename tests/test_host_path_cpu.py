@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FakeCudaArray, LaunchLog
-from ddtree_gen.launch import runtime
-from ddtree_gen.launch import hostcode
+from conftest import FakeCudaArray, LaunchLog, need
+from ddtree_gen.launch import hostcode, runtime
 from ddtree_gen.bench import launch, stand_in
 from ddtree_gen.bench.specs import LAYERS
 from ddtree_gen.errors import ArgumentError
@@ -31,7 +30,7 @@ from ddtree_gen.ops.kv_commit.launch import launch as kv_commit
 from ddtree_gen.ops.kv_commit.plan import MAX_LAYERS
 from ddtree_gen.launch.runtime import IsAligned, OutputPlan, ParamStruct, Prepared, Step, StepPlan, TensorMap
 
-torch = pytest.importorskip("torch")
+torch = need("torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = "kimi-k2.6-tp8"

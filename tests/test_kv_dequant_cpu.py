@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import FakeArrays as Arrays, FakeKernelSet, ptr_of
+from conftest import FakeArrays as Arrays, FakeKernelSet, need, ptr_of
 from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.ops.kv_dequant import launch as kd
@@ -680,7 +680,7 @@ def test_dequant_path_key_and_cache(fake_device):
 
 def test_torch_op_passes_fp8_path(monkeypatch):
     """torch.ops.ddtree.tree_verify's last argument reaches the launcher as fp8_path."""
-    pytest.importorskip("torch", reason="torch is not installed (optional)")
+    need("torch")
     from ddtree_gen import torch_ops
     seen = {}
 

@@ -28,11 +28,11 @@ SM80 = [k for k in KERNELS if "sm_80" in k.archs]
 
 
 @pytest.mark.parametrize("kdef", SM80, ids=[k.name for k in SM80])
-def test_sm80_render_compiles_to_ptx(spec, kdef, shipped_cache):
+def test_sm80_render_compiles_to_ptx(spec, kdef, user_cache):
     """The sm_80 build of every kernel that has one: rendered (deterministic), compiled by NVRTC for sm_80
-    (PTX, and ptxas's report of the sm_80 cubin assembled from it). The compile is the session's build of the
-    variant (`shipped_cache`: the concurrent build of tests/test_builds.py compiled every shipped variant once,
-    and compile_variant reads it back, checking its SHA-256); the cubin itself, which the cache does not keep,
+    (PTX, and ptxas's report of the sm_80 cubin assembled from it). The compile is the user's build of the
+    variant (`user_cache`: `ddtree-gen build` compiled every shipped variant, and compile_variant reads it back,
+    checking its SHA-256; what is missing there is compiled); the cubin itself, which the cache does not keep,
     is checked by the next test."""
     if not kdef.builds_for(spec):   # the mma.sync kernels and an fp8 spec
         pytest.skip(kdef.why_not_built(spec))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (optional: the CuPy path needs no torch)")
+from conftest import need
+
+torch = need("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import ddtree_gen.torch_ops  # noqa: E402

@@ -331,9 +331,14 @@ def _check_report(rep, devices):
 
 
 def _torch_reason(backend: str):
+    from conftest import install_hint
     try:
         import torch
         import torch.distributed as dist
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        return f"torch is not installed ({install_hint('torch')})"
     except Exception as e:  # noqa: BLE001
         return f"torch not importable ({type(e).__name__}: {e})"
     if not dist.is_available():

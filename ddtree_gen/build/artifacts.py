@@ -206,7 +206,8 @@ def ensure_built(spec: Spec, kernels=None, arch: str | None = None, *, jobs: int
     """Compiled binaries of a spec's kernels (from the cache, compiling what is missing, on `jobs` threads):
     kernel name -> {target: Built}, for every target of the kernel in the spec (only `arch` when given;
     a kernel with no such target maps to {}). say(line), if given, hears what is compiled: one line before
-    (how many variants, which, where) and one per compiled variant; nothing when everything is cached."""
+    (how many variants, which, where) and one per compiled variant; nothing when everything is cached. A variant
+    is named as `ddtree-gen build` names it: its build's name (tree_verify_wgmma/parts) and target."""
     kdefs = select_kernels(kernels)
     built = {k.name: {} for k in kdefs}
     vs = variants(spec, kdefs, arch)
@@ -214,11 +215,11 @@ def ensure_built(spec: Spec, kernels=None, arch: str | None = None, *, jobs: int
     if missing:
         say(f"ddtree_gen: {spec.name}: compiling {len(missing)} of {len(vs)} variants not in the cache "
             f"({paths.cache_dir()}) with NVRTC, {min(len(missing), jobs or default_jobs())} at a time; "
-            f"later loads read them from the cache: " + ", ".join(f"{v.name} ({v.target})" for v in missing))
+            f"later loads read them from the cache: " + ", ".join(f"{v.kernel.name} ({v.target})" for v in missing))
 
     def progress(k, total, v, result):
         if say is not None and not isinstance(result, DdtreeError) and result.status == "compiled":
-            say(f"ddtree_gen: {spec.name}: compiled {v.name} ({v.target}) in {result.seconds:.1f}s")
+            say(f"ddtree_gen: {spec.name}: compiled {v.kernel.name} ({v.target}) in {result.seconds:.1f}s")
 
     for v, result in zip(vs, build_variants(vs, jobs=jobs, progress=progress)):
         if isinstance(result, DdtreeError):
