@@ -5,15 +5,13 @@ A launcher is `launch(kset, *args, **kwargs)`: it checks its arguments (kernels/
 per call signature) and launches through the runtime. Next to it, its module declares the kernel
 (`DECLARATIONS = [Declaration(...)]`, plans/declaration.py): the launcher, reference, output record, torch ops
 (their fakes and implementations are here too), sanitizer cases and bundles, as the objects themselves. A module
-of this package with DECLARATIONS is found by being here (declarations(); docs/adding-a-kernel.md);
+of this package with DECLARATIONS is listed in declarations() (docs/adding-a-kernel.md);
 ddtree_gen.registry collects them and ddtree_gen.kernel_set makes each launcher the KernelSet method of the
 kernel's name. The build data of each kernel (template, entry, resource plan) and the inputs of its cases are in
 ddtree_gen.plans, which imports nothing from here.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Protocol, runtime_checkable
 
 
@@ -53,11 +51,13 @@ class KernelSetLike(Protocol):
 
 
 def declarations() -> list:
-    """The DECLARATIONS of every module of this package that has them, by module name (ddtree_gen.registry orders
-    them by build order)."""
-    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
-    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
-    return [d for m in modules for d in getattr(m, "DECLARATIONS", ())]
+    """The DECLARATIONS of every launcher module (ddtree_gen.registry orders them by build order): one per family of
+    plans.FAMILIES (split_kv's combine kernel: tensor_core's)."""
+    from . import (draft_topk, kv_commit, kv_dequant, tensor_core, tree_accept, tree_build, tree_verify,
+                   tree_verify_mma, tree_verify_wgmma)
+    modules = (tree_build, tree_verify, tree_verify_mma, tensor_core, tree_verify_wgmma, tree_accept, kv_commit,
+               draft_topk, kv_dequant)
+    return [d for m in modules for d in m.DECLARATIONS]
 
 
 __all__ = ["KernelSetLike", "declarations"]

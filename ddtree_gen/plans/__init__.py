@@ -2,33 +2,24 @@
 
 Each family module defines the resource plans (sympy formulas of the spec, see resources.py), the KernelDefs
 of its kernels, and the inputs of their sanitizer cases and bundles (`sanitizer_cases`, `bundle_inputs`). A
-module of this package with KERNELS is a family: a new kernel's module is found by being here
-(docs/adding-a-kernel.md). The kernels' declarations (declaration.py: launcher, reference, torch ops, ...) are
+family is listed in FAMILIES, in build order (docs/adding-a-kernel.md). The kernels' declarations (declaration.py: launcher, reference, torch ops, ...) are
 made next to their launchers, in ddtree_gen/kernels/, and collected by ddtree_gen.registry. The build layer
 (render, compile, artifacts) and the runtime read this package; nothing here imports a launcher
 (ddtree_gen.kernels) or the runtime.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
+from . import draft_topk, kv_commit, kv_dequant, split_kv, tree_accept, tree_build, tree_verify, tree_verify_mma
+from . import tree_verify_wgmma
 from .declaration import FACETS, Bundles, Declaration, TorchOp
 from .kernel_def import DEFAULT_BUILD, Build, KernelDef
 
-# the families in build order (the order of `build`, `list` and the sanitizer's runs); a family module not
-# named here comes after them, by name
-_ORDER = ("tree_build", "tree_verify", "tree_verify_mma", "split_kv", "tree_verify_wgmma", "tree_accept", "kv_commit")
+# the families in build order (the order of `build`, `list` and the sanitizer's runs): a new family is added here
+FAMILIES = (tree_build, tree_verify, tree_verify_mma, split_kv, tree_verify_wgmma, tree_accept, kv_commit, draft_topk,
+            kv_dequant)
 
 
-def _families() -> list:
-    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("declaration", "kernel_def")]
-    names.sort(key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
-    modules = [importlib.import_module(f"{__name__}.{n}") for n in names]
-    return [m for m in modules if hasattr(m, "KERNELS")]
-
-
-_ALL = tuple(k for m in _families() for k in m.KERNELS)
+_ALL = tuple(k for m in FAMILIES for k in m.KERNELS)
 _BUILDS = tuple(b for k in _ALL for b in k.build_defs())
 _BY_NAME = {k.name: k for k in _BUILDS}
 assert len({k.name for k in _ALL}) == len(_ALL), "two KernelDefs of one kernel name"
