@@ -128,7 +128,8 @@ class KernelSet:
     def offer(self, device: int | None) -> DeviceOffer:
         """What this set offers on `device` (None: not known), as data (runtime.DeviceOffer): the one question
         tree_verify's route asks of it."""
-        return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds})
+        return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds},
+                      {n: self.plan(n, device).build for n in self.builds})
 
     def plan(self, name, device: int | None = None):
         """The resource plan of `name`'s build for `device` (None: its first target here)."""
@@ -178,7 +179,8 @@ class StandInKernelSet:
         self.launches: list = []
 
     def offer(self, device: int | None) -> DeviceOffer:
-        return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds})
+        return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds},
+                      {n: by_name(n).plan_for(self.spec).build for n in self.builds})
 
     @property
     def kernels(self) -> list[str]:
@@ -221,7 +223,7 @@ def _spec_builds(spec) -> frozenset:
     return frozenset(k.name for k in all_builds() if k.builds_for(spec))
 
 
-def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
+def _offer(kset, device, spec_builds: frozenset, consts: dict, records: dict) -> DeviceOffer:
     """kset's DeviceOffer on `device`: for each build it was loaded with, its target there or why it has none."""
     targets, why = {}, {}
     for name in kset.requested:
@@ -231,7 +233,7 @@ def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
         else:
             why[name] = reason
     return DeviceOffer(kset.spec, device, frozenset(kset.builds), frozenset(kset.requested), spec_builds, targets,
-                       why, consts)
+                       why, consts, records)
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,6 +55,7 @@ class Plan:
     static_smem: sympy.Expr           # bytes of __shared__ arrays (ptxas "smem")
     dynamic_smem: sympy.Expr = sympy.Integer(0)  # bytes passed at launch
     consts: dict = field(default_factory=dict)   # extra template constants: name -> expr
+    build: object = None              # the typed build record it was made of (plans: KernelDef.record), if any
 
     @property
     def register_budget(self) -> int:

@@ -425,6 +425,11 @@ class DeviceOffer:
     targets: dict                # build -> the target it runs as on `device` (absent: it does not run there)
     why: dict                    # build -> why it does not run there (KernelSet.unavailable), for each requested one
     consts: dict                 # build -> the template constants of that target's build
+    records: dict = field(default_factory=dict)   # build -> its typed record as loaded (plans: KernelDef.record)
+
+    def record(self, name: str):
+        """The typed record of build `name` as the set loaded it (a variant set's knobs included)."""
+        return self.records[name]
 
     def unavailable(self, name: str) -> str | None:
         """None if build `name` runs on the device, else why not (KernelSet.unavailable's message)."""

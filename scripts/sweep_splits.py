@@ -23,6 +23,7 @@ from ddtree_gen import artifacts
 from ddtree_gen.bench.timing import call_time_ms
 from ddtree_gen.inputs import chain_verify_inputs
 from ddtree_gen.plans import split_kv as mod
+from ddtree_gen.plans import tree_verify_mma as mma_plans
 from ddtree_gen.spec import all_specs, find_spec
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
             if len(times) > 1:
                 print("  " + " ".join(f"{s}:{c * 1e3:.0f}" for s, (_, c) in times.items() if c is not None)
                       + "  (us, combine alone)")
-            before = mod.choose_splits(spec, b, nq, args.L + nq, 64, sms, family="mma")
+            before = mod.choose_splits(spec, b, nq, args.L + nq, 64, sms, *mma_plans.split_rule(spec))
             best = min(times, key=lambda s: times[s][0])
             t_before = times[before][0] if before in times else float("nan")
             summary.append((spec.name, b, base, before, t_before, best, times[best][0]))

@@ -116,7 +116,7 @@ def test_tma_map_of_a_cache_on_1(ks):
     torch = _need_gpus(2)
     from ddtree_gen import runtime
     from ddtree_gen.plans.tree_verify_wgmma import uses_tma
-    assert uses_tma(ks.spec, "tree_verify_wgmma")
+    assert uses_tma(ks.spec)
     seed = fresh_seed()
     x = verify_case(ks.spec, seed)
     check_verify(run_verify(ks, torch, "cuda:0", x), x)

@@ -284,7 +284,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     """fp8_path=None with the workspace over KV_WORKSPACE_LIMIT (here: 0) runs the fused kernel (its plan: no
     kv_dequant), with a caller's kv_workspace the dequantize path: the fused kernel's bits both ways."""
     import cupy
-    from ddtree_gen.kernels import tree_verify as tv
+    from ddtree_gen.kernels import tree_verify as tv, verify_route
     ks = _load(spec)
     seed = fresh_seed()
     inp = _batch(spec, np.random.default_rng(seed), seed)
@@ -292,7 +292,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     device = cupy.cuda.Device().id
     assert tv.fp8_default(ks, "wgmma", device, b, max_pages)[0] == "dequant"
     fused = _run(ks, inp, SCALES["mla"], None, "fused")
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 0)
     ks.prepared_calls.clear()   # the decisions of this signature were taken under the real limit
     try:
         path, why = tv.fp8_default(ks, "wgmma", device, b, max_pages)

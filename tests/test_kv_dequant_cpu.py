@@ -19,6 +19,7 @@ from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.kernels import kv_dequant as kd
 from ddtree_gen.kernels import tree_verify as tv
+from ddtree_gen.kernels import verify_route
 from ddtree_gen.kernels import tree_verify_wgmma as wg
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans import kv_dequant as kd_plans
@@ -529,7 +530,8 @@ def test_fp8_default_every_rule(monkeypatch):
     running on the device, the workspace within KV_WORKSPACE_LIMIT: 512 MiB, B x max_pages counted, or the caller's
     kv_workspace); the fused kernel, with the first failing rule as its reason, otherwise; a bf16 spec has none."""
     limit = tv.KV_WORKSPACE_LIMIT
-    assert limit == 512 * 2**20 and tv.DEQUANT_KERNELS == ("kv_dequant", DEQUANT, "tree_verify_mma_combine")
+    kernels = tv.dequant_kernels(Recording(FP8))   # the dequantize path's: the build whose record reads the workspace
+    assert limit == 512 * 2**20 and kernels == ("kv_dequant", DEQUANT, "tree_verify_mma_combine")
     fits = limit // PAGE_BYTES   # 7281 pages
     assert 2 * kd_plans.workspace_elems(FP8, 1, fits) <= limit < 2 * kd_plans.workspace_elems(FP8, 1, fits + 1)
     ks = Recording(FP8)
@@ -550,14 +552,14 @@ def test_fp8_default_every_rule(monkeypatch):
         assert p == "fused" and why == f"impl={impl!r}: the dequantize path runs on the wgmma kernels (impl 'auto' " \
                                        f"or 'wgmma')"
     # 3. loaded (each of the three; the direct launcher's fused kernel may stay)
-    for missing in tv.DEQUANT_KERNELS:
+    for missing in kernels:
         kset = Recording(FP8, tuple(k for k in DEQUANT_SET if k != missing))
         assert path(kset) == ("fused", f"{missing} not loaded in this kernel set")
     assert path(Recording(FP8, ("tree_verify",)))[1] == f"kv_dequant and {DEQUANT} and tree_verify_mma_combine " \
                                                         f"not loaded in this kernel set"
     # 4. the device: not known (the checks will say why), or one that does not run a kernel of the path
     assert path(device=None) == ("fused", "the arrays' device is not known")
-    for off in tv.DEQUANT_KERNELS:
+    for off in kernels:
         assert path(Unavailable(FP8, (off,))) == ("fused", f"{off}: not available on device 0 (test)")
     # 5. the workspace: over the limit by one page (B x max_pages counts), unless the caller gives it
     assert path(max_pages=fits + 1) == ("fused", f"the workspace would be {(fits + 1) * PAGE_BYTES / 2**20:.1f} MiB "
@@ -567,7 +569,7 @@ def test_fp8_default_every_rule(monkeypatch):
     assert path(b=64, max_pages=2048)[0] == "fused"                        # 9.0 GiB
     assert path(b=64, max_pages=2048, kvw=True) == ("dequant", "the caller's kv_workspace")
     assert path(impl="simple", kvw=True)[0] == "fused"                     # an earlier rule still decides
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)                       # the module constant, read per decision
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 0)                       # the module constant, read per decision
     assert path(b=1, max_pages=1)[0] == "fused" and path(kvw=True)[0] == "dequant"
     assert path(b=0, max_pages=0)[0] == "fused"                            # one page at least (workspace_layout)
     assert path(Recording(BF16, ("tree_verify",))) == (None, "spec 'kimi-k2.6-tp8' has kv_dtype 'bf16': no fp8 path")
@@ -590,7 +592,7 @@ def test_default_path_follows_the_policy(fake_device, monkeypatch):
     args = verify_args(FP8, new)
     kvw = _ws(FP8, new)
     # the limit: exactly this call's workspace (B x MAX_PAGES pages); one more page of block table is over it
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 2 * kd_plans.workspace_elems(FP8, B, MAX_PAGES))
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 2 * kd_plans.workspace_elems(FP8, B, MAX_PAGES))
     wide = dict(args, block_table=new((B, MAX_PAGES + 1), np.int32))
     ks = Recording(FP8)
     allocated = []

@@ -103,7 +103,7 @@ def test_the_policy_is_one_function(kimi):
     assert default_config(by_name("tree_verify_mma"), kimi) == mma_plans.config_for(kimi)
     assert default_config(by_name("tree_verify_mma"), kimi, "sm_80") == mma_plans.config_for(kimi, "sm_80")
     cfg = default_config(WGMMA, kimi)
-    assert cfg["schedule"] == wg_plans.schedule_for(kimi, "tree_verify_wgmma") and cfg["tma"] is True
+    assert cfg["schedule"] == wg_plans.schedule_for(kimi) and cfg["tma"] is True
     assert default_config(by_name("merge_states"), kimi) == {}
     # the build's plan is the default variant's
     for k in all_kernels():

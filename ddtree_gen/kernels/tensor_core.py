@@ -32,24 +32,25 @@ import numpy as np
 
 from .. import arrays as ar
 from ..errors import ArgumentError
-from ..plans import by_name
+from ..plans import all_builds, by_name
 from ..plans.split_kv import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
 from ..plans.split_kv import COMBINE_DEF, parts_workspace_elems, workspace_elems
 from ..plans.declaration import Declaration
 from ..plans.tree_verify import tensor_core_sanitizer_cases
 from ..plans.kv_dequant import workspace_layout as dequant_layout
-from ..plans.tree_verify_wgmma import WORKSPACE_READERS, parts_for
+from ..plans.tree_verify_wgmma import parts_for
 from ..runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ..types import AttentionOutput
 from .kv_dequant import dequant_step
+from .verify_route import KVW, WS
 from .checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
                      given_outputs, validate_attention_values)
 
 READER = "tensor-core kernel"   # in alignment messages
 Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
-WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
-KVW = WS + 1                    # fp8_path "dequant": the bf16 kv_workspace's
-KV_DEQUANT = "kv_dequant"       # its pre-pass (plans/kv_dequant.py)
+KV_DEQUANT = "kv_dequant"       # the dequantize path's pre-pass (plans/kv_dequant.py)
+# build -> its kernel's split-KV rule as values (KernelDef.split_rule: the table and model choose_splits takes)
+_SPLIT_RULES = {k.name: k.split_rule for k in all_builds() if k.split_rule is not None}
 _INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
 
 
@@ -91,7 +92,7 @@ def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages
     (num_splits: the caller's count, checked)."""
     spec = offer.spec
     consts = offer.constants(name)
-    parts = bool(consts.get("PARTS"))
+    parts = offer.record(name).parts   # the parts grid (plans/tree_verify_wgmma.WgmmaBuild)
     if num_splits is not None:
         return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
     max_keys = nq if tail else max_pages * spec.page_size
@@ -99,7 +100,7 @@ def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages
     if parts:
         return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
-    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
+    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, *_SPLIT_RULES[name](spec, arch))
 
 
 def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
@@ -116,11 +117,11 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    dequant = name in WORKSPACE_READERS
     if offer.device != qn.device:   # (the offer is of q_nope's device; the checks found every array on it)
         raise AssertionError(f"the offer of device {offer.device}, the call's arrays on {qn.device}")
     arch = offer.require(name)
     consts = offer.constants(name)
+    dequant = offer.record(name).reads_workspace   # the dequantize path's build (its typed record: WgmmaBuild)
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in offer.builds:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "

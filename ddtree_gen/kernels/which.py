@@ -1,10 +1,9 @@
 """Which kernel a tree_verify / tree_verify_tail call runs, `which_kernel(kset, B, Nq, max_pages)`, and its schedule,
 `schedule(kset, B, Nq, max_pages)` (ks.tree_verify_schedule): grid, pieces, blocks, combine, workspace.
 
-A view of the launcher's own route (kernels/tree_verify.route, which every call takes; nothing is decided here): the
-implementation (impl="auto": the first of wgmma, mma whose kernels are loaded and run on the device, else the CUDA-core
-kernel), an fp8 spec's path (fp8_default), the build of the tensor-core kernel (its pick rule: the parts grid where it
-applies), and plans/tree_verify_wgmma.schedule_for the wgmma kernels' schedule. Decided from shapes and the device
+A view of the launcher's own route (kernels/verify_route.route, which every call takes; nothing is decided here): an
+fp8 spec's path, the backend, the build of the tensor-core kernel, and that build's record's schedule (a wgmma
+build's). Decided from shapes and the device
 only, like the launch itself, so the answer is the call's (docs/engine.md: tune by it).
 """
 from __future__ import annotations
@@ -12,10 +11,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..plans.split_kv import BM, parts_workspace_elems, workspace_elems as split_workspace_elems
-from ..plans.tree_verify_wgmma import schedule_for
 from ..types import Schedule
 from .tensor_core import pieces
-from .tree_verify import VerifyCall, route
+from .verify_route import VerifyCall, route
 
 
 class TreeVerifyChoice(NamedTuple):
@@ -37,8 +35,8 @@ def which_kernel(kset, b: int, nq: int, max_pages: int, *, device: int = 0, impl
     arrays = (None,) * 9 + (workspace, object() if kv_workspace else None)
     call = VerifyCall(name, arrays, 1.0, None, False, impl, num_splits, fp8_path if name == "tree_verify" else None,
                       build)
-    r = route(kset, call, b, nq, max_pages, device)
-    sched = schedule_for(kset.spec, r.build) if r.impl == "wgmma" else None
+    r = route(kset.offer(device), call, b, nq, max_pages)
+    sched = getattr(r.record, "schedule", None)   # a wgmma build's record: "seesaw" / "lockstep"
     return TreeVerifyChoice(name, r.impl, r.build, sched, r.fp8_path, r.reason)
 
 

@@ -3,7 +3,7 @@ ships). No launcher. A build of it for a spec, a target and a config is a Varian
 
 A kernel ships its default build and, where one build cannot serve every call as fast, further named builds (`Build`:
 a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid), and the rule that picks
-among them for a call (`pick`: by spec, device and shape). Each build is a KernelDef of its own for the layers that
+among them for a call by their typed records (`record`: kernels/verify_route.py). Each build is a KernelDef of its own for the layers that
 build and load (`build_defs`: the kernel's name, then "<kernel>/<build>"); a kernel set holds them all, and the
 launcher asks `pick` which one a call runs (docs/adding-a-kernel.md "A kernel with several builds")."""
 from __future__ import annotations
@@ -47,10 +47,15 @@ class KernelDef:
     # spell(config) -> the parts of a variant's procedural name (plans/variant.Variant.name); None: no knobs
     policy: Callable[[Spec, str], dict] | None = None
     spell: Callable[[dict], tuple] | None = None
-    # the further builds it ships (Build, ...; the default build is this KernelDef's own policy), and the rule that
-    # picks one for a call: pick(spec, **the call's facts) -> a build name ("default" or one of builds')
+    # the typed record of a build (record(config) -> it, checked; e.g. plans/tree_verify_wgmma.WgmmaBuild): what the
+    # route and the launch plan read of a build (build_record); None: the config dict itself
+    record: Callable[[dict], object] | None = None
+    # a tensor-core kernel's split-KV rule as values: split_rule(spec, arch) -> (table, model) for
+    # split_kv.choose_splits (its tuned counts by shape class, its model); None: it does not split
+    split_rule: Callable[[Spec, str], tuple] | None = None
+    # the further builds it ships (Build, ...; the default build is this KernelDef's own policy); the route picks one
+    # for a call by their records (kernels/verify_route.py)
     builds: tuple = ()
-    pick: Callable[..., str] | None = None
     # the build data of one of a kernel's further builds: the kernel's name ("" for the default build itself) and its
     # build's name (build_defs sets both)
     of: str = ""
@@ -65,11 +70,16 @@ class KernelDef:
         """This kernel's builds as KernelDefs, the default first: each further build the kernel's template and plan
         with its own policy, kv_dtypes and template context, named "<kernel>/<build>" (a kernel set's key for it)."""
         return (self, *(replace(self, name=f"{self.name}/{b.name}", policy=b.policy, kv_dtypes=b.kv_dtypes,
-                                context={**self.context, **b.context}, builds=(), pick=None, of=self.name,
+                                context={**self.context, **b.context}, builds=(), of=self.name,
                                 build=b.name) for b in self.builds))
     # (public launcher, impl): the impl= of a public launcher this kernel serves, e.g. ("tree_verify", "mma")
     # (kernels/tree_verify.py sends impl="mma" to the kernel that declares it); None: none
     serves: tuple | None = None
+
+    def build_record(self, spec: Spec, arch: str = PRIMARY):
+        """The typed record of this build for `spec` and `arch` (record of the policy's config)."""
+        config = self.policy(spec, arch) if self.policy is not None else {}
+        return self.record(config) if self.record is not None else config
 
     def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
         """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,
