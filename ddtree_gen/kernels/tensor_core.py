@@ -121,7 +121,8 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
         raise AssertionError(f"the offer of device {offer.device}, the call's arrays on {qn.device}")
     arch = offer.require(name)
     consts = offer.constants(name)
-    dequant = offer.record(name).reads_workspace   # the dequantize path's build (its typed record: WgmmaBuild)
+    record = offer.record(name)   # the build's typed record (plans/tree_verify_wgmma.WgmmaBuild, ...)
+    dequant = record.reads_workspace   # the dequantize path's build
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in offer.builds:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
@@ -173,12 +174,15 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
         tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
-               if consts.get("USE_TMA") else ())
-        blocks = splits * row_tiles if parts else b * splits * row_tiles
-        args = (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
-                np.int32(pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
-                *((spans,) if parts else ()), *tma)
-        steps.append(Step(name, (blocks,), args))
+               if record.tma else ())
+        # the grid (the record's: blocks and its own values), the launch's values by parameter name, bound in the
+        # order the build declares (plans/verify_params.py)
+        blocks, grid_values = record.launch_grid(b, splits, row_tiles, sms)
+        values = {**grid_values, "q_nope": 0, "q_pe": 1, "kv_cache": kv, "block_table": table, "prefix_lens": 4, "q_lens": 5,
+                  "tree_mask": 6, "scale_log2": scale_log2, "v_scale": v_scale, "Nq": nq, "max_pages": max_pages,
+                  "num_pages": pages, "splits": splits, "rows_total": rows_total, "out": 7, "lse": 8,
+                  "part_o": part_o, "part_lse": part_lse, "spans": spans, "kv_map": tma[0] if tma else None}
+        steps.append(Step(name, (blocks,), bind(record.params, values)))
         if need:
             new.append((WS, (need,), "float32"))
         if splits > 1:
@@ -187,6 +191,19 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), scratch=(WS, KVW) if dequant else (WS,),
                     returns=(AttentionOutput, (7, 8)))
+
+
+# C scalar types -> the numpy type a launch passes (pointers: array indexes or (index, byte offset) as given)
+SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32}
+
+
+def bind(plist, values: dict) -> tuple:
+    """A launch's arguments in the order of a build's parameter list (plans/verify_params.Param), each by name from
+    `values` (scalars as their C type's numpy type); a parameter without a value is an error naming it."""
+    missing = [p.name for p in plist if p.name not in values]
+    if missing:
+        raise AssertionError(f"the launch gives no value of kernel parameter(s) {', '.join(missing)}")
+    return tuple(SCALARS[p.ctype](values[p.name]) if p.ctype in SCALARS else values[p.name] for p in plist)
 
 
 def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:

@@ -53,6 +53,9 @@ class KernelDef:
     # a tensor-core kernel's split-KV rule as values: split_rule(spec, arch) -> (table, model) for
     # split_kv.choose_splits (its tuned counts by shape class, its model); None: it does not split
     split_rule: Callable[[Spec, str], tuple] | None = None
+    # its parameter list, declared once: signature(record) -> the signature's text (the template's `params`), e.g.
+    # plans/verify_params.signature; None: the template writes its signature itself
+    signature: Callable[[object], str] | None = None
     # the further builds it ships (Build, ...; the default build is this KernelDef's own policy); the route picks one
     # for a call by their records (kernels/verify_route.py)
     builds: tuple = ()

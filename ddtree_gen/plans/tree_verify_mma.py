@@ -27,6 +27,7 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import SM80_SMEM_PER_BLOCK, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from . import split_kv
+from .verify_params import ATTENTION, signature
 from .kernel_def import KernelDef
 from .split_kv import BM, O_REGS, WARPS, check_spec
 
@@ -166,6 +167,13 @@ class MmaBuild:
     tma = False
     schedule = None
 
+    grid = "chunks"
+    params = ATTENTION        # its kernels' parameter list (plans/verify_params.py)
+
+    def launch_grid(self, b: int, count: int, row_tiles: int, sms: int) -> tuple:
+        """(blocks, no values of its own): a block per (request, chunk, row tile)."""
+        return b * count * row_tiles, {}
+
     @classmethod
     def from_config(cls, config: dict) -> "MmaBuild":
         return cls(**_normalise(config))
@@ -179,11 +187,11 @@ def spell(config) -> tuple:
 KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the configuration per target: config_for)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
               plan=verify_plan, context={"tail": False}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule,
+              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule, signature=signature,
               serves=("tree_verify", "mma")),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
               plan=tail_plan, context={"tail": True}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule,
+              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule, signature=signature,
               serves=("tree_verify_tail", "mma")),
 ]
 

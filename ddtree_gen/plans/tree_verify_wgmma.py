@@ -28,6 +28,7 @@ from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
+from .verify_params import ATTENTION, KV_MAP, SPANS, signature
 from .kernel_def import DEFAULT_BUILD, Build, KernelDef
 from .split_kv import BM, MAX_PARTS, check_spec
 
@@ -189,8 +190,20 @@ class WgmmaBuild:
 
     @property
     def parts(self) -> bool:
-        """The balanced parts grid (the seesaw's): the batch's key tiles cut into parts on the device (parts_for)."""
-        return self.seesaw and self.grid == "parts"
+        """A grid of balanced parts (the seesaw's grids besides "chunks"): the batch's key tiles cut into parts on the
+        device (parts_for counts them), partials in the parts' workspace layout (split_kv.parts_workspace_elems)."""
+        return self.seesaw and self.grid != "chunks"
+
+    @property
+    def params(self) -> tuple:
+        """Its kernel's parameter list (plans/verify_params.py): the attention kernels', then the parts grid's request
+        spans, then a TMA build's tensor map."""
+        return (*ATTENTION, *((SPANS,) if self.parts else ()), *((KV_MAP,) if self.tma else ()))
+
+    def launch_grid(self, b: int, count: int, row_tiles: int, sms: int) -> tuple:
+        """(blocks, the grid's own launch values by parameter name) of a launch of `count` pieces: the parts grid a
+        block per (row tile, part), the chunks grid a block per (request, chunk, row tile)."""
+        return (count * row_tiles if self.parts else b * count * row_tiles), {}
 
     @property
     def reads_workspace(self) -> bool:
@@ -272,7 +285,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
     if build.reads_workspace and (not spec.kv_fp8 or tail):
         raise SpecError(f"{where}: the dequantize path (kv_source 'workspace') is an fp8 spec's full kernel (kv_dtype "
                         f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    if build.grid == "parts" and not seesaw_fits(spec, tail=tail):
+    if build.grid != "chunks" and not seesaw_fits(spec, tail=tail):
         raise SpecError(f"{where}: the parts grid is built for the seesaw (page_size % {BN} == 0, R = 512, P = 64)")
     fp8 = build.reads_fp8(spec)
     if build.seesaw and not seesaw_fits(spec, tail=tail):
@@ -288,7 +301,7 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
     # fp8: the converter warpgroup
     threads = THREADS + 128 if build.seesaw and fp8 else THREADS
     if build.seesaw:
-        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if build.grid == "parts" else 0)
+        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if build.parts else 0)
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if build.tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
@@ -347,10 +360,10 @@ def tail_config(spec, arch: str = "sm_90a") -> dict:
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
               plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
-              record=WgmmaBuild.from_config, split_rule=split_rule, builds=BUILDS, serves=("tree_verify", "wgmma")),
+              record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature, builds=BUILDS, serves=("tree_verify", "wgmma")),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
-              policy=tail_config, spell=spell, record=WgmmaBuild.from_config, split_rule=split_rule,
+              policy=tail_config, spell=spell, record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature,
               serves=("tree_verify_tail", "wgmma")),
 ]
 # the kernel set's keys of the further builds (derived from the declaration: "tree_verify_wgmma/<build>"), for tests,
