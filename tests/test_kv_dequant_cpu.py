@@ -23,7 +23,7 @@ from ddtree_gen.kernels import verify_route
 from ddtree_gen.kernels import tree_verify_wgmma as wg
 from ddtree_gen.plans import by_name
 from ddtree_gen.plans import kv_dequant as kd_plans
-from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_MIN_B, PARTS_MIN_KEYS
+from ddtree_gen.plans.tree_verify_wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
 from ddtree_gen.plans.variant import variant
 from ddtree_gen.spec import find_spec
 from test_fp8_cpu import fp8x4_to_bf16x4
@@ -190,7 +190,7 @@ def test_builds_of_the_dequantize_path():
     assert vp.name == "tree_verify_wgmma.seesaw.tma.grid-parts.s-order-slab.rope-early.workspace"
     cp = vp.plan().template_constants()
     assert cp["PARTS"] == 1 and cp["THREADS"] == 256 and cp["ROPE_EARLY"] == 1 and cp["S_LOADED_ORDER"] == 0
-    twin_parts = variant(by_name("tree_verify_wgmma/parts"), BF16, rope_early=True, s_order="slab")
+    twin_parts = variant(by_name(PARTS_KERNEL), BF16, rope_early=True, s_order="slab")
     mine, theirs = render(vp), render(twin_parts)
     for a, b in normalize:
         mine = mine.replace(a, b)

@@ -132,3 +132,35 @@ def test_variant_set_takes_each_builds_plan(kimi, monkeypatch):
     assert seesaw.constants("tree_verify_wgmma")["SEESAW"] == 1 and seesaw.kernels == ["tree_verify_wgmma"]
     assert vs.plan("tree_verify_wgmma").value(vs.plan("tree_verify_wgmma").dynamic_smem) != \
         seesaw.plan("tree_verify_wgmma").value(seesaw.plan("tree_verify_wgmma").dynamic_smem)
+
+
+def test_a_build_is_a_typed_record(kimi):
+    """tree_verify_wgmma's builds are WgmmaBuild records (issue 44): checked when made (no spec needed), the variant
+    layer's config round-trips through them, the name spells their non-default fields, and what the plan, the route
+    and the launch read are their properties, not tables of build names."""
+    Build = wg_plans.WgmmaBuild
+    for bad, match in (({"grid": "diagonal"}, "grid 'diagonal': one of chunks, parts"),
+                       ({"rescale": "eager"}, "rescale 'eager': one of"), ({"seg_cost": 65}, "seg_cost 65"),
+                       ({"seg_cost": True}, "seg_cost True"), ({"ablate": 4}, "ablate bits 2-4"),
+                       ({"kv_source": "host"}, "kv_source 'host'")):
+        with pytest.raises(SpecError, match=match):
+            Build("seesaw", True, **bad)
+    with pytest.raises(SpecError, match="the seesaw schedule loads its key tiles by TMA"):
+        Build("seesaw", False)
+    with pytest.raises(SpecError, match="no such knob of tree_verify_wgmma"):
+        Build.from_config({"schedule": "seesaw", "tma": True, "warps": 12})
+    # every build a shipped spec gets: its record, its config (the manifest's) and its name
+    for spec in (kimi, find_spec("kimi-k2.6-tp8-fp8"), find_spec("deepseek-v3")):
+        for kdef in (k for k in wg_plans.KERNELS[0].build_defs() + (wg_plans.KERNELS[1],) if k.builds_for(spec)):
+            v = variant(kdef, spec)
+            rec = kdef.build_record(spec)
+            assert Build.from_config(v.config) == rec and rec.config() == v.config
+            assert v.name == ".".join((kdef.kernel, *rec.spell())) and v.plan().build == rec
+            assert rec.parts == (kdef.name in (wg_plans.PARTS_KERNEL, wg_plans.DEQUANT_PARTS))
+            assert rec.reads_workspace == (kdef.name in (wg_plans.DEQUANT, wg_plans.DEQUANT_PARTS))
+            assert v.plan().template_constants()["PARTS"] == int(rec.parts)
+    # the spelling: fields after schedule and TMA, in declaration order, only where not at their defaults
+    rec = Build("seesaw", True, ablate=3, grid="parts", seg_cost=4, rope_early=True, kv_source="workspace")
+    assert rec.spell() == ("seesaw", "tma", "ablate3", "grid-parts", "seg-cost-4", "rope-early", "workspace")
+    assert Build("lockstep", False).spell() == ("lockstep", "cpasync") and not Build("lockstep", False, grid="parts").parts
+    assert wg_plans.KNOBS == {k: v for k, v in Build("seesaw", True).config().items() if k not in ("schedule", "tma")}

@@ -84,21 +84,21 @@ def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int,
     return sa
 
 
-def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
-    """(parts, count) of a call of build `name` of tensor-core `family` ("wgmma", "mma"; the route's choice already)
-    on the offer's device: parts True for a build on the "parts" grid (the knob grid="parts":
-    plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts on the device, one block
-    per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a request. From shapes only
-    (num_splits: the caller's count, checked)."""
+def pieces(offer, name: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
+    """(parts, count) of a call of tensor-core build `name` (the route's choice already) on the offer's device: parts
+    True for a build whose record says it cuts the batch's work into `count` balanced parts on the device (record.parts:
+    plans/tree_verify_wgmma.WgmmaBuild), else `count` chunks a request (choose_splits with the kernel's split rule).
+    From shapes only (num_splits: the caller's count, checked)."""
     spec = offer.spec
     consts = offer.constants(name)
-    parts = offer.record(name).parts   # the parts grid (plans/tree_verify_wgmma.WgmmaBuild)
+    record = offer.record(name)   # the build's typed record (plans/tree_verify_wgmma.WgmmaBuild, ...)
+    parts = record.parts
     if num_splits is not None:
         return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(offer.device) if b else DEFAULT_SMS
     if parts:
-        return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
+        return parts, parts_for(spec, b, nq, max_keys, sms, record.seg_cost)
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, *_SPLIT_RULES[name](spec, arch))
 
@@ -106,8 +106,9 @@ def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages
 def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
                       kv_scale=None) -> Prepared:
     """The checks and launch plan of one call signature (runtime.Prepared) of build `name` of tensor-core `family`
-    (kernels/tree_verify.route's choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...), on
-    what the kernel set offers on the arrays' device (runtime.DeviceOffer)."""
+    (kernels/verify_route.route's choice: tree_verify_wgmma, its parts build, tree_verify_tail_mma, ...), on what the
+    kernel set offers on the arrays' device (runtime.DeviceOffer), read from the build's typed record (offer.record:
+    its grid, workspace source, TMA, parameter list)."""
     spec = offer.spec
     if name not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
         raise ArgumentError(by_name(name).why_not_built(spec))
@@ -129,12 +130,12 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
         offer.require(KV_DEQUANT)
     bn = consts["BN"]
-    parts, splits = pieces(offer, name, family, tail, b, nq, max_pages, num_splits, arch)
+    parts, splits = pieces(offer, name, tail, b, nq, max_pages, num_splits, arch)
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(qn.device) if b else DEFAULT_SMS
-    if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
+    if parts and b * (-(-max_keys // bn) + record.seg_cost) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
     if splits > 1 and COMBINE not in offer.builds:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "

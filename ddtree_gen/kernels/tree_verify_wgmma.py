@@ -2,8 +2,8 @@
 
 The peer of kernels/tree_verify_mma.py: same contract, signature, split-KV policy, workspace and combine kernel, and the
 one route of every tree_verify call (kernels/tree_verify.py: `verify`); plans/tree_verify_wgmma.py has the resource
-plan, the schedules and the kernel's builds (the chunks grid by default, "parts", "dequant", "dequant_parts") with
-the rule that picks one. kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded
+plan, the schedules and the kernel's builds as typed records (WgmmaBuild: the chunks grid by default, "parts",
+"dequant", "dequant_parts"); kernels/verify_route.py picks one per call. kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded
 (impl="auto"), or with impl="wgmma"; kset.tree_verify_wgmma calls them directly (an fp8 spec's cache read by the fused
 kernel unless build= names a dequantize build).
 """
@@ -21,7 +21,7 @@ tree_verify = family_launcher("tree_verify", "wgmma", """Tree attention over the
     tree_verify_mma_combine loaded for split-KV); an fp8 spec's e4m3 cache with its kv_scale (required there, refused
     for bf16). build: one of the kernel's builds by name ("default": the chunks grid, "parts": the balanced parts grid,
     num_splits then the part count; an fp8 spec's "dequant" / "dequant_parts": the dequantize path); None: the
-    kernel's rule (plans.tree_verify_wgmma.pick).""")
+    route's choice by the builds' records (kernels/verify_route.route).""")
 
 tree_verify_tail = family_launcher("tree_verify_tail", "wgmma", """tree_verify_wgmma over the tree tail alone (keys
     prefix_len + j with mask bit j set), for merging with an external prefix kernel through merge_states. Same

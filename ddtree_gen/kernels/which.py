@@ -57,7 +57,7 @@ def schedule(kset, b: int, nq: int, max_pages: int, *, device: int = 0, impl: st
         groups = kset.constants(name, device)["HEAD_GROUPS"]
         return Schedule(r.build, "rows", 1, groups * nq * b, False, 0, r.fp8_path)
     offer = kset.offer(device)
-    parts, count = pieces(offer, r.build, r.impl, name == "tree_verify_tail", b, nq, max_pages, num_splits,
+    parts, count = pieces(offer, r.build, name == "tree_verify_tail", b, nq, max_pages, num_splits,
                           offer.require(r.build))
     row_tiles = -(-nq * spec.num_heads // BM)
     blocks = r.record.launch_grid(b, count, row_tiles, sm_count(device) if b else DEFAULT_SMS)[0] if b else 0

@@ -2,10 +2,11 @@
 ships). No launcher. A build of it for a spec, a target and a config is a Variant (plans/variant.py).
 
 A kernel ships its default build and, where one build cannot serve every call as fast, further named builds (`Build`:
-a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid), and the rule that picks
-among them for a call by their typed records (`record`: kernels/verify_route.py). Each build is a KernelDef of its own for the layers that
-build and load (`build_defs`: the kernel's name, then "<kernel>/<build>"); a kernel set holds them all, and the
-launcher asks `pick` which one a call runs (docs/adding-a-kernel.md "A kernel with several builds")."""
+a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid). A build's config is a typed
+record (`record`, e.g. plans/tree_verify_wgmma.WgmmaBuild) that the plan, the route and the launch plan read. Each
+build is a KernelDef of its own for the layers that build and load (`build_defs`: the kernel's name, then
+"<kernel>/<build>"); a kernel set holds them all, and tree_verify's route (kernels/verify_route.py) chooses one per call
+by their records (docs/adding-a-kernel.md "A kernel with several builds")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

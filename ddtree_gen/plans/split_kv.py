@@ -27,7 +27,6 @@ from typing import Callable
 
 import sympy
 
-from ..archs import PRIMARY
 from ..errors import SpecError
 from ..resources import SM90_MAX_REGS_PER_THREAD, R, Plan, evaluate
 from .kernel_def import KernelDef

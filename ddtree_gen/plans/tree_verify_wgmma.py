@@ -19,7 +19,6 @@ the schedule, whether key tiles come by TMA (`tma`) and the measurement knobs (K
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields, replace
 
 import sympy
@@ -29,7 +28,7 @@ from ..errors import SpecError
 from ..resources import P, R, Plan
 from . import split_kv
 from .verify_params import ATTENTION, KV_MAP, SPANS, signature
-from .kernel_def import DEFAULT_BUILD, Build, KernelDef
+from .kernel_def import Build, KernelDef
 from .split_kv import BM, MAX_PARTS, check_spec
 
 BN = 64
