@@ -62,6 +62,7 @@ class KernelSet:
             modules[kdef.name] = per_arch
         self._modules = DeviceModules(modules, forced=arch)
         self._spec_builds = _spec_builds(spec)
+        self._declared = _declared_records(spec)
         # a build the spec does not get (an mma.sync one for an fp8 spec): why, once (no build on any device)
         self._not_built = {n: k.why_not_built(spec) for n, k in self._defs.items() if n not in self._spec_builds}
         self.prepared_calls: dict = {}   # call signature -> runtime.Prepared (see runtime.run_call)
@@ -129,7 +130,7 @@ class KernelSet:
         """What this set offers on `device` (None: not known), as data (runtime.DeviceOffer): the one question
         tree_verify's route asks of it."""
         return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds},
-                      {n: self.plan(n, device).build for n in self.builds})
+                      {n: self.plan(n, device).build for n in self.builds}, self._declared)
 
     def plan(self, name, device: int | None = None):
         """The resource plan of `name`'s build for `device` (None: its first target here)."""
@@ -175,12 +176,13 @@ class StandInKernelSet:
         if unknown:
             raise ArgumentError(f"kernels: unknown kernel {unknown[0]!r}")
         self._spec_builds = _spec_builds(spec)
+        self._declared = _declared_records(spec)
         self.prepared_calls: dict = {}
         self.launches: list = []
 
     def offer(self, device: int | None) -> DeviceOffer:
         return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds},
-                      {n: by_name(n).plan_for(self.spec).build for n in self.builds})
+                      {n: by_name(n).plan_for(self.spec).build for n in self.builds}, self._declared)
 
     @property
     def kernels(self) -> list[str]:
@@ -223,7 +225,13 @@ def _spec_builds(spec) -> frozenset:
     return frozenset(k.name for k in all_builds() if k.builds_for(spec))
 
 
-def _offer(kset, device, spec_builds: frozenset, consts: dict, records: dict) -> DeviceOffer:
+@functools.lru_cache(maxsize=None)
+def _declared_records(spec) -> dict:
+    """Every build the spec gets -> its typed record as declared (its policy's: KernelDef.build_record)."""
+    return {k.name: k.build_record(spec) for k in all_builds() if k.builds_for(spec)}
+
+
+def _offer(kset, device, spec_builds: frozenset, consts: dict, records: dict, declared: dict) -> DeviceOffer:
     """kset's DeviceOffer on `device`: for each build it was loaded with, its target there or why it has none."""
     targets, why = {}, {}
     for name in kset.requested:
@@ -233,7 +241,7 @@ def _offer(kset, device, spec_builds: frozenset, consts: dict, records: dict) ->
         else:
             why[name] = reason
     return DeviceOffer(kset.spec, device, frozenset(kset.builds), frozenset(kset.requested), spec_builds, targets,
-                       why, consts, records)
+                       why, consts, records, declared)
 
 
 @functools.lru_cache(maxsize=None)

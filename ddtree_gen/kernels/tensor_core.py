@@ -179,8 +179,8 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
         # the grid (the record's: blocks and its own values), the launch's values by parameter name, bound in the
         # order the build declares (plans/verify_params.py)
         blocks, grid_values = record.launch_grid(b, splits, row_tiles, sms)
-        values = {**grid_values, "q_nope": 0, "q_pe": 1, "kv_cache": kv, "block_table": table, "prefix_lens": 4, "q_lens": 5,
-                  "tree_mask": 6, "scale_log2": scale_log2, "v_scale": v_scale, "Nq": nq, "max_pages": max_pages,
+        values = {**grid_values, "q_nope": 0, "q_pe": 1, "kv_cache": kv, "block_table": table, "prefix_lens": 4,
+                  "q_lens": 5, "tree_mask": 6, "scale_log2": scale_log2, "v_scale": v_scale, "Nq": nq, "max_pages": max_pages,
                   "num_pages": pages, "splits": splits, "rows_total": rows_total, "out": 7, "lse": 8,
                   "part_o": part_o, "part_lse": part_lse, "spans": spans, "kv_map": tma[0] if tma else None}
         steps.append(Step(name, (blocks,), bind(record.params, values)))

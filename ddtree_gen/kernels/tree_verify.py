@@ -39,8 +39,8 @@ from ..plans.tree_verify import MERGE_WARPS
 from ..runtime import Prepared, Step, run_call
 from ..types import AttentionOutput
 from .tensor_core import prepare_attention
-from .verify_route import (FP8_PATHS, VerifyCall, IMPLS, KV_WORKSPACE_LIMIT, auto_impl, dequant_kernels, fp8_default, route,
-                           why_not)
+from .verify_route import (FP8_PATHS, IMPLS, KV_WORKSPACE_LIMIT, VerifyCall, auto_impl, dequant_kernels, fp8_default,
+                           route, why_not)
 from .checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
                      validate_attention_values)
 

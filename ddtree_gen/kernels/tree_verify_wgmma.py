@@ -1,11 +1,11 @@
 """Launchers of tree_verify on Hopper's warpgroup tensor cores: tree_verify_wgmma and _tail_wgmma.
 
 The peer of kernels/tree_verify_mma.py: same contract, signature, split-KV policy, workspace and combine kernel, and the
-one route of every tree_verify call (kernels/tree_verify.py: `verify`); plans/tree_verify_wgmma.py has the resource
-plan, the schedules and the kernel's builds as typed records (WgmmaBuild: the chunks grid by default, "parts",
-"dequant", "dequant_parts"); kernels/verify_route.py picks one per call. kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded
-(impl="auto"), or with impl="wgmma"; kset.tree_verify_wgmma calls them directly (an fp8 spec's cache read by the fused
-kernel unless build= names a dequantize build).
+one route of every tree_verify call (kernels/verify_route.py); plans/tree_verify_wgmma.py has the resource plan, the
+schedules and the kernel's builds as typed records (WgmmaBuild: the chunks grid by default, "parts", "dequant",
+"dequant_parts"). kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded (impl="auto"), or
+with impl="wgmma"; kset.tree_verify_wgmma calls them directly (an fp8 spec's cache read by the fused kernel unless
+build= names a dequantize build).
 """
 from __future__ import annotations
 

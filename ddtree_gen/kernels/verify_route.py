@@ -93,8 +93,7 @@ _BUILDS = {k.name: tuple(builds_of(k.name)) for k in all_kernels() if k.serves}
 def dequant_build(offer) -> str:
     """The wgmma kernel's build of the dequantize path for the offer's spec (on the chunks grid): its key."""
     return next(d.name for d in _BUILDS[_SERVED_BY[("tree_verify", "wgmma")]]
-                if offer.spec.kv_dtype in d.kv_dtypes and _record(offer, d).reads_workspace
-                and not _record(offer, d).parts)
+                if _reads_workspace(offer, d) and not _declared(offer, d).parts)
 
 
 def dequant_kernels(kset) -> tuple:
@@ -103,10 +102,15 @@ def dequant_kernels(kset) -> tuple:
     return (KV_DEQUANT, dequant_build(kset.offer(None)), COMBINE)
 
 
-def _record(offer, kdef):
-    """The typed record of build `kdef`: as loaded (DeviceOffer.records), else as declared for the spec (its policy's)."""
-    rec = offer.records.get(kdef.name)
-    return rec if rec is not None else kdef.build_record(offer.spec)
+def _declared(offer, kdef):
+    """The typed record of build `kdef` as declared for the spec (its policy's: what the route chooses by; a variant
+    set's knobs are the launch's, DeviceOffer.record); None where the spec does not get it."""
+    return offer.declared.get(kdef.name)
+
+
+def _reads_workspace(offer, kdef) -> bool:
+    """Whether build `kdef` is the dequantize path's (its record reads kv_dequant's workspace)."""
+    return bool(getattr(_declared(offer, kdef), "reads_workspace", False))
 
 
 def _runs(offer, build: str) -> bool:
@@ -231,8 +235,7 @@ def route(offer, call: VerifyCall, b: int, nq: int, max_pages: int) -> Route:
     path, reason = _fp8_asked(offer, call), ""
     if path == "auto" and call.direct:   # a family's own launcher: fused unless its build reads the workspace
         named = [d for d in _BUILDS[_SERVED_BY[(call.name, call.impl)]] if d.build == call.build]
-        path = "dequant" if named and spec.kv_dtype in named[0].kv_dtypes and _record(offer, named[0]).reads_workspace \
-            else "fused"
+        path = "dequant" if named and _reads_workspace(offer, named[0]) else "fused"
     elif path == "auto":
         path, reason = _fp8_rule(offer, call.impl, b, max_pages, call.kv_workspace is not None, call.name)
         if path != "dequant" and call.kv_workspace is not None:
@@ -264,18 +267,18 @@ def route(offer, call: VerifyCall, b: int, nq: int, max_pages: int) -> Route:
         kdef = named[0]
         if kdef.name not in offer.spec_builds:
             raise ArgumentError(f"build: {kdef.why_not_built(spec)}")
-        if _record(offer, kdef).reads_workspace != dequant:
+        if _reads_workspace(offer, kdef) != dequant:
             raise ArgumentError(f"build: {call.build!r} " + ("is the dequantize path's: pass fp8_path='dequant'"
                                                               if not dequant else
                                                               "reads the spec's cache, not the dequantize path's "
                                                               "workspace (fp8_path='dequant')"))
         if kdef.name not in offer.builds and kdef.name not in offer.requested:
             raise ArgumentError(f"build: {kdef.name} is not loaded in this kernel set of spec {spec.name!r}")
-        return Route(kind, kernel, kdef.name, path, reason, _record(offer, kdef))
+        return Route(kind, kernel, kdef.name, path, reason, offer.record(kdef.name))
     # the builds of this path (the spec's cache, or the dequantize path's workspace): its default grid, the first
     # declared (the kernel's own default first), and its parts-grid build where one runs and the parts rule says so
-    ours = [(d, _record(offer, d)) for d in defs
-            if d.name in offer.spec_builds and _record(offer, d).reads_workspace == dequant]
+    ours = [(d, _declared(offer, d)) for d in defs
+            if d.name in offer.spec_builds and _reads_workspace(offer, d) == dequant]
     if not ours:   # the kernel is not built for the spec: the launch plan says why
         return Route(kind, kernel, kernel, path, reason, None)
     base = next((d, r) for d, r in ours if not r.parts)
@@ -289,7 +292,7 @@ def route(offer, call: VerifyCall, b: int, nq: int, max_pages: int) -> Route:
         count = parts_for(spec, b, nq, max_keys, sms, parts[0][1].seg_cost)
         if have is None or have >= parts_workspace_elems(spec, b, nq, count):
             base = parts[0]
-    return Route(kind, kernel, base[0].name, path, reason, base[1])
+    return Route(kind, kernel, base[0].name, path, reason, offer.record(base[0].name))
 
 
 # ------------------------------------------------------------------------- views of the route

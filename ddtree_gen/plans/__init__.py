@@ -2,8 +2,8 @@
 
 Each family module defines the resource plans (sympy formulas of the spec, see resources.py), the KernelDefs
 of its kernels, and the inputs of their sanitizer cases and bundles (`sanitizer_cases`, `bundle_inputs`). A
-family is listed in FAMILIES, in build order (docs/adding-a-kernel.md). The kernels' declarations (declaration.py: launcher, reference, torch ops, ...) are
-made next to their launchers, in ddtree_gen/kernels/, and collected by ddtree_gen.registry. The build layer
+family is listed in FAMILIES, in build order (docs/adding-a-kernel.md). The kernels' declarations (declaration.py:
+launcher, reference, torch ops, ...) are made next to their launchers, in ddtree_gen/kernels/, and collected by ddtree_gen.registry. The build layer
 (render, compile, artifacts) and the runtime read this package; nothing here imports a launcher
 (ddtree_gen.kernels) or the runtime.
 """

@@ -291,7 +291,8 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
         raise SpecError(f"{where}: schedule {build.schedule!r} is not one it can take (seesaw needs page_size % {BN} "
                         f"== 0, R = 512, P = 64, the full kernel)")
     if not fp8 and (build.convert_sync != KNOBS["convert_sync"] or int(build.ablate) & 28):
-        raise SpecError(f"{where} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's converter's")
+        raise SpecError(f"{where} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
+                        f"converter's")
     if build.tma and not (uses_tma(spec, tail=tail) and (build.seesaw or not fp8)):
         raise SpecError(f"{where}: TMA key tiles need the full kernel, page_size % {BN} == 0 and (lockstep schedule) a "
                         f"bf16 cache")
@@ -359,11 +360,12 @@ def tail_config(spec, arch: str = "sm_90a") -> dict:
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
               plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
-              record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature, builds=BUILDS, serves=("tree_verify", "wgmma")),
+              record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature, builds=BUILDS,
+              serves=("tree_verify", "wgmma")),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
-              policy=tail_config, spell=spell, record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature,
-              serves=("tree_verify_tail", "wgmma")),
+              policy=tail_config, spell=spell, record=WgmmaBuild.from_config, split_rule=split_rule,
+              signature=signature, serves=("tree_verify_tail", "wgmma")),
 ]
 # the kernel set's keys of the further builds (derived from the declaration: "tree_verify_wgmma/<build>"), for tests,
 # benches and scripts that name one; the package itself reads the records
