@@ -748,7 +748,7 @@ def test_fp8_matches_bf16_twin(spec, impl):
         import cupy
         from ddtree_gen.kernels.tree_verify import fp8_default
         from ddtree_gen.plans.tree_verify_wgmma import DEQUANT
-        DEQUANT_KERNELS = ["kv_dequant", DEQUANT, "tree_verify_mma_combine"]   # the dequantize path's
+        DEQUANT_KERNELS = ("kv_dequant", DEQUANT, "tree_verify_mma_combine")   # the dequantize path's
         ks_default = ddtree_gen.load(spec, kernels=list(dict.fromkeys(impl.kernels + DEQUANT_KERNELS)))
         skip_unless_runs(ks_default, *DEQUANT_KERNELS)
         path, why = fp8_default(ks_default, "auto", cupy.cuda.Device().id, *inp.block_table.shape)
