@@ -404,7 +404,7 @@ def test_dequant_path_allocates_its_workspace(fake_device):
     a = verify_args(FP8, Arrays())
     arrays = (*(a[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")),
               None, None, None, None)   # out, lse, workspace, kv_workspace: new (allocated before the launches)
-    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, "wgmma", False, arrays,
+    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, False, arrays,
                              a["softmax_scale"], False, 1, KV_SCALE)
     assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
     assert (tensor_core_kvw(), (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new

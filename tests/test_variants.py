@@ -165,3 +165,31 @@ def test_a_build_is_a_typed_record(kimi):
     assert Build("lockstep", False).spell() == ("lockstep", "cpasync")
     assert not Build("lockstep", False, grid="parts").parts   # the parts grids are the seesaw's
     assert wg_plans.KNOBS == {k: v for k, v in Build("seesaw", True).config().items() if k not in ("schedule", "tma")}
+
+
+def test_a_kernel_parameter_list_is_declared_once(kimi):
+    """The tensor-core kernels' parameters are declared once (plans/verify_params.py, a record's `params`): the rendered
+    signature is that list in that order, and the launch binds its values by name (kernels/tensor_core.bind: scalars
+    as their C type's numpy type, a missing value named)."""
+    import numpy as np
+
+    from ddtree_gen.kernels.tensor_core import bind
+    from ddtree_gen.plans import all_builds
+    from ddtree_gen.plans.verify_params import ATTENTION, KV_MAP, SPANS
+    from ddtree_gen.plans.verify_params import render as render_params
+    for spec in (kimi, find_spec("kimi-k2.6-tp8-fp8"), find_spec("deepseek-v3")):
+        for kdef in (k for k in all_builds() if k.signature is not None and k.builds_for(spec)):
+            rec = kdef.build_record(spec)
+            src = render(variant(kdef, spec))
+            assert f"{kdef.entry}({render_params(rec.params)}\n{{" in src, kdef.name
+            names = [p.name for p in rec.params]
+            assert len(set(names)) == len(names) and rec.params[:len(ATTENTION)] == ATTENTION
+            assert (SPANS in rec.params) == rec.parts and (KV_MAP in rec.params) == bool(rec.tma)
+    parts = by_name(wg_plans.PARTS_KERNEL).build_record(kimi)
+    values = {p.name: i for i, p in enumerate(parts.params)}
+    args = bind(parts.params, {**values, "unused": -1})
+    assert [type(a) for a in args[7:14]] == [np.float32, np.float32] + [np.int32] * 4 + [np.int64]
+    assert [int(a) for a in args] == list(range(len(parts.params)))
+    del values["spans"]
+    with pytest.raises(AssertionError, match="no value of kernel parameter\\(s\\) spans"):
+        bind(parts.params, values)

@@ -103,9 +103,9 @@ def pieces(offer, name: str, tail: bool, b: int, nq: int, max_pages: int, num_sp
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, *_SPLIT_RULES[name](spec, arch))
 
 
-def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
+def prepare_attention(offer, name, tail, arrays, softmax_scale, validate, num_splits,
                       kv_scale=None) -> Prepared:
-    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` of tensor-core `family`
+    """The checks and launch plan of one call signature (runtime.Prepared) of tensor-core build `name`
     (kernels/verify_route.route's choice: tree_verify_wgmma, its parts build, tree_verify_tail_mma, ...), on what the
     kernel set offers on the arrays' device (runtime.DeviceOffer), read from the build's typed record (offer.record:
     its grid, workspace source, TMA, parameter list)."""

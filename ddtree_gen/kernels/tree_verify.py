@@ -60,7 +60,7 @@ def prepare(kset, call: VerifyCall) -> Prepared:
     r = route(offer, call, b, nq, table[0][1] if known else 0)
     if r.impl == "simple":
         return _prepare_simple(offer, call)
-    return prepare_attention(offer, r.build, r.impl, call.tail, call.arrays, call.softmax_scale, call.validate,
+    return prepare_attention(offer, r.build, call.tail, call.arrays, call.softmax_scale, call.validate,
                              call.num_splits, call.kv_scale)
 
 
