@@ -7,7 +7,7 @@
   L4 / L40S / RTX 40xx (8.9), Hopper (9.0, when forced), B200 / B300 (10.x), RTX 50xx (12.x).
 
 Which targets a spec is built for is its `archs` field (ddtree_gen/spec.py); which targets a
-kernel can be built for is its KernelDef's `archs` (ddtree_gen/plans/). A kernel set picks, per
+kernel can be built for is its KernelDef's `archs` (ddtree_gen/ops/). A kernel set picks, per
 kernel and device, with select(): the sm_90a cubin on compute capability 9.0, the sm_80 PTX on
 any other of 8.0 or later. DDTREE_GEN_ARCH=sm_80 (or ddtree_gen.load(spec, arch="sm_80")) forces
 one target everywhere, for testing the PTX path on a Hopper GPU.

@@ -2,7 +2,7 @@
 
 (The numpy references themselves are ddtree_gen.reference; this module writes and checks what they give. Each
 kernel's cases, their inputs and how the reference runs on them are its declaration's Bundles: `bundle_inputs` and
-any `bundle_run` of its plan module, plans/<family>.py.)
+any `bundle_run` of its plan module, ops/<op>/plan.py.)
 
 `ddtree-gen refs` rewrites refs/<spec>/<kernel>-<case>.kdtr from the numpy references;
 `ddtree-gen refs --check` recomputes every bundle's outputs from its stored inputs and

@@ -12,7 +12,7 @@ where a caller wants device arrays (upload: CuPy, optionally misaligned). Pieces
 * trees: tree_masks (the ancestor masks of chain / star / binary / random trees, optionally with junk bits
   at and past q_len), accept_tree (a tree whose accepted path is known) and reference_tree (the numpy
   reference's tree of a random top-k table);
-* the pieces the kernels' sanitizer cases and bundles (plans/<family>.py) share are among these;
+* the pieces the kernels' sanitizer cases and bundles (ops/<op>/plan.py) share are among these;
 * per kernel: tree_verify (VerifyInputs: host arrays, .device() uploads), tree_build_inputs, accept_tree, and
   verify_inputs (the benches' large batches: the structure from here, the values drawn on the GPU) and
   chain_verify_inputs (the tuning scripts' timing batches: chain trees, drawn on the GPU).

@@ -1,9 +1,9 @@
 """KernelSet: a spec's compiled kernels with their launchers as methods, and load().
 
-The top of the import graph: it joins the build layer (artifacts), the runtime and the launchers (kernels/: each
+The top of the import graph: it joins the build layer (artifacts), the runtime and the launchers (ops/<op>/launch.py: each
 imported by name, the method of its kernel: Launchers). One KernelSet serves every GPU of the process and every
 thread: modules are loaded per device on first use, and launches go to the current stream of the inputs' device.
-StandInKernelSet is the same interface without a GPU (what the launchers ask of a kernel set: kernels.KernelSetLike),
+StandInKernelSet is the same interface without a GPU (what the launchers ask of a kernel set: launch.protocol.KernelSetLike),
 for CPU tests and host-side profiling.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class KernelSet(Launchers):
     """The compiled kernels of one spec. Each kernel's launcher is a method: kset.tree_build(...) (one per
     declared kernel, with the launcher's signature and docstring: help(kset.tree_verify)); the launch of a
     kernel this set was not loaded with raises ArgumentError (no build of it for the device). A kernel may ship
-    several builds (plans/kernel_def.Build: tree_verify_wgmma's "parts", "dequant", ...): the set holds each, under
+    several builds (build/kernel_def.Build: tree_verify_wgmma's "parts", "dequant", ...): the set holds each, under
     its key ("<kernel>/<build>"; the default build under the kernel's name), and the launcher picks one per call."""
 
     def __init__(self, spec, built: dict, kdefs: list[KernelDef] | None = None, arch: str | None = None):
@@ -94,6 +94,7 @@ class KernelSet(Launchers):
             modules[kdef.name] = per_arch
         self._modules = DeviceModules(modules, forced=arch)
         self._spec_builds = _spec_builds(spec)
+        self._declared = _declared_records(spec)
         # a build the spec does not get (an mma.sync one for an fp8 spec): why, once (no build on any device)
         self._not_built = {n: k.why_not_built(spec) for n, k in self._defs.items() if n not in self._spec_builds}
         self.prepared_calls: dict = {}   # call signature -> runtime.Prepared (see runtime.run_call)
@@ -160,7 +161,8 @@ class KernelSet(Launchers):
     def offer(self, device: int | None) -> DeviceOffer:
         """What this set offers on `device` (None: not known), as data (runtime.DeviceOffer): the one question
         tree_verify's route asks of it."""
-        return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds})
+        return _offer(self, device, self._spec_builds, {n: self.constants(n, device) for n in self.builds},
+                      {n: self.plan(n, device).build for n in self.builds}, self._declared)
 
     def plan(self, name, device: int | None = None):
         """The resource plan of `name`'s build for `device` (None: its first target here)."""
@@ -188,7 +190,7 @@ class KernelSet(Launchers):
 
 
 class StandInKernelSet(Launchers):
-    """A kernel set without a GPU (kernels.KernelSetLike): the spec's plans and constants (of each kernel's
+    """A kernel set without a GPU (launch.protocol.KernelSetLike): the spec's plans and constants (of each kernel's
     sm_90a build, as KernelSet.plan without a device), every kernel of `kernels` (default: every kernel the
     spec gets) running there as its first target, and a launch that records what it was given in
     `launches` (name, grid, args) instead of launching. The launchers' checks and their per-signature cache
@@ -206,11 +208,13 @@ class StandInKernelSet(Launchers):
         if unknown:
             raise ArgumentError(f"kernels: unknown kernel {unknown[0]!r}")
         self._spec_builds = _spec_builds(spec)
+        self._declared = _declared_records(spec)
         self.prepared_calls: dict = {}
         self.launches: list = []
 
     def offer(self, device: int | None) -> DeviceOffer:
-        return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds})
+        return _offer(self, device, self._spec_builds, {n: _stand_in_constants(n, self.spec) for n in self.builds},
+                      {n: by_name(n).plan_for(self.spec).build for n in self.builds}, self._declared)
 
     @property
     def kernels(self) -> list[str]:
@@ -253,7 +257,13 @@ def _spec_builds(spec) -> frozenset:
     return frozenset(k.name for k in all_builds() if k.builds_for(spec))
 
 
-def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
+@functools.lru_cache(maxsize=None)
+def _declared_records(spec) -> dict:
+    """Every build the spec gets -> its typed record as declared (its policy's: KernelDef.build_record)."""
+    return {k.name: k.build_record(spec) for k in all_builds() if k.builds_for(spec)}
+
+
+def _offer(kset, device, spec_builds: frozenset, consts: dict, records: dict, declared: dict) -> DeviceOffer:
     """kset's DeviceOffer on `device`: for each build it was loaded with, its target there or why it has none."""
     targets, why = {}, {}
     for name in kset.requested:
@@ -263,7 +273,7 @@ def _offer(kset, device, spec_builds: frozenset, consts: dict) -> DeviceOffer:
         else:
             why[name] = reason
     return DeviceOffer(kset.spec, device, frozenset(kset.builds), frozenset(kset.requested), spec_builds, targets,
-                       why, consts)
+                       why, consts, records, declared)
 
 
 @functools.lru_cache(maxsize=None)

@@ -85,7 +85,7 @@ def _first_parameter(fn) -> str | None:
 
 def problems() -> list[str]:
     """What is wrong with the declarations: a facet neither declared nor explained or not the object it stands for
-    (Declaration.problems), a kernel of plans/ with no declaration or with two, a declaration of a build that is not
+    (Declaration.problems), a kernel of ops/ with no declaration or with two, a declaration of a build that is not
     ops/' KernelDef of its name, a launcher or torch op implementation that does not take the kernel set first, a
     torch op's name twice."""
     decls = declarations()

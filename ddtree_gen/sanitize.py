@@ -25,7 +25,7 @@ one; draft_topk with bf16 and float32 rows of one and several chunks, a vocabula
 ties that overflow its candidates, NaN / -inf / +inf rows and k = V. An fp8 spec (kv_dtype "fp8_e4m3") runs the same cases on e4m3 caches (finite bytes) with a
 kv_scale; its mma.sync kernels are not built and are skipped with that reason. CuPy's memory pool is turned
 off so that every array is its own allocation and memcheck sees every overrun. Each kernel's cases are
-those its declaration holds (Declaration.sanitize: `sanitizer_cases` of its plan module, plans/<family>.py); a
+those its declaration holds (Declaration.sanitize: `sanitizer_cases` of its plan module, ops/<op>/plan.py); a
 kernel without cases (the split-KV combine, launched by the tensor-core kernels' cases) is skipped with its
 declaration's reason. The worker exits 1 if any case raised.
 """

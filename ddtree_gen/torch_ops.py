@@ -23,7 +23,7 @@ tensor subclass (_direct_entry; docs/engine.md):
     out, lse = ops.tree_verify("kimi-k2.6-tp8", q_nope, q_pe, kv_cache, block_table, prefix_lens, q_lens, tree[6],
                                softmax_scale)
 
-The ops are those of the kernels' declarations (kernels/<family>.py: Declaration.torch_ops, a schema and a fake
+The ops are those of the kernels' declarations (ops/<op>/launch.py: Declaration.torch_ops, a schema and a fake
 each, the fake and any implementation of its own next to the launcher); an implementation takes the kernel set of
 the op's spec first, and an op without one calls the kernel's launcher with its arguments positionally. The first
 argument names the spec (as ddtree_gen.load takes it). Each op returns the fields of the

@@ -3,7 +3,7 @@
 end to end with each of them, in one process on the same inputs (docs/perf/journal-fp8.md "The pre-pass at the copy rate").
 
 Per shape (B, H, L; Nq = 65, the shapes of `ddtree-gen bench kv-dtype`), on the fp8 spec of that H:
-* kv_dequant alone, per build option (plans/kv_dequant.CANDIDATES by default: the default build first): CUDA-graph
+* kv_dequant alone, per build option (ops/kv_dequant/plan.CANDIDATES by default: the default build first): CUDA-graph
   replay median per call, its rate (bytes read + written: 3 per e4m3 byte of the converted pages), % of torch's rate
   on the same bytes; its workspace pages and block table must be bit-identical to the default build's (every byte of
   both outputs, poisoned alike before the run).
@@ -34,7 +34,7 @@ POISON_KV, POISON_TABLE = 0xABCD, 0x5EEDBEEF
 
 def parse_knobs(text: str) -> dict:
     """"parts=1,store=pair" -> the knobs of a kv_dequant build ("default": none), each checked against
-    plans/kv_dequant.KNOBS and the build's plan (a retired knob: the plan's message, where its figures are; argparse
+    ops/kv_dequant/plan.KNOBS and the build's plan (a retired knob: the plan's message, where its figures are; argparse
     type)."""
     from ddtree_gen.errors import BuildError, SpecError
     from ddtree_gen.ops.kv_dequant.plan import KNOBS, RETIRED, plan
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: " + " ".join(f"{b},{h},{l}" for b, h, l in SHAPES))
     ap.add_argument("--options", nargs="+", type=parse_knobs, metavar="KNOB=VALUE,...",
                     help="kv_dequant builds to compare ('default' or knobs off it, e.g. parts=1,store=pair: the "
-                         "first kernel); default: plans/kv_dequant.CANDIDATES. The default build is always compared "
+                         "first kernel); default: ops/kv_dequant/plan.CANDIDATES. The default build is always compared "
                          "first")
     ap.add_argument("--no-e2e", action="store_true", help="kv_dequant and the torch references only (no tree_verify)")
     ap.add_argument("--out", help="also write the table to DIR/compare_dequant.txt")

@@ -7,7 +7,7 @@ seesaw's output is from the lockstep one's and from the split path's (relative, 
 --ablate adds seesaw builds with the S products, the P.V products or both left out (results wrong on purpose);
 --parts the seesaw on the chunks grid and on the balanced "parts" grid, each by name ("seesaw" is the default kernel
 set: where tree_verify_wgmma's parts build ships, B >= 8 runs it), --l2-hint with L2 evict-first key loads; --p-store the seesaw with
-its P tiles stored by stmatrix (the default: 32-bit stores); --rescale the seesaw's other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": plans/tree_verify_wgmma.RESCALES).
+its P tiles stored by stmatrix (the default: 32-bit stores); --rescale the seesaw's other rescale modes ("exact": the first seesaw, "skip"; the default build is "lazy": ops/tree_verify/wgmma.RESCALES).
 When: on a GPU after a change to templates/tree_verify_seesaw.cu.j2 (docs/perf/journal-tree-verify.md, "The seesaw schedule on TMA tiles").
 Run: PYTHONPATH=.:.peers/flashmla_pkg python scripts/compare_schedules.py [--ablate] [--shapes B,H,L ...]
 """
@@ -58,7 +58,7 @@ def main() -> None:
     rows = []
     for b, h, L in shapes:
         spec = find_spec(SPEC_BY_HEADS[h])
-        assert schedule_for(spec, "tree_verify_wgmma") == "seesaw", f"{spec.name}: the build is not the seesaw"
+        assert schedule_for(spec) == "seesaw", f"{spec.name}: the build is not the seesaw"
         sets = {"seesaw": load(spec)}
         call_kw = {}   # name -> extra arguments of its calls
 

@@ -3,8 +3,8 @@
 default call (tree_verify, impl auto: the parts grid at B >= PARTS_MIN_B where it ships), the chunks grid with one
 chunk and with the launcher's split count, and the parts grid with given part counts; CUDA-graph medians in one
 process, every result checked against the default's (worst row of ||out - ref|| / ||ref||).
-When: on a GPU after a change to the split or parts policy (plans/split_kv.choose_splits,
-plans/tree_verify_wgmma.parts_for; docs/perf/journal-tree-verify.md "Short contexts").
+When: on a GPU after a change to the split or parts policy (ops/tree_verify/split.choose_splits,
+ops/tree_verify/wgmma.parts_for; docs/perf/journal-tree-verify.md "Short contexts").
 Run: PYTHONPATH=. python scripts/compare_short_contexts.py [--spec kimi-k2.6-tp8] [--shapes B,L ...] [--parts 1 2 4]
 """
 from __future__ import annotations

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """draft_topk's schedules side by side, in one process on the same logits: "chunks" (one block per chunk) and "rows"
 (one block per row, its warps streaming with a shared threshold, where the rows fill the GPU; else its copy of the
-chunks schedule; plans/draft_topk.SCHEDULES). Per shape: the ids of all compared bit for bit, the log-probs of the
+chunks schedule; ops/draft_topk/plan.SCHEDULES). Per shape: the ids of all compared bit for bit, the log-probs of the
 rows columns within 2e-5 + 2^-21 |x| of chunks' (their sums add in another order), and rows of each against
 reference.draft_topk (ids exact, log-probs within 1e-5 + 2^-22 |ref|), then CUDA-graph replay medians of both and
 % of the floor: the logits read once at the device-to-device copy rate measured in the same run.
 When: on a GPU after a change to templates/draft_topk.cu.j2 (docs/perf/journal-kernels.md, "draft_topk (issue 23 part 1)").
---rows-per-sm N ...: the rows build again with kernels/draft_topk.ROWS_PER_SM = N and ROWS_MIN_CHUNKS = 0 (it streams a
+--rows-per-sm N ...: the rows build again with ops/draft_topk/launch.ROWS_PER_SM = N and ROWS_MIN_CHUNKS = 0 (it streams a
 row per block where the rows are at least N x SMs, whatever V, else runs the chunks schedule; 0: streaming on every
 shape), one column each.
 --knobs NAME:KNOB=VALUE,... ...: the rows build with other build options, one column each (e.g. mb3:min_blocks=3).
@@ -69,7 +69,7 @@ def main() -> None:
                     help="extra columns: the rows build with these build options, e.g. mb3:min_blocks=3 "
                          "(integers as integers)")
     ap.add_argument("--rows-per-sm", type=float, nargs="*", default=[],
-                    help="extra columns: the rows build with kernels/draft_topk.ROWS_PER_SM set to each (0: always streaming)")
+                    help="extra columns: the rows build with ops/draft_topk/launch.ROWS_PER_SM set to each (0: always streaming)")
     args = ap.parse_args()
     from ddtree_gen import needs
     needs.script_requires(__file__, gpu=True)

@@ -60,7 +60,7 @@ def main() -> None:
     from ddtree_gen.kernel_set import load, variant_set
     from ddtree_gen.ops import by_name
     from ddtree_gen.ops.tree_verify.split import BM, COMBINE, choose_splits
-    from ddtree_gen.ops.tree_verify.wgmma import BN, parts_for
+    from ddtree_gen.ops.tree_verify.wgmma import BN, parts_for, split_rule
     from ddtree_gen.build.variant import variant
     from ddtree_gen.launch.runtime import sm_count
     from ddtree_gen.spec import find_spec
@@ -94,8 +94,8 @@ def main() -> None:
         max_keys = max(shp.lens) + shp.nq
         row_tiles = -(-shp.nq * shp.h // BM)
         base = shp.b * row_tiles
-        s_now = choose_splits(spec, shp.b, shp.nq, -(-max_keys // spec.page_size) * spec.page_size, BN, sms, "sm_90a",
-                              "wgmma")
+        s_now = choose_splits(spec, shp.b, shp.nq, -(-max_keys // spec.page_size) * spec.page_size, BN, sms,
+                              *split_rule(spec))
         p_model = parts_for(spec, shp.b, shp.nq, -(-max_keys // spec.page_size) * spec.page_size, sms)
         p_wave = max(1, min(264, sms // row_tiles))
         cands = {"default": (ks.tree_verify, {}), f"chunks s={s_now}": (ks.tree_verify_wgmma, {"num_splits": s_now})}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tune the split-KV table of tree_verify_wgmma: time the kernel (with its combine) at every useful split
 count, per spec and batch size, and pick the fastest per shape class (B x row tiles rounded up to a
-power of two, as plans/split_kv.choose_splits looks it up).
+power of two, as ops/tree_verify/split.choose_splits looks it up).
 When: on the GPU after changing templates/tree_verify_wgmma.cu.j2 or the combine kernel, or on a new GPU
 model. --write stores the table under specs.<spec>.wgmma in ddtree_gen/ops/tree_verify/tree_verify_tuning.json
 (the mma.sync table beside it is scripts/tune_tree_verify.py's and is kept).
@@ -23,6 +23,7 @@ from ddtree_gen.build import artifacts
 from ddtree_gen.bench.timing import call_time_ms
 from ddtree_gen.inputs import chain_verify_inputs
 from ddtree_gen.ops.tree_verify import split as mod
+from ddtree_gen.ops.tree_verify import mma as mma_plans
 from ddtree_gen.spec import all_specs, find_spec
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
             if len(times) > 1:
                 print("  " + " ".join(f"{s}:{c * 1e3:.0f}" for s, (_, c) in times.items() if c is not None)
                       + "  (us, combine alone)")
-            before = mod.choose_splits(spec, b, nq, args.L + nq, 64, sms, family="mma")
+            before = mod.choose_splits(spec, b, nq, args.L + nq, 64, sms, *mma_plans.split_rule(spec))
             best = min(times, key=lambda s: times[s][0])
             t_before = times[before][0] if before in times else float("nan")
             summary.append((spec.name, b, base, before, t_before, best, times[best][0]))

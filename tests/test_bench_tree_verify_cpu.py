@@ -14,7 +14,7 @@ from ddtree_gen.bench import tree_verify as bench_tv
 from ddtree_gen.bench.specs import page_variant
 from ddtree_gen.errors import DdtreeError, SpecError
 from ddtree_gen.ops.tree_verify.which import which_kernel
-from ddtree_gen.ops.tree_verify.wgmma import uses_tma
+from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL, uses_tma
 from ddtree_gen.spec import MAX_PAGE_SIZE, find_spec
 from test_archs import fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
 
@@ -111,7 +111,7 @@ def test_what_each_page_size_takes(page, fake_devices):  # noqa: F811
     for name in bench_tv.PAGE_BASES:
         spec = page_variant(find_spec(name), page)
         ks = fake_set(spec)
-        assert uses_tma(spec, "tree_verify_wgmma") == tma
+        assert uses_tma(spec) == tma
         for b, keys in ((1, 4096), (8, 4096), (8, 65536)):
             pages = -(-(keys + 65) // page)
             choice = which_kernel(ks, b, 65, pages, device=0)
@@ -121,7 +121,7 @@ def test_what_each_page_size_takes(page, fake_devices):  # noqa: F811
             if not tma or b == 1:
                 assert plan.grid == "chunks" and plan.kernel == "tree_verify_wgmma"
             if tma and keys == 65536:
-                assert plan.grid == "parts" and plan.kernel == "tree_verify_wgmma/parts"
+                assert plan.grid == "parts" and plan.kernel == PARTS_KERNEL
     fp8 = page_variant(find_spec("kimi-k2.6-tp8-fp8"), page)
     choice = which_kernel(fake_set(fp8), 8, 65, -(-4161 // page), device=0)
     assert (choice.fp8_path, choice.schedule) == (("dequant", "seesaw") if tma else ("fused", "lockstep"))
@@ -169,3 +169,16 @@ def test_kernels_are_compiled_together(monkeypatch, capsys):
     monkeypatch.setattr(artifacts, "build_variants", lambda vs: [SpecError("no such build")] * len(vs))
     with pytest.raises(SpecError, match="no such build"):
         bench_tv._build_together(builds)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_an_fp8_spec_off_the_seesaw_pages_says_why_it_has_no_dequantize_path(page, fake_devices):  # noqa: F811
+    """An fp8 spec whose pages the seesaw cannot take gets no build of the dequantize path: fp8_path=None takes the
+    fused kernel and says why, and fp8_path="dequant" is refused naming the build and the reason (not a crash)."""
+    from ddtree_gen.errors import ArgumentError
+    fp8 = page_variant(find_spec("kimi-k2.6-tp8-fp8"), page)
+    ks = fake_set(fp8)
+    choice = which_kernel(ks, 8, 65, -(-4161 // page), device=0)
+    assert choice.fp8_path == "fused" and "not built for spec" in choice.reason, choice
+    with pytest.raises(ArgumentError, match="fp8_path: 'dequant': .*not built for spec"):
+        which_kernel(ks, 8, 65, -(-4161 // page), device=0, fp8_path="dequant")

@@ -21,6 +21,7 @@ import pytest
 from ddtree_gen.build import artifacts
 from ddtree_gen import cli, fileio, paths
 from ddtree_gen.spec import find_spec
+from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = "kimi-k2.6-tp8"
@@ -224,7 +225,7 @@ def test_a_spec_the_tensor_core_kernels_cannot_serve_builds_the_others(root, tmp
     # the tensor-core tree_verify kernels and their builds (from the declarations), but the fp8 spec's only
     fp8_only = {k.name for k in all_builds() if "bf16" not in k.kv_dtypes}   # a bf16 spec's: not its kv_dtype
     skipped = {k.name for k in all_builds() if k.serves and k.serves[1] in ("mma", "wgmma")} - fp8_only
-    assert {"tree_verify_mma", "tree_verify_wgmma", "tree_verify_wgmma/parts"} <= skipped
+    assert {"tree_verify_mma", "tree_verify_wgmma", PARTS_KERNEL} <= skipped
     assert {k.name for k in all_builds() if not k.builds_for(spec)} == skipped | fp8_only
     assert all(by_name(k).archs_for(spec) == () for k in skipped)
     rc, out = _run(capsys, "build", str(path))

@@ -31,6 +31,7 @@ from ddtree_gen.ops import all_builds, all_kernels, by_name
 from ddtree_gen.build.variant import variant
 from ddtree_gen.spec import KV_DTYPES, all_specs, find_spec, load_spec, parse_spec
 from ddtree_gen.types import TreeAcceptOutput
+from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL
 from test_archs import DEVICES, fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
 from test_tree_verify_cpu import Arrays, MmaKernelSet, verify_args
 
@@ -94,8 +95,8 @@ def test_registry_per_kv_dtype():
     """The mma.sync tree_verify kernels and the seesaw's parts-grid build read bf16 caches only; the dequantize path
     (kv_dequant, tree_verify_wgmma's dequant and dequant_parts builds) is an fp8 spec's only; every other build is
     built for both kv_dtypes."""
-    fp8_only = ("kv_dequant", "tree_verify_wgmma/dequant", "tree_verify_wgmma/dequant_parts")
-    bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma/parts")
+    fp8_only = ("kv_dequant", DEQUANT, DEQUANT_PARTS)
+    bf16_only = ("tree_verify_mma", "tree_verify_tail_mma", PARTS_KERNEL)
     for k in all_builds():
         want = ("bf16",) if k.name in bf16_only else ("fp8_e4m3",) if k.name in fp8_only else KV_DTYPES
         assert k.kv_dtypes == want, k.name
@@ -127,7 +128,7 @@ def test_list_and_build_check_show_kv_dtype(capsys):
     # the counts and the list come from the declarations (ddtree_gen/plans), so adding a kernel needs no edit here
     built = [k for k in all_kernels() if k.archs_for(FP8)]
     not_fp8 = [k.name for k in all_builds() if "fp8_e4m3" not in k.kv_dtypes]
-    assert {"tree_verify_mma", "tree_verify_tail_mma", "tree_verify_wgmma/parts"} <= set(not_fp8)
+    assert {"tree_verify_mma", "tree_verify_tail_mma", PARTS_KERNEL} <= set(not_fp8)
     assert (f"{FP8.name}: kv_dtype=fp8_e4m3 targets=sm_90a,sm_80, {len(built)} kernels, "
             f"{sum(len(k.archs_for(FP8)) for k in all_builds())} variants (not built for fp8_e4m3: "
             f"{', '.join(not_fp8)})") in out
@@ -167,7 +168,7 @@ def test_kernel_set_of_an_fp8_spec(fake_devices):
         path, why = tv.fp8_default(ks, "auto", device, b, max_pages)
         assert path == ("dequant" if device == 0 else "fused"), (device, why)
         if device:
-            assert why.startswith("tree_verify_wgmma/dequant: not available on device"), why
+            assert why.startswith(f"{DEQUANT}: not available on device"), why
         # on the H200 the workspace is given (a new one would be allocated on a GPU this machine lacks)
         kvw = {"kv_workspace": new((workspace_elems(FP8, b, max_pages),), np.uint16)} if device == 0 else {}
         with pytest.raises(LaunchReached):

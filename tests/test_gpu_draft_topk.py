@@ -1,7 +1,7 @@
 """draft_topk on the GPU against reference.draft_topk: ids bit for bit, log-probs within
 1e-5 + 2^-22 |ref| of the float64 log-softmax (docs/contract.md section 5a), on every spec.
 
-Every test runs on every build of the schedule option (plans/draft_topk.SCHEDULES): "chunks" and "rows" (the
+Every test runs on every build of the schedule option (ops/draft_topk/plan.SCHEDULES): "chunks" and "rows" (the
 default build and a variant build), and on the rows build made to stream a row per block on every call ("rows
 streaming"; by default it does so only where the rows fill the GPU). Fresh random inputs each run: the seed is in
 every failure message, and DDTREE_TEST_SEED=<seed> replays it. Every output is poisoned before the launch (ids
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 POISON = 0x7BADBEEF
 FLT_MAX = float(np.finfo(np.float32).max)
-# a chunk's logits (plans/draft_topk.CHUNK): 16384 bf16, 8192 float32; the candidate list holds 1024
+# a chunk's logits (ops/draft_topk/plan.CHUNK): 16384 bf16, 8192 float32; the candidate list holds 1024
 
 
 def load_schedule(spec, schedule):
@@ -39,7 +39,7 @@ def load_schedule(spec, schedule):
     return variant_set([variant(kdef, spec, schedule=schedule)])
 
 
-# the rows build streams a row per block only where the rows fill the GPU and a row is long (kernels/draft_topk.ROWS_PER_SM,
+# the rows build streams a row per block only where the rows fill the GPU and a row is long (ops/draft_topk/launch.ROWS_PER_SM,
 # ROWS_MIN_CHUNKS); "rows streaming" is that build with both 0: its stage 2 on every call, whatever the batch and V
 RUNS = (*SCHEDULES, "rows streaming")
 STREAMING = ("rows streaming",)

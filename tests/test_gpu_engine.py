@@ -118,7 +118,7 @@ def test_tma_map_of_a_cache_on_1(ks):
     torch = _need_gpus(2)
     from ddtree_gen.launch import runtime
     from ddtree_gen.ops.tree_verify.wgmma import uses_tma
-    assert uses_tma(ks.spec, "tree_verify_wgmma")
+    assert uses_tma(ks.spec)
     seed = fresh_seed()
     x = verify_case(ks.spec, seed)
     check_verify(run_verify(ks, torch, "cuda:0", x), x)

@@ -45,7 +45,7 @@ def _option_id(knobs) -> str:
 
 
 def _load(spec, kernels=KERNELS, knobs=None):
-    """The kernel set of `kernels`; with `knobs`, kv_dequant's build of those options (plans/variant.variant) beside
+    """The kernel set of `kernels`; with `knobs`, kv_dequant's build of those options (build/variant.variant) beside
     the default builds of the others."""
     if not spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r} has a bf16 cache (kv_dequant is an fp8 spec's)")
@@ -257,7 +257,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     """fp8_path=None with the workspace over KV_WORKSPACE_LIMIT (here: 0) runs the fused kernel (its plan: no
     kv_dequant), with a caller's kv_workspace the dequantize path: the fused kernel's bits both ways."""
     import cupy
-    from ddtree_gen.ops.tree_verify import launch as tv
+    from ddtree_gen.launch.protocol import tree_verify as tv, verify_route
     ks = _load(spec)
     seed = fresh_seed()
     inp = _batch(spec, np.random.default_rng(seed), seed)
@@ -265,7 +265,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     device = cupy.cuda.Device().id
     assert tv.fp8_default(ks, "wgmma", device, b, max_pages)[0] == "dequant"
     fused = _run(ks, inp, SCALES["mla"], None, "fused")
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 0)
     ks.prepared_calls.clear()   # the decisions of this signature were taken under the real limit
     try:
         path, why = tv.fp8_default(ks, "wgmma", device, b, max_pages)

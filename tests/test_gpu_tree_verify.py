@@ -277,7 +277,7 @@ def parts_set(spec):
     from ddtree_gen.ops import by_name
     from ddtree_gen.ops.tree_verify.wgmma import schedule_for
     from ddtree_gen.build.variant import variant
-    if spec.kv_fp8 or schedule_for(spec, "tree_verify_wgmma") != "seesaw":
+    if spec.kv_fp8 or schedule_for(spec) != "seesaw":
         pytest.skip(f"spec {spec.name!r}: its tree_verify_wgmma is not the bf16 seesaw (the parts grid is its build)")
     parts = variant(by_name("tree_verify_wgmma"), spec, grid="parts")
     ks = variant_set([parts], also=[k for k in TENSOR_CORE_KERNELS if k != "tree_verify_wgmma"])
@@ -344,7 +344,7 @@ def test_wgmma_cp_async_tiles(spec, case):
     if spec.kv_fp8:
         pytest.skip(f"spec {spec.name!r}: an fp8 cache always loads by cp.async (test_matrix covers it)")
     variant = replace(spec, name=f"{spec.name}-page16", page_size=16)
-    assert uses_tma(spec, "tree_verify_wgmma") and not uses_tma(variant, "tree_verify_wgmma")
+    assert uses_tma(spec) and not uses_tma(variant)
     ks = WGMMA.load(variant)
     seed = fresh_seed()
     inp, rng = build_case(variant, case, seed, WGMMA.bf16)
@@ -726,7 +726,7 @@ def test_fp8_matches_bf16_twin(spec, impl):
         from ddtree_gen.ops import by_name
         from ddtree_gen.ops.tree_verify.wgmma import schedule_for
         from ddtree_gen.build.variant import variant
-        sched = schedule_for(spec, "tree_verify_wgmma")
+        sched = schedule_for(spec)
         # the fp8 seesaw's S products in its slab order: the rope slab in the early group, WG1's early group first
         knobs = {"rope_early": True, "s_order": "slab"} if sched == "seesaw" else {}
         same = variant(by_name("tree_verify_wgmma"), twin, schedule=sched, **knobs)
@@ -746,7 +746,9 @@ def test_fp8_matches_bf16_twin(spec, impl):
     ks_default = None
     if impl is WGMMA:   # the default path of an fp8 spec's tree_verify, where it is the dequantize path
         import cupy
-        from ddtree_gen.ops.tree_verify.launch import DEQUANT_KERNELS, fp8_default
+        from ddtree_gen.ops.tree_verify.launch import fp8_default
+        from ddtree_gen.ops.tree_verify.wgmma import DEQUANT
+        DEQUANT_KERNELS = ("kv_dequant", DEQUANT, "tree_verify_mma_combine")   # the dequantize path's
         ks_default = ddtree_gen.load(spec, kernels=list(dict.fromkeys(impl.kernels + DEQUANT_KERNELS)))
         skip_unless_runs(ks_default, *DEQUANT_KERNELS)
         path, why = fp8_default(ks_default, "auto", cupy.cuda.Device().id, *inp.block_table.shape)

@@ -22,6 +22,7 @@ torch, _ = need("torch", "transformers")
 import ddtree_gen  # noqa: E402
 from ddtree_gen import hf, inputs, reference  # noqa: E402
 from ddtree_gen.trees import ancestor_mask, pack_tree_mask, tree_parents  # noqa: E402
+from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, PARTS_KERNEL  # noqa: E402
 
 # (H, yarn / rope extras, q_lora_rank, rope_interleave, layers, prefix, tree kind, nodes); OTHER_DIMS: other R, P,
 # qk_nope_head_dim, v_head_dim and hidden size (the last case)
@@ -279,14 +280,14 @@ def test_which_kernel_reports_the_launchers_choice():
     from ddtree_gen.spec import find_spec
     ks = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8"))
     assert which_kernel(ks, 1, 65, 2)[:4] == ("tree_verify", "wgmma", "tree_verify_wgmma", "seesaw")
-    assert which_kernel(ks, 8, 65, 64).kernel == "tree_verify_wgmma/parts"          # B >= 2, the parts pay (parts_pay)
+    assert which_kernel(ks, 8, 65, 64).kernel == PARTS_KERNEL          # B >= 2, the parts pay (parts_pay)
     assert which_kernel(ks, 8, 65, 64, num_splits=4).kernel == "tree_verify_wgmma"
     assert which_kernel(ks, 1, 65, 2, impl="simple")[1:3] == ("simple", "tree_verify")
     assert which_kernel(ks, 1, 65, 2, impl="mma")[1:4] == ("mma", "tree_verify_mma", None)
     assert which_kernel(ks, 1, 65, 2, name="tree_verify_tail").kernel == "tree_verify_tail_wgmma"
     ks8 = kernel_set.StandInKernelSet(find_spec("kimi-k2.6-tp8-fp8"))
     c = which_kernel(ks8, 1, 65, 2)
-    assert (c.kernel, c.fp8_path) == ("tree_verify_wgmma/dequant", "dequant") and "KV_WORKSPACE_LIMIT" in c.reason
+    assert (c.kernel, c.fp8_path) == (DEQUANT, "dequant") and "KV_WORKSPACE_LIMIT" in c.reason
     assert which_kernel(ks8, 1, 65, 2, fp8_path="fused")[1:3] + (which_kernel(ks8, 1, 65, 2, fp8_path="fused").fp8_path,) \
         == ("wgmma", "tree_verify_wgmma", "fused")
     with pytest.raises(ddtree_gen.ArgumentError, match="impl"):
@@ -297,7 +298,7 @@ def test_which_kernel_reports_the_launchers_choice():
 
 def test_schedule_reports_grid_pieces_and_workspace():
     """ops.tree_verify.which.schedule (ks.tree_verify_schedule) on stand-in kernel sets: the launchers' grid and count rules
-    (plans/tree_verify_wgmma.parts_for, plans/split_kv.choose_splits), the blocks and the workspace they need."""
+    (ops/tree_verify/wgmma.parts_for, ops/tree_verify/split.choose_splits), the blocks and the workspace they need."""
     from ddtree_gen import kernel_set
     from ddtree_gen.ops.tree_verify.which import schedule
     from ddtree_gen.ops.tree_verify import split as split_kv
@@ -308,7 +309,7 @@ def test_schedule_reports_grid_pieces_and_workspace():
     assert (one.kernel, one.grid, one.pieces, one.blocks, one.combine) == ("tree_verify_wgmma", "chunks", 14, 126, True)
     assert one.workspace_elems == split_kv.workspace_elems(spec, 1, 65, 14)
     rag = schedule(ks, 8, 65, 2050)                 # B = 8, 128k keys: the parts grid, one wave
-    assert (rag.kernel, rag.grid, rag.pieces, rag.blocks) == ("tree_verify_wgmma/parts", "parts", 14, 126)
+    assert (rag.kernel, rag.grid, rag.pieces, rag.blocks) == (PARTS_KERNEL, "parts", 14, 126)
     assert rag.workspace_elems == split_kv.parts_workspace_elems(spec, 8, 65, 14)
     assert schedule(ks, 8, 65, 2050, num_splits=3).grid == "chunks"   # num_splits: the chunks grid's count
     short = schedule(ks, 2, 65, 65)                 # B = 2, 4096 keys: the chunks grid (parts_pay)

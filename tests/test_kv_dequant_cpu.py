@@ -19,10 +19,11 @@ from ddtree_gen import fp8, reference
 from ddtree_gen.errors import ArgumentError
 from ddtree_gen.ops.kv_dequant import launch as kd
 from ddtree_gen.ops.tree_verify import launch as tv
+from ddtree_gen.ops.tree_verify import route as verify_route
 from ddtree_gen.ops.tree_verify import wgmma_launch as wg
 from ddtree_gen.ops import by_name
 from ddtree_gen.ops.kv_dequant import plan as kd_plans
-from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, DEQUANT_PARTS, PARTS_MIN_B, PARTS_MIN_KEYS
+from ddtree_gen.ops.tree_verify.wgmma import DEQUANT, DEQUANT_PARTS, PARTS_KERNEL, PARTS_MIN_B, PARTS_MIN_KEYS
 from ddtree_gen.build.variant import variant
 from ddtree_gen.spec import find_spec
 from test_fp8_cpu import fp8x4_to_bf16x4
@@ -189,7 +190,7 @@ def test_builds_of_the_dequantize_path():
     assert vp.name == "tree_verify_wgmma.seesaw.tma.grid-parts.s-order-slab.rope-early.workspace"
     cp = vp.plan().template_constants()
     assert cp["PARTS"] == 1 and cp["THREADS"] == 256 and cp["ROPE_EARLY"] == 1 and cp["S_LOADED_ORDER"] == 0
-    twin_parts = variant(by_name("tree_verify_wgmma/parts"), BF16, rope_early=True, s_order="slab")
+    twin_parts = variant(by_name(PARTS_KERNEL), BF16, rope_early=True, s_order="slab")
     mine, theirs = render(vp), render(twin_parts)
     for a, b in normalize:
         mine = mine.replace(a, b)
@@ -403,7 +404,7 @@ def test_dequant_path_allocates_its_workspace(fake_device):
     a = verify_args(FP8, Arrays())
     arrays = (*(a[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")),
               None, None, None, None)   # out, lse, workspace, kv_workspace: new (allocated before the launches)
-    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, "wgmma", False, arrays,
+    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, False, arrays,
                              a["softmax_scale"], False, 1, KV_SCALE)
     assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
     assert (tensor_core_kvw(), (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new
@@ -529,7 +530,8 @@ def test_fp8_default_every_rule(monkeypatch):
     running on the device, the workspace within KV_WORKSPACE_LIMIT: 512 MiB, B x max_pages counted, or the caller's
     kv_workspace); the fused kernel, with the first failing rule as its reason, otherwise; a bf16 spec has none."""
     limit = tv.KV_WORKSPACE_LIMIT
-    assert limit == 512 * 2**20 and tv.DEQUANT_KERNELS == ("kv_dequant", DEQUANT, "tree_verify_mma_combine")
+    kernels = tv.dequant_kernels(Recording(FP8))   # the dequantize path's: the build whose record reads the workspace
+    assert limit == 512 * 2**20 and kernels == ("kv_dequant", DEQUANT, "tree_verify_mma_combine")
     fits = limit // PAGE_BYTES   # 7281 pages
     assert 2 * kd_plans.workspace_elems(FP8, 1, fits) <= limit < 2 * kd_plans.workspace_elems(FP8, 1, fits + 1)
     ks = Recording(FP8)
@@ -550,14 +552,14 @@ def test_fp8_default_every_rule(monkeypatch):
         assert p == "fused" and why == f"impl={impl!r}: the dequantize path runs on the wgmma kernels (impl 'auto' " \
                                        f"or 'wgmma')"
     # 3. loaded (each of the three; the direct launcher's fused kernel may stay)
-    for missing in tv.DEQUANT_KERNELS:
+    for missing in kernels:
         kset = Recording(FP8, tuple(k for k in DEQUANT_SET if k != missing))
         assert path(kset) == ("fused", f"{missing} not loaded in this kernel set")
     assert path(Recording(FP8, ("tree_verify",)))[1] == f"kv_dequant and {DEQUANT} and tree_verify_mma_combine " \
                                                         f"not loaded in this kernel set"
     # 4. the device: not known (the checks will say why), or one that does not run a kernel of the path
     assert path(device=None) == ("fused", "the arrays' device is not known")
-    for off in tv.DEQUANT_KERNELS:
+    for off in kernels:
         assert path(Unavailable(FP8, (off,))) == ("fused", f"{off}: not available on device 0 (test)")
     # 5. the workspace: over the limit by one page (B x max_pages counts), unless the caller gives it
     assert path(max_pages=fits + 1) == ("fused", f"the workspace would be {(fits + 1) * PAGE_BYTES / 2**20:.1f} MiB "
@@ -567,7 +569,7 @@ def test_fp8_default_every_rule(monkeypatch):
     assert path(b=64, max_pages=2048)[0] == "fused"                        # 9.0 GiB
     assert path(b=64, max_pages=2048, kvw=True) == ("dequant", "the caller's kv_workspace")
     assert path(impl="simple", kvw=True)[0] == "fused"                     # an earlier rule still decides
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 0)                       # the module constant, read per decision
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 0)                       # the module constant, read per decision
     assert path(b=1, max_pages=1)[0] == "fused" and path(kvw=True)[0] == "dequant"
     assert path(b=0, max_pages=0)[0] == "fused"                            # one page at least (workspace_layout)
     assert path(Recording(BF16, ("tree_verify",))) == (None, "spec 'kimi-k2.6-tp8' has kv_dtype 'bf16': no fp8 path")
@@ -590,7 +592,7 @@ def test_default_path_follows_the_policy(fake_device, monkeypatch):
     args = verify_args(FP8, new)
     kvw = _ws(FP8, new)
     # the limit: exactly this call's workspace (B x MAX_PAGES pages); one more page of block table is over it
-    monkeypatch.setattr(tv, "KV_WORKSPACE_LIMIT", 2 * kd_plans.workspace_elems(FP8, B, MAX_PAGES))
+    monkeypatch.setattr(verify_route, "KV_WORKSPACE_LIMIT", 2 * kd_plans.workspace_elems(FP8, B, MAX_PAGES))
     wide = dict(args, block_table=new((B, MAX_PAGES + 1), np.int32))
     ks = Recording(FP8)
     allocated = []

@@ -414,9 +414,9 @@ def launched(launcher, kset, **args):
 
 
 def tma_words(spec, kernel: str) -> int:
-    """Words a launch of `kernel` adds for its tensor map: 16 for a TMA build (plans/tree_verify_wgmma)."""
-    from ddtree_gen.ops.tree_verify.wgmma import uses_tma
-    return 16 if uses_tma(spec, kernel) else 0
+    """Words a launch of `kernel` adds for its tensor map: 16 for a TMA build (its record's tma: WgmmaBuild)."""
+    from ddtree_gen.ops import by_name
+    return 16 if getattr(by_name(kernel).build_record(spec), "tma", False) else 0
 
 
 @pytest.mark.parametrize("name,launcher", LAUNCHERS, ids=[n for n, _ in LAUNCHERS])
@@ -614,6 +614,7 @@ def test_split_table_per_family(monkeypatch):
     """choose_splits reads the mma.sync table for the mma.sync kernels; the wgmma ones take the makespan model at every
     length (their table was fitted at L = 4096 only: at 64k keys its 16 chunks took two waves); never past the useful
     chunks."""
+    from ddtree_gen.ops.tree_verify.wgmma import split_rule as wg_rule
     from ddtree_gen.spec import find_spec
     spec = find_spec("kimi-k2.6-tp8")
     base = 32 * -(-65 * spec.num_heads // split_kv.BM)          # 288 blocks: shape class "512"
@@ -622,22 +623,27 @@ def test_split_table_per_family(monkeypatch):
     split_kv.choose_splits.cache_clear()
     try:
         assert split_kv.shape_class(base) == "512"
-        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.best_count(base, 132, 66, 32)
-        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_90a", "mma") == 2
+        wgmma, mma = wg_rule(spec, "sm_90a"), mma_plans.split_rule(spec, "sm_90a")
+        assert wgmma == ((), split_kv.makespan_model) and mma == ((("512", 2),), split_kv.wave_model)
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, *wgmma) == split_kv.best_count(base, 132, 66, 32)
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, *mma) == 2
         # no table off sm_90a: the wave model
-        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, "sm_80", "wgmma") == split_kv.best_count(base, 132, 66, 32)
+        assert mma_plans.split_rule(spec, "sm_80") == ((), split_kv.wave_model)
+        assert split_kv.choose_splits(spec, 32, 65, 4161, 64, 132, *wg_rule(spec, "sm_80")) == \
+            split_kv.best_count(base, 132, 66, 32)
         # a short context (fewer than LONG_TILES key tiles): the fixed-cost model, whatever the table
-        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 1
-        assert split_kv.choose_splits(spec, 1, 65, 64 * 4, 64, 132, "sm_90a", "wgmma") == 2  # 4 tiles: 2 useful
-        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, "sm_90a", "mma") == 2   # the mma.sync table
-        assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, "sm_90a", "wgmma") == split_kv.best_count(9, 132, 66, 32)
-        assert split_kv.choose_splits(spec, 1, 65, 65600, 64, 132, "sm_90a", "wgmma") == 14   # one wave (was 16: two)
+        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, *wgmma) == 1
+        assert split_kv.choose_splits(spec, 1, 65, 64 * 4, 64, 132, *wgmma) == 2  # 4 tiles: 2 useful
+        assert split_kv.choose_splits(spec, 32, 65, 64 * 4, 64, 132, *mma) == 2   # the mma.sync table
+        assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, *wgmma) == split_kv.best_count(9, 132, 66, 32)
+        assert split_kv.choose_splits(spec, 1, 65, 65600, 64, 132, *wgmma) == 14   # one wave (was 16: two)
     finally:
         split_kv.choose_splits.cache_clear()
 
 
 def test_launch_asks_its_family(spec, fake_device, monkeypatch):
-    """Without num_splits, the wgmma launch takes the wgmma table and the mma.sync launch the mma.sync one."""
+    """Without num_splits, the wgmma launch takes the wgmma split rule (its makespan model) and the mma.sync launch the
+    mma.sync one (its table, then the wave model): each as values (KernelDef.split_rule)."""
     seen = []
     real = split_kv.choose_splits
 
@@ -659,7 +665,8 @@ def test_launch_asks_its_family(spec, fake_device, monkeypatch):
         got, k = launched(tv.tree_verify, MmaKernelSet(spec, full), **args, workspace=ws, impl=impl)
         # a "parts" grid takes its part count from parts_for (one wave of row tiles x parts), not a table
         seesaw = impl == "wgmma" and bool(wg_plans.verify_plan(spec).consts["PARTS"])
-        assert got == f"tree_verify_{impl}" and seen == ([] if seesaw else [impl]), (impl, got, seen)
+        model = {"wgmma": split_kv.makespan_model, "mma": split_kv.wave_model}[impl]
+        assert got == f"tree_verify_{impl}" and seen == ([] if seesaw else [model]), (impl, got, seen)
         assert len(parts) == (1 if seesaw else 0)
         if seesaw:   # one block per (row tile, part)
             b, nq = args["q_nope"].__cuda_array_interface__["shape"][:2]

@@ -104,7 +104,7 @@ def test_the_policy_is_one_function(kimi):
     assert default_config(by_name("tree_verify_mma"), kimi) == mma_plans.config_for(kimi)
     assert default_config(by_name("tree_verify_mma"), kimi, "sm_80") == mma_plans.config_for(kimi, "sm_80")
     cfg = default_config(WGMMA, kimi)
-    assert cfg["schedule"] == wg_plans.schedule_for(kimi, "tree_verify_wgmma") and cfg["tma"] is True
+    assert cfg["schedule"] == wg_plans.schedule_for(kimi) and cfg["tma"] is True
     assert default_config(by_name("merge_states"), kimi) == {}
     # the build's plan is the default variant's
     for k in all_kernels():
@@ -133,3 +133,64 @@ def test_variant_set_takes_each_builds_plan(kimi, monkeypatch):
     assert seesaw.constants("tree_verify_wgmma")["SEESAW"] == 1 and seesaw.kernels == ["tree_verify_wgmma"]
     assert vs.plan("tree_verify_wgmma").value(vs.plan("tree_verify_wgmma").dynamic_smem) != \
         seesaw.plan("tree_verify_wgmma").value(seesaw.plan("tree_verify_wgmma").dynamic_smem)
+
+
+def test_a_build_is_a_typed_record(kimi):
+    """tree_verify_wgmma's builds are WgmmaBuild records (issue 44): checked when made (no spec needed), the variant
+    layer's config round-trips through them, the name spells their non-default fields, and what the plan, the route
+    and the launch read are their properties, not tables of build names."""
+    Build = wg_plans.WgmmaBuild
+    for bad, match in (({"grid": "diagonal"}, "grid 'diagonal': one of chunks, parts"),
+                       ({"rescale": "eager"}, "rescale 'eager': one of"), ({"seg_cost": 65}, "seg_cost 65"),
+                       ({"seg_cost": True}, "seg_cost True"), ({"ablate": 4}, "ablate bits 2-4"),
+                       ({"kv_source": "host"}, "kv_source 'host'")):
+        with pytest.raises(SpecError, match=match):
+            Build("seesaw", True, **bad)
+    with pytest.raises(SpecError, match="the seesaw schedule loads its key tiles by TMA"):
+        Build("seesaw", False)
+    with pytest.raises(SpecError, match="no such knob of tree_verify_wgmma"):
+        Build.from_config({"schedule": "seesaw", "tma": True, "warps": 12})
+    # every build a shipped spec gets: its record, its config (the manifest's) and its name
+    for spec in (kimi, find_spec("kimi-k2.6-tp8-fp8"), find_spec("deepseek-v3")):
+        for kdef in (k for k in wg_plans.KERNELS[0].build_defs() + (wg_plans.KERNELS[1],) if k.builds_for(spec)):
+            v = variant(kdef, spec)
+            rec = kdef.build_record(spec)
+            assert Build.from_config(v.config) == rec and rec.config() == v.config
+            assert v.name == ".".join((kdef.kernel, *rec.spell())) and v.plan().build == rec
+            assert rec.parts == (kdef.name in (wg_plans.PARTS_KERNEL, wg_plans.DEQUANT_PARTS))
+            assert rec.reads_workspace == (kdef.name in (wg_plans.DEQUANT, wg_plans.DEQUANT_PARTS))
+            assert v.plan().template_constants()["PARTS"] == int(rec.parts)
+    # the spelling: fields after schedule and TMA, in declaration order, only where not at their defaults
+    rec = Build("seesaw", True, ablate=3, grid="parts", seg_cost=4, rope_early=True, kv_source="workspace")
+    assert rec.spell() == ("seesaw", "tma", "ablate3", "grid-parts", "seg-cost-4", "rope-early", "workspace")
+    assert Build("lockstep", False).spell() == ("lockstep", "cpasync")
+    assert not Build("lockstep", False, grid="parts").parts   # the parts grids are the seesaw's
+    assert wg_plans.KNOBS == {k: v for k, v in Build("seesaw", True).config().items() if k not in ("schedule", "tma")}
+
+
+def test_a_kernel_parameter_list_is_declared_once(kimi):
+    """The tensor-core kernels' parameters are declared once (ops/tree_verify/params.py, a record's `params`): the rendered
+    signature is that list in that order, and the launch binds its values by name (ops/tree_verify/tensor_core.bind: scalars
+    as their C type's numpy type, a missing value named)."""
+    import numpy as np
+
+    from ddtree_gen.ops.tree_verify.tensor_core import bind
+    from ddtree_gen.ops import all_builds
+    from ddtree_gen.ops.tree_verify.params import ATTENTION, KV_MAP, SPANS
+    from ddtree_gen.ops.tree_verify.params import render as render_params
+    for spec in (kimi, find_spec("kimi-k2.6-tp8-fp8"), find_spec("deepseek-v3")):
+        for kdef in (k for k in all_builds() if k.signature is not None and k.builds_for(spec)):
+            rec = kdef.build_record(spec)
+            src = render(variant(kdef, spec))
+            assert f"{kdef.entry}({render_params(rec.params)}\n{{" in src, kdef.name
+            names = [p.name for p in rec.params]
+            assert len(set(names)) == len(names) and rec.params[:len(ATTENTION)] == ATTENTION
+            assert (SPANS in rec.params) == rec.parts and (KV_MAP in rec.params) == bool(rec.tma)
+    parts = by_name(wg_plans.PARTS_KERNEL).build_record(kimi)
+    values = {p.name: i for i, p in enumerate(parts.params)}
+    args = bind(parts.params, {**values, "unused": -1})
+    assert [type(a) for a in args[7:14]] == [np.float32, np.float32] + [np.int32] * 4 + [np.int64]
+    assert [int(a) for a in args] == list(range(len(parts.params)))
+    del values["spans"]
+    with pytest.raises(AssertionError, match="no value of kernel parameter\\(s\\) spans"):
+        bind(parts.params, values)

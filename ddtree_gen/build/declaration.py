@@ -1,11 +1,11 @@
 """Declaration: one record per kernel, holding every facet of it (docs/adding-a-kernel.md).
 
-A kernel's build data is its KernelDef (plans/: template, entry, resource plan). Its declaration sits next to
-its launcher, in the kernel's module of ddtree_gen/kernels/ (`DECLARATIONS = [Declaration(...)]`), and holds the
+A kernel's build data is its KernelDef (ops/: template, entry, resource plan). Its declaration sits next to
+its launcher, in its operation's launch module, ddtree_gen/ops/<op>/launch.py (`DECLARATIONS = [Declaration(...)]`), and holds the
 facets themselves, as objects: the launcher, the numpy reference and its output record, the torch ops (their
 fakes and implementations, in the same module), the sanitizer's cases and the bundles' inputs (in the kernel's
-plan module, plans/<family>.py). A reader follows them as imports; ddtree_gen/registry.py collects the
-declarations. The records are defined here, below the launchers, so that kernels/ can build them; nothing here
+plan module, ops/<op>/plan.py). A reader follows them as imports; ddtree_gen/registry.py collects the
+declarations. The records are defined here, below the launchers, so that the launch modules can build them; nothing here
 imports a facet.
 
 A facet a kernel does not have is named in `missing` with the reason (a test holds it: every facet of
@@ -54,7 +54,7 @@ _CALLABLE = ("launcher", "reference", "sanitize")
 
 @dataclass(frozen=True)
 class Declaration:
-    build: KernelDef                                  # template, entry, resource plan, targets (plans/)
+    build: KernelDef                                  # template, entry, resource plan, targets (ops/)
     launcher: Callable[..., Any] | None = None        # launch(kset, ...), the KernelSet method `name`
     reference: Callable[..., Any] | None = None       # the numpy reference (ddtree_gen.reference)
     output: type | None = None                        # the record the launcher returns

@@ -2,10 +2,11 @@
 ships). No launcher. A build of it for a spec, a target and a config is a Variant (build/variant.py).
 
 A kernel ships its default build and, where one build cannot serve every call as fast, further named builds (`Build`:
-a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid), and the rule that picks
-among them for a call (`pick`: by spec, device and shape). Each build is a KernelDef of its own for the layers that
-build and load (`build_defs`: the kernel's name, then "<kernel>/<build>"); a kernel set holds them all, and the
-launcher asks `pick` which one a call runs (docs/adding-a-kernel.md "A kernel with several builds")."""
+a policy over the same knobs, e.g. tree_verify_wgmma's "parts": the balanced parts grid). A build's config is a typed
+record (`record`, e.g. ops/tree_verify/wgmma.WgmmaBuild) that the plan, the route and the launch plan read. Each
+build is a KernelDef of its own for the layers that build and load (`build_defs`: the kernel's name, then
+"<kernel>/<build>"); a kernel set holds them all, and tree_verify's route (ops/tree_verify/route.py) chooses one per call
+by their records (docs/adding-a-kernel.md "A kernel with several builds")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -43,14 +44,22 @@ class KernelDef:
     # the KV-cache element types (spec kv_dtype) it is built for: every one by default; ("bf16",) for a
     # kernel that reads bf16 caches only (the mma.sync tree_verify kernels): not built for an fp8 spec
     kv_dtypes: tuple = KV_DTYPES
-    # the kernel's knobs: policy(spec, arch) -> its default config (a dict; plans/variant.default_config), and
-    # spell(config) -> the parts of a variant's procedural name (plans/variant.Variant.name); None: no knobs
+    # the kernel's knobs: policy(spec, arch) -> its default config (a dict; build/variant.default_config), and
+    # spell(config) -> the parts of a variant's procedural name (build/variant.Variant.name); None: no knobs
     policy: Callable[[Spec, str], dict] | None = None
     spell: Callable[[dict], tuple] | None = None
-    # the further builds it ships (Build, ...; the default build is this KernelDef's own policy), and the rule that
-    # picks one for a call: pick(spec, **the call's facts) -> a build name ("default" or one of builds')
+    # the typed record of a build (record(config) -> it, checked; e.g. ops/tree_verify/wgmma.WgmmaBuild): what the
+    # route and the launch plan read of a build (build_record); None: the config dict itself
+    record: Callable[[dict], object] | None = None
+    # a tensor-core kernel's split-KV rule as values: split_rule(spec, arch) -> (table, model) for
+    # split_kv.choose_splits (its tuned counts by shape class, its model); None: it does not split
+    split_rule: Callable[[Spec, str], tuple] | None = None
+    # its parameter list, declared once: signature(record) -> the signature's text (the template's `params`), e.g.
+    # ops/tree_verify/params.signature; None: the template writes its signature itself
+    signature: Callable[[object], str] | None = None
+    # the further builds it ships (Build, ...; the default build is this KernelDef's own policy); the route picks one
+    # for a call by their records (ops/tree_verify/route.py)
     builds: tuple = ()
-    pick: Callable[..., str] | None = None
     # the build data of one of a kernel's further builds: the kernel's name ("" for the default build itself) and its
     # build's name (build_defs sets both)
     of: str = ""
@@ -65,11 +74,16 @@ class KernelDef:
         """This kernel's builds as KernelDefs, the default first: each further build the kernel's template and plan
         with its own policy, kv_dtypes and template context, named "<kernel>/<build>" (a kernel set's key for it)."""
         return (self, *(replace(self, name=f"{self.name}/{b.name}", policy=b.policy, kv_dtypes=b.kv_dtypes,
-                                context={**self.context, **b.context}, builds=(), pick=None, of=self.name,
+                                context={**self.context, **b.context}, builds=(), of=self.name,
                                 build=b.name) for b in self.builds))
     # (public launcher, impl): the impl= of a public launcher this kernel serves, e.g. ("tree_verify", "mma")
     # (ops/tree_verify/launch.py sends impl="mma" to the kernel that declares it); None: none
     serves: tuple | None = None
+
+    def build_record(self, spec: Spec, arch: str = PRIMARY):
+        """The typed record of this build for `spec` and `arch` (record of the policy's config)."""
+        config = self.policy(spec, arch) if self.policy is not None else {}
+        return self.record(config) if self.record is not None else config
 
     def plan_for(self, spec: Spec, arch: str = PRIMARY, config: dict | None = None) -> Plan:
         """The resource plan of this kernel's build for `arch`, with `config` (a kernel with a policy: default,

@@ -33,6 +33,8 @@ def context(variant: Variant) -> dict:
     ctx = {"spec": spec, "kernel": kdef.kernel, "entry": kdef.entry, **spec.template_values()}
     ctx.update(plan.template_constants())
     ctx.update(kdef.context)
+    if kdef.signature is not None:   # the kernel's parameter list, declared once: its signature's text
+        ctx["params"] = kdef.signature(plan.build)
     return ctx
 
 

@@ -1,6 +1,6 @@
 """The resource model: sympy formulas of spec and tile parameters.
 
-Each kernel's plan (kernels/<kernel>.py) writes its shared memory, threads and register
+Each kernel's plan (ops/<op>/plan.py) writes its shared memory, threads and register
 budget as expressions of the spec symbols below. The generator takes its template constants
 from the evaluated plan, refuses a spec whose plan does not fit the chip, prints the formulas
 in the build report, and the tests hold them against what ptxas reports.
@@ -55,6 +55,7 @@ class Plan:
     static_smem: sympy.Expr           # bytes of __shared__ arrays (ptxas "smem")
     dynamic_smem: sympy.Expr = sympy.Integer(0)  # bytes passed at launch
     consts: dict = field(default_factory=dict)   # extra template constants: name -> expr
+    build: object = None              # the typed build record it was made of (plans: KernelDef.record), if any
 
     @property
     def register_budget(self) -> int:

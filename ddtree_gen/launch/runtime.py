@@ -396,6 +396,12 @@ class DeviceOffer:
     targets: dict                # build -> the target it runs as on `device` (absent: it does not run there)
     why: dict                    # build -> why it does not run there (KernelSet.unavailable), for each requested one
     consts: dict                 # build -> the template constants of that target's build
+    records: dict = field(default_factory=dict)   # build -> its typed record as loaded (plans: KernelDef.record)
+    declared: dict = field(default_factory=dict)  # every build the spec gets -> its record as declared (its policy's)
+
+    def record(self, name: str):
+        """The typed record of build `name` as the set loaded it (a variant set's knobs included), else as declared."""
+        return self.records[name] if name in self.records else self.declared[name]
 
     def unavailable(self, name: str) -> str | None:
         """None if build `name` runs on the device, else why not (KernelSet.unavailable's message)."""

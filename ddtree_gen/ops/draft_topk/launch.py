@@ -7,7 +7,7 @@ One entry point, launched once (a row of one chunk: V <= 16384 bf16 / 8192 float
 stage 0, one block per chunk of a row, writes each chunk's top-k and (max, sum) to a workspace; stage 1,
 one block per row, merges them. The "rows" build (schedule="rows") launches stage 2 once instead, one block per
 row, where there are at least ROWS_PER_SM rows an SM and a row holds at least ROWS_MIN_CHUNKS chunks (then no
-workspace is used); the "chunks" build (plans/draft_topk.SCHEDULES) always launches stages 0 and 1. Nothing is read on
+workspace is used); the "chunks" build (ops/draft_topk/plan.SCHEDULES) always launches stages 0 and 1. Nothing is read on
 the host (graph-capturable).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """draft_topk's build data (docs/adding-a-kernel.md; its declaration: ops/draft_topk/launch.py): its resource plan (the drafter's top-k per depth: one block per
-row where there are 1.5 rows an SM and a row holds 4 chunks (kernels/draft_topk.ROWS_PER_SM, ROWS_MIN_CHUNKS), else one block per chunk of a row and a merge per row; SCHEDULES below), and the
+row where there are 1.5 rows an SM and a row holds 4 chunks (ops/draft_topk/launch.ROWS_PER_SM, ROWS_MIN_CHUNKS), else one block per chunk of a row and a merge per row; SCHEDULES below), and the
 inputs of its bundles and sanitizer cases (its output record, DraftTopkOutput, is beside its numpy reference)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ KP = 2 ** sympy.ceiling(sympy.log(KMAX, 2))   # a list in the merge: KMAX rounde
 # "chunks": one block per chunk of a row, then a merge per row.
 # "rows" (the default): one block per row, its warps streaming the row with their next loads in flight, a threshold shared by the
 # block, the row's top-k selected by the block, one launch and no workspace, where there are enough rows
-# (kernels/draft_topk.ROWS_PER_SM) and the rows are long (ROWS_MIN_CHUNKS); otherwise the chunks schedule, in the same build. Its log-probs differ from the
+# (ops/draft_topk/launch.ROWS_PER_SM) and the rows are long (ROWS_MIN_CHUNKS); otherwise the chunks schedule, in the same build. Its log-probs differ from the
 # chunks schedule's by the rounding of another order of the sums (the same ids).
 # (schedule "stream" and the rows' row_end "warps" measured slower: removed in issue 40; docs/perf/journal-kernels.md has the figures)
 SCHEDULES = ("chunks", "rows")
@@ -39,7 +39,7 @@ HPASS = 4                    # rows, the end of a row: radix passes of 8-bit dig
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): the rows schedule with the block's end
+    """The default build configuration (build/variant.default_config): the rows schedule with the block's end
     (docs/perf/journal-kernels.md, "The end of a row selected by the block": 111 us against the chunks schedule's 158 at B = 64,
     V = 129280; the chunks schedule's own stages below 1.5 rows an SM)."""
     # min_blocks "auto": 4 where they fit an H100 / H200 SM (plan); an A100's 164 KB hold 3 of the default's 46 KB

@@ -74,7 +74,7 @@ def check_workspace_pages(spec, b: int, max_pages: int) -> None:
 
 
 def dequant_grid(consts: dict, b: int, max_pages: int) -> int:
-    """Blocks of the pre-pass's launch for the build's template constants (plans/kv_dequant.plan): the work units,
+    """Blocks of the pre-pass's launch for the build's template constants (ops/kv_dequant/plan.plan): the work units,
     B x max_pages x PARTS, one block each."""
     units = b * max_pages * int(consts.get("PARTS", 1))
     if units > INT32_MAX:

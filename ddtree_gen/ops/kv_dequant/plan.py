@@ -45,7 +45,7 @@ EDGE_OPTIONS = ({"parts": 5}, {"parts": 5, "store": "pair"}, {"parts": 7}, {"par
 
 
 def policy(spec, arch: str = "sm_90a") -> dict:
-    """The default build configuration (plans/variant.default_config): one block of 256 threads per half page (two
+    """The default build configuration (build/variant.default_config): one block of 256 threads per half page (two
     parts per page), warp stores (FIGURES: 92-93 % of the same-run bf16 copy rate at B >= 8, 78 % at B = 1)."""
     return dict(KNOBS)
 

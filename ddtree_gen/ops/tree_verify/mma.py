@@ -19,6 +19,7 @@ family's peer of ops/tree_verify/wgmma.py.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import sympy
 
@@ -26,6 +27,7 @@ from ...archs import PRIMARY
 from ...errors import SpecError
 from ...build.resources import SM80_SMEM_PER_BLOCK, SM90_SMEM_PER_BLOCK, H, P, R, Plan, evaluate
 from . import split as split_kv
+from .params import ATTENTION, signature
 from ...build.kernel_def import KernelDef
 from .split import BM, O_REGS, WARPS, check_spec
 
@@ -115,7 +117,8 @@ def verify_plan(spec, kernel="tree_verify_mma", config=None, arch=PRIMARY) -> Pl
                 static_smem=sympy.Integer(0), dynamic_smem=SMEM.subs(sub),
                 consts={"WARPS": sympy.Integer(WARPS), "BM": sympy.Integer(BM), "BN": sympy.Integer(cfg["BN"]),
                         "STAGES": sympy.Integer(cfg["STAGES"]), "SROW": SROW, "PROW": PROW.subs(sub),
-                        "O_REGS": O_REGS})
+                        "O_REGS": O_REGS},
+                build=MmaBuild(cfg["BN"], cfg["STAGES"]))
 
 
 def tail_plan(spec, config=None, arch=PRIMARY) -> Plan:
@@ -141,13 +144,39 @@ def split_table(spec, arch: str = PRIMARY) -> dict:
     return {}
 
 
-split_kv.register_family("mma", split_table)
+def split_rule(spec, arch: str = PRIMARY) -> tuple:
+    """The family's split rule as values for split_kv.choose_splits: its tuned table's (shape class, count) pairs and
+    the wave model."""
+    return tuple(sorted(split_table(spec, arch).items())), split_kv.wave_model
 
 
 # the mma.sync kernels read bf16 caches only: an fp8 spec (kv_dtype "fp8_e4m3") does not get them, its
 # tree_verify is the wgmma kernel (Hopper) or the CUDA-core one; the combine kernel (fp32 partials) is built
 # for every spec
 MMA_KV_DTYPES = ("bf16",)
+
+
+@dataclass(frozen=True)
+class MmaBuild:
+    """A build of the mma.sync kernels as a typed record (KernelDef.record): its BN and STAGES; the grid is always the
+    chunks grid, the cache the spec's, the key tiles by cp.async (what the route and the launch plan read)."""
+    BN: int
+    STAGES: int
+    parts = False             # the chunks grid: a request's keys cut into chunks
+    reads_workspace = False   # the spec's cache
+    tma = False
+    schedule = None
+
+    grid = "chunks"
+    params = ATTENTION        # its kernels' parameter list (ops/tree_verify/params.py)
+
+    def launch_grid(self, b: int, count: int, row_tiles: int, sms: int) -> tuple:
+        """(blocks, no values of its own): a block per (request, chunk, row tile)."""
+        return b * count * row_tiles, {}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MmaBuild":
+        return cls(**_normalise(config))
 
 
 def spell(config) -> tuple:
@@ -158,9 +187,11 @@ def spell(config) -> tuple:
 KERNELS = [   # mma.sync, ldmatrix, cp.async: sm_80 instructions, so both targets (the configuration per target: config_for)
     KernelDef(name="tree_verify_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_mma",
               plan=verify_plan, context={"tail": False}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell, serves=("tree_verify", "mma")),
+              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule, signature=signature,
+              serves=("tree_verify", "mma")),
     KernelDef(name="tree_verify_tail_mma", template="tree_verify_mma.cu.j2", entry="ddtree_tree_verify_tail_mma",
               plan=tail_plan, context={"tail": True}, kv_dtypes=MMA_KV_DTYPES,
-              policy=config_for, spell=spell, serves=("tree_verify_tail", "mma")),
+              policy=config_for, spell=spell, record=MmaBuild.from_config, split_rule=split_rule, signature=signature,
+              serves=("tree_verify_tail", "mma")),
 ]
 

@@ -7,8 +7,9 @@ the other, both import this one.
 
 * Split-KV: the number of key chunks comes from shapes only (B, Nq, H, max_pages, the SM count), never from
   device values: CUDA-graph friendly. The chunk boundaries are computed in the kernel from the request's
-  prefix_len. choose_splits takes a family's tuned table (split_table, registered by each family module:
-  register_family) by shape class, else the wave model (wave_splits).
+  prefix_len. choose_splits takes a backend's tuned table and model as values (each kernel's
+  KernelDef.split_rule: the mma.sync table and the wave model, wave_model; the wgmma kernels' makespan model,
+  makespan_model): the table's count by shape class, else the model's.
 * The tuning table (TUNING_FILE, written by scripts/tune_tree_verify.py and scripts/sweep_splits.py on a
   GPU): per spec the mma.sync configuration and split table, and the wgmma split table.
 * The workspace: fp32 partials of every chunk (or seesaw part) and their lse, then the seesaw kernel's
@@ -26,7 +27,6 @@ from typing import Callable
 
 import sympy
 
-from ...archs import PRIMARY
 from ...errors import SpecError
 from ...build.resources import SM90_MAX_REGS_PER_THREAD, R, Plan, evaluate
 from ...build.kernel_def import KernelDef
@@ -70,15 +70,6 @@ def tuning() -> dict:
     return specs if isinstance(specs, dict) else {}
 
 
-# family ("mma", "wgmma") -> split_table(spec, arch): its tuned split counts by shape class ({}: none)
-_SPLIT_TABLES: dict[str, Callable] = {}
-
-
-def register_family(family: str, split_table: Callable) -> None:
-    """A tensor-core family's tuned split table (called by the family's plan module, at import)."""
-    _SPLIT_TABLES[family] = split_table
-
-
 # ------------------------------------------------------------------------- split-KV
 
 def shape_class(base_blocks: int) -> str:
@@ -87,32 +78,23 @@ def shape_class(base_blocks: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)   # on every launch: shapes only, so cached
-def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, arch: str = PRIMARY,
-                  family: str = "mma") -> int:
-    """Key chunks per (request, row tile), from shapes only.
-
-    Each family has its own tuned table (by shape class; measured on an H200): the mma.sync one
-    ("splits", scripts/tune_tree_verify.py) for the sm_90a build of the tuned configuration, the wgmma
-    one ("wgmma" -> "splits", scripts/sweep_splits.py --write). Without an entry: the wave model
-    (wave_splits). Never more chunks than the largest
-    possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size
-    otherwise)."""
+def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, table: tuple = (),
+                  model: Callable | None = None) -> int:
+    """Key chunks per (request, row tile), from shapes only, by a backend's split rule given as values: `table`, its
+    tuned counts as (shape class, count) pairs (measured on an H200: the mma.sync one, scripts/tune_tree_verify.py,
+    for the sm_90a build of the tuned configuration), else `model`(base blocks, SMs, key tiles, most) (default: the
+    wave model, wave_model; the wgmma kernels' makespan_model at every length). Never more chunks than the largest
+    possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise)."""
     base = b * -(-nq * spec.num_heads // BM)
     if base <= 0:
         return 1
-    table = _SPLIT_TABLES[family](spec, arch)
     useful = max(1, -(-int(max_keys) // (2 * bn)))
     tiles = max(1, -(-int(max_keys) // bn))
-    if family == "wgmma":   # the makespan model at every length (the table was fitted at L = 4096 only)
-        most = min(MAX_SPLITS, useful)
-        if tiles < LONG_TILES:
-            return short_splits(base, sms, tiles, most)
-        # at WAVE_SPLIT_BASE waves of blocks or more, splitting gains less than the combine costs (the wave model's rule)
-        return 1 if base >= WAVE_SPLIT_BASE * sms else best_count(base, sms, tiles, most)
-    s = table.get(shape_class(base)) if isinstance(table, dict) else None
-    if not isinstance(s, int) or s < 1:
-        s = wave_splits(base, sms, min(MAX_SPLITS, useful))
-    return max(1, min(int(s), MAX_SPLITS, useful))
+    most = min(MAX_SPLITS, useful)
+    s = dict(table).get(shape_class(base))
+    if isinstance(s, int) and s >= 1:
+        return max(1, min(s, most))
+    return (model or wave_model)(base, sms, tiles, most)
 
 
 # The wave model of an untuned shape (a spec of the user's, a bench variant): blocks run one per SM, so a
@@ -165,6 +147,20 @@ def best_count(blocks_per_piece: int, sms: int, units: int, most: int, fixed: fl
     return min(range(1, max(1, most) + 1), key=lambda s: (makespan(blocks_per_piece, s, sms, units, fixed), s))
 
 
+def wave_model(base: int, sms: int, tiles: int, most: int) -> int:
+    """The mma.sync kernels' model of an untuned shape (choose_splits): the wave model."""
+    return wave_splits(base, sms, most)
+
+
+def makespan_model(base: int, sms: int, tiles: int, most: int) -> int:
+    """The wgmma kernels' model at every length (their table was fitted at L = 4096 only: at 64k keys its 16 chunks
+    took two waves): the fixed-cost model of short contexts, else one chunk at WAVE_SPLIT_BASE waves of blocks or more
+    (splitting gains less than the combine costs: the wave model's rule), else the makespan model's best count."""
+    if tiles < LONG_TILES:
+        return short_splits(base, sms, tiles, most)
+    return 1 if base >= WAVE_SPLIT_BASE * sms else best_count(base, sms, tiles, most)
+
+
 def wave_splits(base: int, sms: int, most: int) -> int:
     """The split count the wave model predicts fastest for `base` blocks on `sms` SMs (at most `most`)."""
     if base >= WAVE_SPLIT_BASE * sms:
@@ -178,7 +174,7 @@ def wave_splits(base: int, sms: int, most: int) -> int:
 
 def workspace_elems(spec, b: int, nq: int, splits: int) -> int:
     """float32 elements of split-KV scratch for `splits` chunks (or parts): partial outputs [splits, rows, R], their
-    lse [splits, rows], then 2 B + 1 int32 (the seesaw kernel's request spans: plans/tree_verify_wgmma). The
+    lse [splits, rows], then 2 B + 1 int32 (the seesaw kernel's request spans: ops/tree_verify/wgmma.py). The
     seesaw kernel uses the first (B + splits - 1) Nq H (R + 1) of the partials' part (parts_workspace_elems)."""
     if splits <= 1:
         return 0

@@ -32,24 +32,25 @@ import numpy as np
 
 from ...launch import arrays as ar
 from ...errors import ArgumentError
-from .. import by_name
+from .. import all_builds, by_name
 from .split import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
 from .split import COMBINE_DEF, parts_workspace_elems, workspace_elems
 from ...build.declaration import Declaration
 from .simple import tensor_core_sanitizer_cases
 from ..kv_dequant.plan import workspace_layout as dequant_layout
-from .wgmma import WORKSPACE_READERS, parts_for
+from .wgmma import parts_for
 from ...launch.runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ...types import AttentionOutput
 from ..kv_dequant.launch import dequant_step
+from .route import KVW, WS
 from ...launch.checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
                               given_outputs, validate_attention_values)
 
 READER = "tensor-core kernel"   # in alignment messages
 Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
-WS = len(ATTENTION_ARRAYS)      # the workspace's index in the call's array list
-KVW = WS + 1                    # fp8_path "dequant": the bf16 kv_workspace's
-KV_DEQUANT = "kv_dequant"       # its pre-pass (ops/kv_dequant/plan.py)
+KV_DEQUANT = "kv_dequant"       # the dequantize path's pre-pass (ops/kv_dequant/plan.py)
+# build -> its kernel's split-KV rule as values (KernelDef.split_rule: the table and model choose_splits takes)
+_SPLIT_RULES = {k.name: k.split_rule for k in all_builds() if k.split_rule is not None}
 _INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
 
 
@@ -83,30 +84,31 @@ def _given_scratch(ptrs, array, name: str, dtype: str, expected: str, need: int,
     return sa
 
 
-def pieces(offer, name: str, family: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
-    """(parts, count) of a call of build `name` of tensor-core `family` ("wgmma", "mma"; the route's choice already)
-    on the offer's device: parts True for a build on the "parts" grid (the knob grid="parts":
-    plans/tree_verify_wgmma.KNOBS), which cuts the batch's work into `count` balanced parts on the device, one block
-    per (row tile, part); else one block per (request, chunk, row tile), `count` chunks a request. From shapes only
-    (num_splits: the caller's count, checked)."""
+def pieces(offer, name: str, tail: bool, b: int, nq: int, max_pages: int, num_splits, arch: str):
+    """(parts, count) of a call of tensor-core build `name` (the route's choice already) on the offer's device: parts
+    True for a build whose record says it cuts the batch's work into `count` balanced parts on the device (record.parts:
+    ops/tree_verify/wgmma.WgmmaBuild), else `count` chunks a request (choose_splits with the kernel's split rule).
+    From shapes only (num_splits: the caller's count, checked)."""
     spec = offer.spec
     consts = offer.constants(name)
-    parts = bool(consts.get("PARTS"))
+    record = offer.record(name)   # the build's typed record (ops/tree_verify/wgmma.WgmmaBuild, ...)
+    parts = record.parts
     if num_splits is not None:
         return parts, ar.int_arg(num_splits, "num_splits", lo=1, hi=MAX_PARTS if parts else MAX_SPLITS)
     max_keys = nq if tail else max_pages * spec.page_size
     sms = sm_count(offer.device) if b else DEFAULT_SMS
     if parts:
-        return parts, parts_for(spec, b, nq, max_keys, sms, int(consts.get("SEG_COST", 0)))
+        return parts, parts_for(spec, b, nq, max_keys, sms, record.seg_cost)
     # the dequantize path's kernel takes the fused wgmma kernel's split count (the same rule): the same bits
-    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, arch, family)
+    return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, *_SPLIT_RULES[name](spec, arch))
 
 
-def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate, num_splits,
+def prepare_attention(offer, name, tail, arrays, softmax_scale, validate, num_splits,
                       kv_scale=None) -> Prepared:
-    """The checks and launch plan of one call signature (runtime.Prepared) of build `name` of tensor-core `family`
-    (kernels/tree_verify.route's choice: tree_verify_wgmma, tree_verify_wgmma/parts, tree_verify_tail_mma, ...), on
-    what the kernel set offers on the arrays' device (runtime.DeviceOffer)."""
+    """The checks and launch plan of one call signature (runtime.Prepared) of tensor-core build `name`
+    (ops/tree_verify/route.route's choice: tree_verify_wgmma, its parts build, tree_verify_tail_mma, ...), on what the
+    kernel set offers on the arrays' device (runtime.DeviceOffer), read from the build's typed record (offer.record:
+    its grid, workspace source, TMA, parameter list)."""
     spec = offer.spec
     if name not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
         raise ArgumentError(by_name(name).why_not_built(spec))
@@ -116,22 +118,24 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
-    dequant = name in WORKSPACE_READERS
     if offer.device != qn.device:   # (the offer is of q_nope's device; the checks found every array on it)
         raise AssertionError(f"the offer of device {offer.device}, the call's arrays on {qn.device}")
     arch = offer.require(name)
     consts = offer.constants(name)
+    record = offer.record(name)   # the build's typed record (ops/tree_verify/wgmma.WgmmaBuild, ...)
+    dequant = record.reads_workspace   # the dequantize path's build
     if dequant:   # fp8_path "dequant": its pre-pass too (the checks of the caller's kv_workspace: below)
         if KV_DEQUANT not in offer.builds:
             raise ArgumentError(f"fp8_path: 'dequant' needs {KV_DEQUANT}, not loaded in this kernel set of spec "
                                 f"{spec.name!r} (load it, or pass fp8_path=None)")
         offer.require(KV_DEQUANT)
     bn = consts["BN"]
-    parts, splits = pieces(offer, name, family, tail, b, nq, max_pages, num_splits, arch)
+    parts, splits = pieces(offer, name, tail, b, nq, max_pages, num_splits, arch)
     row_tiles = -(-nq * h // BM)
     rows_total = b * nq * h
     max_keys = nq if tail else max_pages * spec.page_size
-    if parts and b * (-(-max_keys // bn) + int(consts.get("SEG_COST", 0))) > INT32_MAX:
+    sms = sm_count(qn.device) if b else DEFAULT_SMS
+    if parts and b * (-(-max_keys // bn) + record.seg_cost) > INT32_MAX:
         raise ArgumentError(f"block_table: {b} requests x {max_pages} pages are too many key tiles for one launch")
     if splits > 1 and COMBINE not in offer.builds:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
@@ -159,7 +163,7 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
         slots = (b + splits - 1) * nq * h if parts else splits * rows_total   # partial rows in the workspace
         part_o, part_lse, spans = (((WS, 0), (WS, slots * r * 4), (WS, slots * (r + 1) * 4)) if need else
                                    (np.uint64(0), np.uint64(0), np.uint64(0)))
-        # a TMA build (plans/tree_verify_wgmma.uses_tma) also takes the cache's tensor map, made per call:
+        # a TMA build (ops/tree_verify/wgmma.uses_tma) also takes the cache's tensor map, made per call:
         # boxes of one key tile's rows by one 64-column slab (bf16: 128 bytes, swizzled; e4m3: 64 bytes, as they are)
         # the dequantize path: kv_dequant writes the bf16 pages and their block table into the kv workspace, which
         # the kernel then reads as its cache (B * max_pages pages; the table after them)
@@ -171,12 +175,15 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
         tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
-               if consts.get("USE_TMA") else ())
-        blocks = splits * row_tiles if parts else b * splits * row_tiles
-        args = (0, 1, kv, table, 4, 5, 6, np.float32(scale_log2), np.float32(v_scale), np.int32(nq), np.int32(max_pages),
-                np.int32(pages), np.int32(splits), np.int64(rows_total), 7, 8, part_o, part_lse,
-                *((spans,) if parts else ()), *tma)
-        steps.append(Step(name, (blocks,), args))
+               if record.tma else ())
+        # the grid (the record's: blocks and its own values), the launch's values by parameter name, bound in the
+        # order the build declares (ops/tree_verify/params.py)
+        blocks, grid_values = record.launch_grid(b, splits, row_tiles, sms)
+        values = {**grid_values, "q_nope": 0, "q_pe": 1, "kv_cache": kv, "block_table": table, "prefix_lens": 4,
+                  "q_lens": 5, "tree_mask": 6, "scale_log2": scale_log2, "v_scale": v_scale, "Nq": nq, "max_pages": max_pages,
+                  "num_pages": pages, "splits": splits, "rows_total": rows_total, "out": 7, "lse": 8,
+                  "part_o": part_o, "part_lse": part_lse, "spans": spans, "kv_map": tma[0] if tma else None}
+        steps.append(Step(name, (blocks,), bind(record.params, values)))
         if need:
             new.append((WS, (need,), "float32"))
         if splits > 1:
@@ -185,6 +192,19 @@ def prepare_attention(offer, name, family, tail, arrays, softmax_scale, validate
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), scratch=(WS, KVW) if dequant else (WS,),
                     returns=(AttentionOutput, (7, 8)))
+
+
+# C scalar types -> the numpy type a launch passes (pointers: array indexes or (index, byte offset) as given)
+SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32}
+
+
+def bind(plist, values: dict) -> tuple:
+    """A launch's arguments in the order of a build's parameter list (ops/tree_verify/params.Param), each by name from
+    `values` (scalars as their C type's numpy type); a parameter without a value is an error naming it."""
+    missing = [p.name for p in plist if p.name not in values]
+    if missing:
+        raise AssertionError(f"the launch gives no value of kernel parameter(s) {', '.join(missing)}")
+    return tuple(SCALARS[p.ctype](values[p.name]) if p.ctype in SCALARS else values[p.name] for p in plist)
 
 
 def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:

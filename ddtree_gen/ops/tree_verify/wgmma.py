@@ -19,7 +19,7 @@ the schedule, whether key tiles come by TMA (`tma`) and the measurement knobs (K
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, fields, replace
 
 import sympy
 
@@ -27,7 +27,8 @@ from ...archs import PRIMARY
 from ...errors import SpecError
 from ...build.resources import P, R, Plan
 from . import split as split_kv
-from ...build.kernel_def import DEFAULT_BUILD, Build, KernelDef
+from .params import ATTENTION, KV_MAP, SPANS, signature
+from ...build.kernel_def import Build, KernelDef
 from .split import BM, MAX_PARTS, check_spec
 
 BN = 64
@@ -51,20 +52,12 @@ SMEM_FP8 = (2 * TILE                               # Q tile, the converted bf16 
 V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 
 
-# tree_verify_wgmma ships several builds (plans/kernel_def.Build; a kernel set's key of each: "tree_verify_wgmma/<build>"),
-# and `pick` (below) chooses one per call. The builds besides the default (the chunks grid: a block per request, chunk
-# and row tile):
-# The fp8 spec's dequantize path (tree_verify(..., fp8_path="dequant")): the kv_dequant pre-pass writes the e4m3 pages
-# a call reads into a bf16 workspace, then this build of the full kernel, the bf16-cache seesaw built for the fp8
-# spec (kv_scale in fp32 as the fused fp8 build: scale_log2, v_scale), reads it (ops/kv_dequant/plan.py; knob kv_source
-# "workspace")
-DEQUANT = "tree_verify_wgmma/dequant"
-# The seesaw on the balanced parts grid (grid "parts"), the build that tree_verify's launcher takes instead of
-# the chunks grid: a bf16 cache, any H, B >= PARTS_MIN_B (a batch of several requests, whose lengths
-# the host does not know: the parts are cut on the device from them, balanced whatever they are; one request is the
-# chunks grid's, whose blocks skip the parts' scan), the launcher's own part count (num_splits not given; parts_for).
-# docs/perf.md "tree_verify on real traffic"
-PARTS_KERNEL = "tree_verify_wgmma/parts"
+# tree_verify_wgmma ships several builds (build/kernel_def.Build; each a WgmmaBuild record, below), and the route
+# (ops/tree_verify/route.py) chooses one per call by what the records say (reads_workspace, parts), never by name. Its
+# rule for the parts grid: a batch of B >= PARTS_MIN_B requests (whose lengths the host does not know: the parts are
+# cut on the device from them, balanced whatever they are; one request is the chunks grid's, whose blocks skip the
+# parts' scan), the launcher's own part count (num_splits not given; parts_for). docs/perf.md "tree_verify on real
+# traffic"
 PARTS_MIN_B = 2
 # ... and, below a block table of PARTS_MIN_KEYS keys a request (no request long enough to set the pace of the chunks
 # grid alone), only where the makespan model says the parts pay (parts_pay): the chunks grid's blocks skip the parts'
@@ -76,38 +69,27 @@ PARTS_MIN_KEYS = 8192
 # wave of parts measured dearer than a block's prologue alone (B = 4, H = 8, 64k keys: 14 parts 493 us, 29 parts 541)
 PARTS_WAVE_TILES = 12
 ONE_WAVE_FILL = 0.95
-# The dequantize path's kernel on the parts grid: an fp8 spec's, where its calls take the parts
-# grid by the rule of PARTS_KERNEL (docs/perf.md "The dequantize path on the bf16 default's build": 0.76 -> 0.83x of
-# bf16 at B = 8 H = 8). The bits of the bf16 parts build in the fused build's slab order on the dequantized cache
-DEQUANT_PARTS = "tree_verify_wgmma/dequant_parts"
-WORKSPACE_READERS = (DEQUANT, DEQUANT_PARTS)     # the builds that read kv_dequant's bf16 workspace
-DEQUANT_BUILDS = ("dequant", "dequant_parts")   # (their build names)
-FULL_KERNELS = ("tree_verify_wgmma", DEQUANT, PARTS_KERNEL, DEQUANT_PARTS)
 
 
-def build_key(build: str) -> str:
-    """The kernel set's key of a build of tree_verify_wgmma ("default": the kernel's own name)."""
-    return "tree_verify_wgmma" if build == DEFAULT_BUILD else f"tree_verify_wgmma/{build}"
+def uses_tma(spec, *, tail: bool = False) -> bool:
+    """Whether tree_verify_wgmma (`tail`: its tail kernel) of `spec` can load its key tiles with TMA: the full kernel
+    (its tiles start on multiples of BN) of a cache whose pages hold whole tiles (page_size % BN == 0), so that a tile
+    is one rectangle of the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the wgmma swizzle; fp8:
+    64-byte rows of e4m3 bytes, which only the seesaw takes: its converter warpgroup turns them into bf16 slabs).
+    Otherwise cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are converted by its
+    threads)."""
+    return not tail and spec.page_size % BN == 0
 
 
-def reads_fp8(spec, kernel: str) -> bool:
-    """Whether `kernel`'s build for `spec` reads e4m3 tiles: an fp8 spec's, except the dequantize path's kernels
-    (WORKSPACE_READERS), which read the bf16 workspace."""
-    return spec.kv_fp8 and kernel not in WORKSPACE_READERS
+def seesaw_fits(spec, *, tail: bool = False) -> bool:
+    """Whether the seesaw schedule can serve the kernel of `spec`: TMA tiles (uses_tma: bf16 or fp8) and R = 512,
+    P = 64."""
+    return uses_tma(spec, tail=tail) and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
 
 
-def uses_tma(spec, kernel: str) -> bool:
-    """Whether `kernel` of `spec` can load its key tiles with TMA: the full kernel (its tiles start on multiples
-    of BN) of a cache whose pages hold whole tiles (page_size % BN == 0), so that a tile is one rectangle of
-    the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the wgmma swizzle; fp8: 64-byte rows of
-    e4m3 bytes, which only the seesaw takes: its converter warpgroup turns them into bf16 slabs). Otherwise
-    cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are converted by its threads)."""
-    return kernel in FULL_KERNELS and spec.page_size % BN == 0
-
-
-def lockstep_tma(spec, kernel: str) -> bool:
-    """TMA key tiles in the lockstep schedule: a bf16 cache only (its fp8 stages come by cp.async)."""
-    return uses_tma(spec, kernel) and not reads_fp8(spec, kernel)
+def schedule_for(spec, *, tail: bool = False) -> str:
+    """The default schedule: the seesaw wherever it fits, else lockstep."""
+    return "seesaw" if seesaw_fits(spec, tail=tail) else "lockstep"
 
 
 # Seesaw: Q, two key tiles, the even tile's P (the odd tile's lives in Q's rope slab), the row max and the two
@@ -121,15 +103,6 @@ SCHEDULES = ("seesaw", "lockstep")
 # the seesaw's rescale modes -> (RESCALE_SKIP, MAX_SLACK, EXP_FMA) of templates/tree_verify_seesaw.cu.j2; "lazy" is
 # the default (docs/perf.md, "fewer instructions per tile")
 RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1), "lazy4": (1, 4, 1)}
-def seesaw_fits(spec, kernel: str) -> bool:
-    """Whether the seesaw schedule can serve `kernel` of `spec`: TMA tiles (uses_tma: bf16 or fp8) and R = 512,
-    P = 64."""
-    return uses_tma(spec, kernel) and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
-
-
-def schedule_for(spec, kernel: str) -> str:
-    """The default schedule: the seesaw wherever it fits, else lockstep."""
-    return "seesaw" if seesaw_fits(spec, kernel) else "lockstep"
 
 
 # the knobs of a build besides the schedule and TMA, at their values in the default build (variant_config):
@@ -151,10 +124,8 @@ def schedule_for(spec, kernel: str) -> str:
 # vt_stages ("FP8 products, built": 0.61-1.02x of the exact path, ~4 % output error) and convert "inline" ("The
 # converter inside the parts kernel, built": 0.77x of bf16 against the pre-pass path's 0.84x)
 # kv_source "workspace": the build reads kv_dequant's bf16 workspace (the dequantize path's builds), not the spec's cache.
-KNOBS = {"ablate": 0, "l2_hint": None, "grid": "chunks", "s_order": "loaded", "sync_handoffs": False,
-         "rescale": "lazy", "p_store": "sts", "rope_early": False, "convert_sync": "pairs", "seg_cost": 6,
-         "kv_source": "cache"}
 KV_SOURCES = ("cache", "workspace")
+GRIDS = ("chunks", "parts")
 RETIRED = {"fp8_mma": 'docs/perf/journal-fp8.md "FP8 products, built"',
            "vt_stages": 'docs/perf/journal-fp8.md "FP8 products, built"',
            "convert": 'docs/perf/journal-fp8.md "The converter inside the parts kernel, built"'}
@@ -163,142 +134,208 @@ CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pair
 P_STORES = ("sts", "stmatrix")
 
 
-def variant_config(spec, arch: str = "sm_90a", kernel: str = "tree_verify_wgmma") -> dict:
-    """The policy (plans/variant.default_config): the schedule of schedule_for, TMA key tiles wherever they
-    can be used (uses_tma), every other knob off."""
-    sched = schedule_for(spec, kernel)
-    return {"schedule": sched, "tma": uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel),
-            **KNOBS}
+@dataclass(frozen=True)
+class WgmmaBuild:
+    """One build of tree_verify_wgmma (or its tail) as a typed record: the schedule, TMA key tiles, and the knobs above
+    at their default build's values. Checked when made (the checks that need no spec; verify_plan adds the spec's);
+    the variant layer holds it as its config (`config()`, `from_config`), its name spells its non-default fields
+    (`spell`), and the plan, the route and the launch plan read its properties (seesaw, parts, reads_workspace)."""
+    schedule: str
+    tma: bool
+    ablate: int = 0
+    l2_hint: str | None = None
+    grid: str = "chunks"
+    s_order: str = "loaded"
+    sync_handoffs: bool = False
+    rescale: str = "lazy"
+    p_store: str = "sts"
+    convert_sync: str = "pairs"
+    seg_cost: int = 6
+    rope_early: bool = False
+    kv_source: str = "cache"
+
+    def __post_init__(self):
+        for knob, domain in (("schedule", SCHEDULES), ("grid", GRIDS), ("rescale", RESCALES), ("p_store", P_STORES),
+                             ("convert_sync", CONVERT_SYNCS), ("kv_source", KV_SOURCES)):
+            if getattr(self, knob) not in domain:
+                raise SpecError(f"{knob} {getattr(self, knob)!r}: one of {', '.join(domain)}")
+        if not isinstance(self.seg_cost, int) or isinstance(self.seg_cost, bool) or not 0 <= self.seg_cost <= 64:
+            raise SpecError(f"seg_cost {self.seg_cost!r}: a whole number of key tiles, 0..64")
+        if int(self.ablate) & 28 and self.convert_sync == "pairs":
+            raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
+                            "'lean' or 'group'")
+        if self.seesaw and not self.tma:
+            raise SpecError("the seesaw schedule loads its key tiles by TMA (tma=False is the lockstep schedule's)")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "WgmmaBuild":
+        """The record of a variant's config (build/variant.py); a retired or unknown knob is a SpecError."""
+        retired = sorted(k for k in RETIRED if k in config)
+        if retired:
+            raise SpecError(f"{retired[0]}: a retired build knob, measured slower ({RETIRED[retired[0]]}; its code is "
+                            f"in git history)")
+        unknown = sorted(set(config) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise SpecError(f"{unknown[0]}: no such knob of tree_verify_wgmma (its knobs: "
+                            f"{', '.join(cls.__dataclass_fields__)})")
+        return cls(**config)
+
+    def config(self) -> dict:
+        """The variant layer's config: every field by name (the manifest's "config")."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def seesaw(self) -> bool:
+        return self.schedule == "seesaw"
+
+    @property
+    def parts(self) -> bool:
+        """A grid of balanced parts (the seesaw's grids besides "chunks"): the batch's key tiles cut into parts on the
+        device (parts_for counts them), partials in the parts' workspace layout (split_kv.parts_workspace_elems)."""
+        return self.seesaw and self.grid != "chunks"
+
+    @property
+    def params(self) -> tuple:
+        """Its kernel's parameter list (ops/tree_verify/params.py): the attention kernels', then the parts grid's request
+        spans, then a TMA build's tensor map."""
+        return (*ATTENTION, *((SPANS,) if self.parts else ()), *((KV_MAP,) if self.tma else ()))
+
+    def launch_grid(self, b: int, count: int, row_tiles: int, sms: int) -> tuple:
+        """(blocks, the grid's own launch values by parameter name) of a launch of `count` pieces: the parts grid a
+        block per (row tile, part), the chunks grid a block per (request, chunk, row tile)."""
+        return (count * row_tiles if self.parts else b * count * row_tiles), {}
+
+    @property
+    def reads_workspace(self) -> bool:
+        """The dequantize path's build: it reads kv_dequant's bf16 workspace, not the spec's cache."""
+        return self.kv_source == "workspace"
+
+    def reads_fp8(self, spec) -> bool:
+        """Whether it reads e4m3 tiles: an fp8 spec's cache, unless it reads the bf16 workspace."""
+        return spec.kv_fp8 and not self.reads_workspace
+
+    def spell(self) -> tuple:
+        """Its part of a variant's name (build/variant.py): tree_verify_wgmma.seesaw.tma,
+        tree_verify_wgmma.lockstep.cpasync.ablate3 (each field not at its default after the schedule and TMA)."""
+        default = WgmmaBuild(self.schedule, self.tma)
+        parts = [self.schedule, "tma" if self.tma else "cpasync"]
+        for f in fields(self)[2:]:
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name):
+                continue
+            if f.name == "ablate":
+                parts.append(f"ablate{int(value)}")
+            elif f.name == "l2_hint":
+                parts.append(f"l2-{value.replace('_', '-')}")
+            elif isinstance(value, bool):
+                parts.append(f.name.replace("_", "-"))
+            elif f.name == "kv_source":
+                parts.append(value)
+            else:
+                parts.append(f"{f.name.replace('_', '-')}-{value}")
+        return tuple(parts)
+
+
+# the knobs' values in the default build (the record's defaults): for scripts that list or vary them
+KNOBS = {f.name: f.default for f in fields(WgmmaBuild)[2:]}
+
+
+def default_build(spec, *, tail: bool = False) -> WgmmaBuild:
+    """The policy: the schedule of schedule_for, TMA key tiles wherever they can be used, every knob at its default."""
+    sched = schedule_for(spec, tail=tail)
+    return WgmmaBuild(sched, uses_tma(spec, tail=tail) and (sched == "seesaw" or not spec.kv_fp8))
+
+
+def variant_config(spec, arch: str = "sm_90a") -> dict:
+    """The policy as a variant's config (build/variant.default_config): default_build's."""
+    return default_build(spec).config()
 
 
 def parts_config(spec, arch: str = "sm_90a") -> dict:
-    """The policy of PARTS_KERNEL: the default seesaw build on the parts grid."""
-    return {**variant_config(spec, arch), "grid": "parts"}
+    """The parts build: the default seesaw build on the parts grid."""
+    return replace(default_build(spec), grid="parts").config()
 
 
 def dequant_config(spec, arch: str = "sm_90a") -> dict:
-    """The policy of DEQUANT: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order "slab"),
-    every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion is
-    exact, and kv_scale enters both the same way)."""
-    return {"schedule": "seesaw", "tma": True, **KNOBS, "rope_early": True, "s_order": "slab", "kv_source": "workspace"}
+    """The dequantize path's build: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order
+    "slab"), every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion
+    is exact, and kv_scale enters both the same way), over kv_dequant's bf16 workspace."""
+    return WgmmaBuild("seesaw", True, rope_early=True, s_order="slab", kv_source="workspace").config()
 
 
 def dequant_parts_config(spec, arch: str = "sm_90a") -> dict:
-    """The policy of DEQUANT_PARTS: DEQUANT's build on the parts grid (the slab order measured the same there)."""
+    """The dequantize path's build on the parts grid (the slab order measured the same there)."""
     return {**dequant_config(spec, arch), "grid": "parts"}
 
 
 def spell(config) -> tuple:
-    """A configuration's part of a variant's name (build/variant.py): tree_verify_wgmma.seesaw.tma,
-    tree_verify_wgmma.lockstep.cpasync.ablate3 (each knob that is not at its default value after the schedule)."""
-    parts = [config["schedule"], "tma" if config["tma"] else "cpasync"]
-    if config.get("ablate"):
-        parts.append(f"ablate{int(config['ablate'])}")
-    if config.get("l2_hint"):
-        parts.append(f"l2-{config['l2_hint'].replace('_', '-')}")
-    for knob in ("grid", "s_order"):
-        if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
-            parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
-    if config.get("sync_handoffs"):
-        parts.append("sync-handoffs")
-    for knob in ("rescale", "p_store", "convert_sync", "seg_cost"):
-        if config.get(knob, KNOBS[knob]) != KNOBS[knob]:
-            parts.append(f"{knob.replace('_', '-')}-{config[knob]}")
-    if config.get("rope_early"):
-        parts.append("rope-early")
-    if config.get("kv_source", KNOBS["kv_source"]) != KNOBS["kv_source"]:
-        parts.append(config["kv_source"])
-    return tuple(parts)
+    """A configuration's part of a variant's name (KernelDef.spell): its record's (WgmmaBuild.spell)."""
+    return WgmmaBuild.from_config(config).spell()
 
 
-def verify_plan(spec, kernel="tree_verify_wgmma", config=None) -> Plan:
-    """The plan of a build of `kernel` (tree_verify_wgmma or its tail) with `config` (None: the kernel's default build);
-    the build is its config: grid "parts", kv_source "workspace" (the dequantize path)."""
+def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = False) -> Plan:
+    """The plan of a build of `kernel` (tree_verify_wgmma, or its tail: `tail`) with `config` (a variant's config, its
+    WgmmaBuild record's; None: the kernel's default build): the record's own checks, then the spec's."""
     check_spec(spec, kernel)   # R a multiple of 128 and at most 512: each warpgroup owns R / 2 columns
-    if config is None:
-        config = variant_config(spec, kernel=kernel)
-    kv_source = config.get("kv_source", KNOBS["kv_source"])
-    if kv_source not in KV_SOURCES:
-        raise SpecError(f"kv_source {kv_source!r}: one of {', '.join(KV_SOURCES)}")
-    dequant = kv_source == "workspace"
-    if dequant and (not spec.kv_fp8 or kernel != "tree_verify_wgmma"):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the dequantize path (kv_source 'workspace') is an fp8 "
-                        f"spec's full kernel (kv_dtype 'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
-    if config.get("grid") == "parts" and not seesaw_fits(spec, kernel):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the parts grid is built for the seesaw (page_size % {BN} "
-                        f"== 0, R = 512, P = 64)")
-    fp8 = spec.kv_fp8 and not dequant
-    sched = config["schedule"]
-    if sched not in SCHEDULES or (sched == "seesaw" and not seesaw_fits(spec, kernel)):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: schedule {sched!r} is not one it can take "
-                        f"(seesaw needs page_size % {BN} == 0, R = 512, P = 64, the full kernel)")
-    rescale, p_store = config.get("rescale", KNOBS["rescale"]), config.get("p_store", KNOBS["p_store"])
-    if rescale not in RESCALES:
-        raise SpecError(f"rescale {rescale!r}: one of {', '.join(RESCALES)}")
-    if p_store not in P_STORES:
-        raise SpecError(f"p_store {p_store!r}: one of {', '.join(P_STORES)}")
-    convert_sync = config.get("convert_sync", KNOBS["convert_sync"])
-    if convert_sync not in CONVERT_SYNCS:
-        raise SpecError(f"convert_sync {convert_sync!r}: one of {', '.join(CONVERT_SYNCS)}")
-    retired = sorted(k for k in RETIRED if k in config)
-    if retired:
-        raise SpecError(f"{retired[0]}: a retired build knob, measured slower ({RETIRED[retired[0]]}; its code is in git "
-                        f"history)")
-    seg_cost = config.get("seg_cost", KNOBS["seg_cost"])
-    if not isinstance(seg_cost, int) or isinstance(seg_cost, bool) or not 0 <= seg_cost <= 64:
-        raise SpecError(f"seg_cost {seg_cost!r}: a whole number of key tiles, 0..64")
-    seg_cost = seg_cost if sched == "seesaw" and config.get("grid") == "parts" else 0   # the parts grid only
-    if not fp8 and (convert_sync != KNOBS["convert_sync"] or int(config.get("ablate", 0)) & 28):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
+    where = f"spec {spec.name!r}, kernel {kernel}"
+    try:
+        build = default_build(spec, tail=tail) if config is None else WgmmaBuild.from_config(config)
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+    if build.reads_workspace and (not spec.kv_fp8 or tail):
+        raise SpecError(f"{where}: the dequantize path (kv_source 'workspace') is an fp8 spec's full kernel (kv_dtype "
+                        f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
+    if build.grid != "chunks" and not seesaw_fits(spec, tail=tail):
+        raise SpecError(f"{where}: the parts grid is built for the seesaw (page_size % {BN} == 0, R = 512, P = 64)")
+    fp8 = build.reads_fp8(spec)
+    if build.seesaw and not seesaw_fits(spec, tail=tail):
+        raise SpecError(f"{where}: schedule {build.schedule!r} is not one it can take (seesaw needs page_size % {BN} "
+                        f"== 0, R = 512, P = 64, the full kernel)")
+    if not fp8 and (build.convert_sync != KNOBS["convert_sync"] or int(build.ablate) & 28):
+        raise SpecError(f"{where} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
-    ablate = int(config.get("ablate", 0))
-    if ablate & 28 and convert_sync == "pairs":
-        raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
-                        "'lean' or 'group'")
-    tma = bool(config["tma"])
-    if tma and not (uses_tma(spec, kernel) if sched == "seesaw" else lockstep_tma(spec, kernel)):
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: TMA key tiles need the full kernel, page_size % {BN} "
-                        f"== 0 and (lockstep schedule) a bf16 cache")
-    if sched == "seesaw" and not tma:
-        raise SpecError(f"spec {spec.name!r}, kernel {kernel}: the seesaw schedule loads its key tiles by TMA (tma=False "
-                        f"is the lockstep schedule's)")
-    if sched == "seesaw" and fp8 and config.get("grid", "chunks") != "chunks":
-        raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {config['grid']!r})")
+    if build.tma and not (uses_tma(spec, tail=tail) and (build.seesaw or not fp8)):
+        raise SpecError(f"{where}: TMA key tiles need the full kernel, page_size % {BN} == 0 and (lockstep schedule) a "
+                        f"bf16 cache")
+    if build.seesaw and fp8 and build.grid != "chunks":
+        raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {build.grid!r})")
     # fp8: the converter warpgroup
-    threads = THREADS + 128 if sched == "seesaw" and fp8 else THREADS
-    if sched == "seesaw":
-        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if config.get("grid") == "parts" else 0)
+    threads = THREADS + 128 if build.seesaw and fp8 else THREADS
+    if build.seesaw:
+        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if build.parts else 0)
     else:
-        smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if tma else 0)   # TMA: one mbarrier per stage
+        smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if build.tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
                 static_smem=sympy.Integer(0), dynamic_smem=smem,
                 consts={"BM": sympy.Integer(BM), "BN": sympy.Integer(BN), "STAGES": sympy.Integer(STAGES),
-                        "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if tma else 0),
-                        "SEESAW": sympy.Integer(1 if sched == "seesaw" else 0),
-                        "ABLATE": sympy.Integer(int(config.get("ablate", 0))),
-                        "L2_EVICT_FIRST": sympy.Integer(1 if config.get("l2_hint") == "evict_first" else 0),
-                        "PARTS": sympy.Integer(1 if sched == "seesaw" and config.get("grid") == "parts" else 0),
-                        "SEG_COST": sympy.Integer(seg_cost),
-                        "S_LOADED_ORDER": sympy.Integer(0 if config.get("s_order") == "slab" else 1),
-                        "SYNC_HANDOFFS": sympy.Integer(1 if config.get("sync_handoffs") else 0),
+                        "SLABS": SLABS, "USE_TMA": sympy.Integer(1 if build.tma else 0),
+                        "SEESAW": sympy.Integer(1 if build.seesaw else 0),
+                        "ABLATE": sympy.Integer(int(build.ablate)),
+                        "L2_EVICT_FIRST": sympy.Integer(1 if build.l2_hint == "evict_first" else 0),
+                        "PARTS": sympy.Integer(1 if build.parts else 0),
+                        "SEG_COST": sympy.Integer(build.seg_cost if build.parts else 0),   # the parts grid only
+                        "S_LOADED_ORDER": sympy.Integer(0 if build.s_order == "slab" else 1),
+                        "SYNC_HANDOFFS": sympy.Integer(1 if build.sync_handoffs else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
                                  "GROUP_FENCE", "CONV_PAIRS"),
-                                (*RESCALES[rescale], int(p_store == "stmatrix"),
-                                 int(bool(fp8 or config.get("rope_early"))), *CONVERT_SYNCS[convert_sync]))}
-                           if sched == "seesaw" else {}),
+                                (*RESCALES[build.rescale], int(build.p_store == "stmatrix"),
+                                 int(bool(fp8 or build.rope_early)), *CONVERT_SYNCS[build.convert_sync]))}
+                           if build.seesaw else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()},
                         # the dequantize path's builds read bf16 tiles whatever the spec's cache holds
-                        **({"KV_FP8": sympy.Integer(0)} if dequant else {})})
+                        **({"KV_FP8": sympy.Integer(0)} if build.reads_workspace else {})},
+                build=build)
 
 
 def tail_plan(spec, config=None) -> Plan:
-    return verify_plan(spec, "tree_verify_tail_wgmma", config)
+    return verify_plan(spec, "tree_verify_tail_wgmma", config, tail=True)
 
 
 ARCHS = ("sm_90a",)        # wgmma.mma_async exists on sm_90a only: no sm_80 (PTX) build
 
-# the further builds of tree_verify_wgmma (its default: the chunks grid of variant_config), each picked by `pick`
+# the further builds of tree_verify_wgmma (its default: the chunks grid of default_build); the route
+# (ops/tree_verify/route.py) takes one by its record's properties (reads_workspace, parts)
 BUILDS = (
     # a bf16 spec's: the seesaw on the parts grid, which tree_verify takes at B >= PARTS_MIN_B
     Build("parts", parts_config, kv_dtypes=("bf16",), why="the balanced parts grid (B >= PARTS_MIN_B)"),
@@ -310,33 +347,30 @@ BUILDS = (
 )
 
 
-def pick(spec, *, fp8_path, b: int, nq: int, max_keys: int, sms: int, num_splits, runnable: frozenset,
-         workspace: int | None) -> str:
-    """The build of tree_verify_wgmma a call runs (a build name, plans/kernel_def.Build): the dequantize path's
-    ("dequant") where fp8_path is "dequant", else the default (the chunks grid); and that one's parts-grid build
-    ("parts", "dequant_parts") where num_splits is not given, B >= PARTS_MIN_B, the block table spans at least
-    PARTS_MIN_KEYS keys (or fewer and the makespan model says the parts pay: parts_pay), the build is in `runnable`
-    (loaded in the kernel set and running on the call's device) and a caller's workspace (`workspace`: its float32
-    elements, None: not given) holds the partials of parts_for's count: one sized for the chunks grid need not,
-    and then the chunks grid runs, as the caller sized it for."""
-    base = "dequant" if fp8_path == "dequant" else DEFAULT_BUILD
-    grid = "dequant_parts" if base == "dequant" else "parts"
-    if not (num_splits is None and b >= PARTS_MIN_B and grid in runnable
-            and (max_keys >= PARTS_MIN_KEYS or parts_pay(spec, b, nq, max_keys, sms))):
-        return base
-    parts = parts_for(spec, b, nq, max_keys, sms)
-    return grid if workspace is None or workspace >= split_kv.parts_workspace_elems(spec, b, nq, parts) else base
+def split_rule(spec, arch: str = PRIMARY) -> tuple:
+    """The family's split rule as values for split_kv.choose_splits: no table (the tuning table's "wgmma" -> "splits",
+    scripts/sweep_splits.py --write, was fitted at L = 4096 only) and the makespan model at every length."""
+    return (), split_kv.makespan_model
+
+
+def tail_config(spec, arch: str = "sm_90a") -> dict:
+    """The tail kernel's policy: default_build of the tail."""
+    return default_build(spec, tail=True).config()
 
 
 KERNELS = [
     KernelDef(name="tree_verify_wgmma", template="tree_verify_wgmma.cu.j2", entry="ddtree_tree_verify_wgmma",
               plan=verify_plan, context={"tail": False}, archs=ARCHS, policy=variant_config, spell=spell,
-              builds=BUILDS, pick=pick, serves=("tree_verify", "wgmma")),
+              record=WgmmaBuild.from_config, split_rule=split_rule, signature=signature, builds=BUILDS,
+              serves=("tree_verify", "wgmma")),
     KernelDef(name="tree_verify_tail_wgmma", template="tree_verify_wgmma.cu.j2",
               entry="ddtree_tree_verify_tail_wgmma", plan=tail_plan, context={"tail": True}, archs=ARCHS,
-              policy=functools.partial(variant_config, kernel="tree_verify_tail_wgmma"), spell=spell,
-              serves=("tree_verify_tail", "wgmma")),
+              policy=tail_config, spell=spell, record=WgmmaBuild.from_config, split_rule=split_rule,
+              signature=signature, serves=("tree_verify_tail", "wgmma")),
 ]
+# the kernel set's keys of the further builds (derived from the declaration: "tree_verify_wgmma/<build>"), for tests,
+# benches and scripts that name one; the package itself reads the records
+PARTS_KERNEL, DEQUANT, DEQUANT_PARTS = (d.name for d in KERNELS[0].build_defs()[1:4])   # (BUILDS' first three)
 
 
 def parts_for(spec, b: int, nq: int, max_keys: int, sms: int, seg_cost: int = KNOBS["seg_cost"]) -> int:
@@ -361,18 +395,8 @@ def parts_pay(spec, b: int, nq: int, max_keys: int, sms: int, seg_cost: int = KN
     row_tiles = -(-nq * spec.num_heads // BM)
     tiles = max(1, -(-int(max_keys) // BN))
     base = b * row_tiles
-    s = split_kv.choose_splits(spec, b, nq, max_keys, BN, sms, PRIMARY, "wgmma")
+    s = split_kv.choose_splits(spec, b, nq, max_keys, BN, sms, *split_rule(spec))
     p = parts_for(spec, b, nq, max_keys, sms, seg_cost)
     chunks = split_kv.makespan(base, s, sms, tiles)
     parts = split_kv.makespan(row_tiles, p, sms, b * (tiles + seg_cost), PARTS_WAVE_TILES)
     return parts < chunks
-
-
-def split_table(spec, arch: str = PRIMARY) -> dict:
-    """The family's tuned split counts by shape class: the tuning table's "wgmma" -> "splits" of the spec
-    (scripts/sweep_splits.py --write), for the sm_90a build ({}: none; choose_splits takes the wave model)."""
-    return split_kv.tuning().get(spec.name, {}).get("wgmma", {}).get("splits", {}) if arch == PRIMARY else {}
-
-
-split_kv.register_family("wgmma", split_table)
-

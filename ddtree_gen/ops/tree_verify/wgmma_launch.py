@@ -1,11 +1,11 @@
 """Launchers of tree_verify on Hopper's warpgroup tensor cores: tree_verify_wgmma and _tail_wgmma.
 
 The peer of ops/tree_verify/mma_launch.py: same contract, signature, split-KV policy, workspace and combine kernel, and the
-one route of every tree_verify call (ops/tree_verify/launch.py: `verify`); ops/tree_verify/wgmma.py has the resource
-plan, the schedules and the kernel's builds (the chunks grid by default, "parts", "dequant", "dequant_parts") with
-the rule that picks one. kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded
-(impl="auto"), or with impl="wgmma"; kset.tree_verify_wgmma calls them directly (an fp8 spec's cache read by the fused
-kernel unless build= names a dequantize build).
+one route of every tree_verify call (ops/tree_verify/route.py); ops/tree_verify/wgmma.py has the resource plan, the
+schedules and the kernel's builds as typed records (WgmmaBuild: the chunks grid by default, "parts", "dequant",
+"dequant_parts"). kset.tree_verify / kset.tree_verify_tail launch these kernels when they are loaded (impl="auto"), or
+with impl="wgmma"; kset.tree_verify_wgmma calls them directly (an fp8 spec's cache read by the fused kernel unless
+build= names a dequantize build).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ tree_verify = family_launcher("tree_verify", "wgmma", """Tree attention over the
     tree_verify_mma_combine loaded for split-KV); an fp8 spec's e4m3 cache with its kv_scale (required there, refused
     for bf16). build: one of the kernel's builds by name ("default": the chunks grid, "parts": the balanced parts grid,
     num_splits then the part count; an fp8 spec's "dequant" / "dequant_parts": the dequantize path); None: the
-    kernel's rule (ops.tree_verify.wgmma.pick).""")
+    route's choice by the builds' records (ops/tree_verify/route.route).""")
 
 tree_verify_tail = family_launcher("tree_verify_tail", "wgmma", """tree_verify_wgmma over the tree tail alone (keys
     prefix_len + j with mask bit j set), for merging with an external prefix kernel through merge_states. Same
