@@ -187,7 +187,7 @@ class StepPlan:
 
 
 OUTPUT_ALIGN = 256   # bytes: each output of a call's one buffer starts at such an offset (as cudaMalloc's do)
-# the host cost model of torch outputs, in us (an H200 host, docs/perf.md "Host cost of a call"): a CUDA
+# the host cost model of torch outputs, in us (an H200 host, docs/perf/journal-host.md "Host cost of a call"): a CUDA
 # torch.empty, and any other torch op on the host (a view, as_strided, unbind)
 EMPTY_US, VIEW_US = 3.2, 1.6
 # what a view op saves below torch's ADInplaceOrView key (torch._C._AutoDispatchBelowADInplaceOrView: no autograd

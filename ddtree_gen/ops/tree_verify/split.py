@@ -109,7 +109,7 @@ WAVE_SPLIT_BASE = 4    # at base >= 4 waves of blocks, splitting gains less than
 # Short contexts (the wgmma family, fewer than LONG_TILES key tiles a request): a block's fixed cost (its prologue, Q,
 # epilogue: BLOCK_FIXED_TILES key tiles' time) is paid per block whatever its share of the keys, so more waves of
 # shorter blocks lose where the wave model above would split; fitted to scripts/sweep_splits.py at L = 64..1984 on the
-# H200 (docs/perf.md "Short contexts": 1.72 us a key tile, 10.7 us a block; the combine, 3-7 us in a graph of its own,
+# H200 (docs/perf/journal-tree-verify.md "Short contexts": 1.72 us a key tile, 10.7 us a block; the combine, 3-7 us in a graph of its own,
 # costs less behind the attention kernel)
 LONG_TILES = 32
 BLOCK_FIXED_TILES = 6.0

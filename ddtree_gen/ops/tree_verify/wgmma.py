@@ -56,14 +56,14 @@ V_DESC = {"V_LBO": 64 * 128, "V_SBO": 8 * 128}
 # (ops/tree_verify/route.py) chooses one per call by what the records say (reads_workspace, parts), never by name. Its
 # rule for the parts grid: a batch of B >= PARTS_MIN_B requests (whose lengths the host does not know: the parts are
 # cut on the device from them, balanced whatever they are; one request is the chunks grid's, whose blocks skip the
-# parts' scan), the launcher's own part count (num_splits not given; parts_for). docs/perf.md "tree_verify on real
+# parts' scan), the launcher's own part count (num_splits not given; parts_for). docs/perf/journal-tree-verify.md "tree_verify on real
 # traffic"
 PARTS_MIN_B = 2
 # ... and, below a block table of PARTS_MIN_KEYS keys a request (no request long enough to set the pace of the chunks
 # grid alone), only where the makespan model says the parts pay (parts_pay): the chunks grid's blocks skip the parts'
 # scan and segment loop (~4 us a block): at B = 2, H = 8, L = 4096 the chunks grid 37.0 us against the parts' 44.7, at
 # B = 8, Nq = 16 38.0 against 41.9; but at B = 8, H = 64, Nq = 21, L = 3229 the chunks grid's 4 waves took 185.6 us
-# where FlashMLA's one balanced wave took 133 (docs/perf.md "tree_verify on real traffic")
+# where FlashMLA's one balanced wave took 133 (docs/perf/journal-tree-verify.md "tree_verify on real traffic")
 PARTS_MIN_KEYS = 8192
 # the parts count's fixed cost of a wave of blocks in key tiles (the makespan model, split_kv.best_count): a second
 # wave of parts measured dearer than a block's prologue alone (B = 4, H = 8, 64k keys: 14 parts 493 us, 29 parts 541)
@@ -117,9 +117,9 @@ RESCALES = {"exact": (0, 0, 0), "skip": (1, 0, 0), "lazy": (1, 8, 1), "lazy4": (
 # the rope slab loaded and multiplied with the early group (V_L's slabs) instead of the late one (an fp8 cache: always,
 # its in-place conversion needs it; a bf16 one with it gives the fp8 build's bits on the dequantized cache)
 # convert_sync (fp8 seesaw, CONVERT_SYNCS): how the converter warpgroup synchronises ("slab", "lean", "group" or "pairs":
-# two slabs per step, the default: docs/perf.md "FP8 on the seesaw, built"); seg_cost (the parts grid): a segment's fixed
+# two slabs per step, the default: docs/perf/journal-fp8.md "FP8 on the seesaw, built"); seg_cost (the parts grid): a segment's fixed
 # cost in key tiles when the batch's work is cut into parts (SEG_COST of templates/tree_verify_seesaw.cu.j2: each request
-# costs seg_cost + its tiles; docs/perf.md "tree_verify on real traffic").
+# costs seg_cost + its tiles; docs/perf/journal-tree-verify.md "tree_verify on real traffic").
 # Retired (measured slower, their code in git history, their figures in docs/perf/journal-fp8.md): fp8_mma and
 # vt_stages ("FP8 products, built": 0.61-1.02x of the exact path, ~4 % output error) and convert "inline" ("The
 # converter inside the parts kernel, built": 0.77x of bf16 against the pre-pass path's 0.84x)
