@@ -400,12 +400,13 @@ def test_dequant_parts_built_where_it_serves():
 
 def test_dequant_path_allocates_its_workspace(fake_device):
     """Without kv_workspace the launcher allocates it (a scratch output: not returned), with the split workspace."""
-    from ddtree_gen.ops.tree_verify.tensor_core import prepare_attention
+    from ddtree_gen.launch.checks import check_attention_call
+    from ddtree_gen.ops.tree_verify.tensor_core import INDEX_TC, TENSOR_CORE_CHECKS, prepare_attention
     a = verify_args(FP8, Arrays())
     arrays = (*(a[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "prefix_lens", "q_lens", "tree_mask")),
               None, None, None, None)   # out, lse, workspace, kv_workspace: new (allocated before the launches)
-    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, False, arrays,
-                             a["softmax_scale"], False, 1, KV_SCALE)
+    checked = check_attention_call(FP8, INDEX_TC, arrays, a["softmax_scale"], KV_SCALE, **TENSOR_CORE_CHECKS)
+    prep = prepare_attention(FakeKernelSet(FP8, DEQUANT_SET).offer(0), DEQUANT, False, arrays, checked, False, 1)
     assert [s.kernel for s in prep.steps] == ["kv_dequant", DEQUANT]
     assert (tensor_core_kvw(), (kd_plans.workspace_elems(FP8, B, MAX_PAGES),), "bf16") in prep.new
     assert tensor_core_kvw() in prep.scratch

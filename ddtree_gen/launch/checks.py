@@ -7,6 +7,8 @@ call (runtime.run_call) repeats exactly them, with the same messages, on every l
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import arrays as ar
@@ -124,6 +126,31 @@ def check_attention_inputs(spec, ptrs: PointerChecks, q_nope, q_pe, kv_cache, bl
         raise ArgumentError(f"kv_cache/block_table: num_pages {num_pages} and max_pages {max_pages} "
                             f"must be < 2**31")
     return inputs, scale_log2, v_scale
+
+
+class AttentionChecked(NamedTuple):
+    """What check_attention_call found: the pointer checks (to add the caller's other buffers to), the inputs by name
+    as DevArrays, the kernels' scale_log2 and v_scale, and the caller's out / lse (None: not given)."""
+    ptrs: PointerChecks
+    inputs: dict
+    scale_log2: float
+    v_scale: float
+    out: object
+    lse: object
+
+
+def check_attention_call(spec, index: dict, arrays, softmax_scale, kv_scale=None, *, q_align: int,
+                         reader: str = "kernel", row_indices32: bool = False) -> AttentionChecked:
+    """The checks every tree_verify / tree_verify_tail launch takes, in one pass before its launch plan: the inputs
+    (check_attention_inputs) and the caller's out / lse buffers (given_outputs); `index`: the call's array positions
+    by name (the pointer checks'). The launch plan adds its own buffers and checks them all together
+    (check_outputs) before anything is allocated."""
+    ptrs = PointerChecks(index)
+    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
+                                                         q_align=q_align, reader=reader, row_indices32=row_indices32)
+    b, nq, h, r = inputs["q_nope"].shape
+    out, lse = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
+    return AttentionChecked(ptrs, inputs, scale_log2, v_scale, out, lse)
 
 
 F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)

@@ -35,13 +35,14 @@ from ...errors import ArgumentError
 from ... import reference
 from . import simple as _plans
 from ...build.declaration import Bundles, Declaration, TorchOp
+from .. import by_name
 from .simple import MERGE_WARPS
 from ...launch.runtime import Prepared, Step, run_call
 from ...types import AttentionOutput
-from .tensor_core import prepare_attention
+from .tensor_core import INDEX_TC, TENSOR_CORE_CHECKS, prepare_attention
 from .route import (FP8_PATHS, IMPLS, KV_WORKSPACE_LIMIT, VerifyCall, auto_impl, dequant_kernels, fp8_default, route,
                     why_not)
-from ...launch.checks import (INDEX, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs, given_outputs,
+from ...launch.checks import (INDEX, INT32_MAX, PointerChecks, check_attention_call, check_outputs, given_outputs,
                               validate_attention_values)
 
 __all__ = ["FP8_PATHS", "IMPLS", "KV_WORKSPACE_LIMIT", "VerifyCall", "auto_impl", "dequant_kernels", "fp8_default",
@@ -59,9 +60,14 @@ def prepare(kset, call: VerifyCall) -> Prepared:
     offer = kset.offer(q[1] if known else None)
     r = route(offer, call, b, nq, table[0][1] if known else 0)
     if r.impl == "simple":
-        return _prepare_simple(offer, call)
-    return prepare_attention(offer, r.build, call.tail, call.arrays, call.softmax_scale, call.validate,
-                             call.num_splits, call.kv_scale)
+        return _prepare_simple(offer, call, check_attention_call(offer.spec, INDEX, call.arrays, call.softmax_scale,
+                                                                 call.kv_scale, q_align=4))
+    if r.build not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
+        raise ArgumentError(by_name(r.build).why_not_built(offer.spec))
+    return prepare_attention(offer, r.build, call.tail, call.arrays,
+                             check_attention_call(offer.spec, INDEX_TC, call.arrays, call.softmax_scale,
+                                                  call.kv_scale, **TENSOR_CORE_CHECKS),
+                             call.validate, call.num_splits)
 
 
 def _shape(x, name: str) -> tuple | None:
@@ -78,12 +84,11 @@ def verify(kset, call: VerifyCall) -> AttentionOutput:
     return run_call(kset, lambda: prepare(kset, call), call.arrays, call.key(), cache=not call.validate)
 
 
-def _prepare_simple(offer, call: VerifyCall) -> Prepared:
-    """The CUDA-core kernel of `call.name`: checks and launch plan of one call signature."""
-    spec, name, arrays = offer.spec, call.name, call.arrays
-    ptrs = PointerChecks(INDEX)
-    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], call.softmax_scale, call.kv_scale,
-                                                         q_align=4)
+def _prepare_simple(offer, call: VerifyCall, checked) -> Prepared:
+    """The CUDA-core kernel of `call.name`: the launch plan of one call signature, after its checks (`checked`:
+    checks.check_attention_call's)."""
+    spec, name = offer.spec, call.name
+    ptrs, inputs, scale_log2, v_scale, oa, la = checked
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
@@ -93,7 +98,6 @@ def _prepare_simple(offer, call: VerifyCall) -> Prepared:
     if groups * nq * b > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
-    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
     check_outputs(ptrs, inputs, {"out": oa, "lse": la})
     if call.validate and b:
         validate_attention_values(call.tail, inputs, spec.page_size)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...launch import arrays as ar
 from ...errors import ArgumentError
-from .. import all_builds, by_name
+from .. import all_builds
 from .split import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
 from .split import COMBINE_DEF, parts_workspace_elems, workspace_elems
 from ...build.declaration import Declaration
@@ -43,8 +43,7 @@ from ...launch.runtime import Prepared, Step, TensorMap, run_call, sm_count
 from ...types import AttentionOutput
 from ..kv_dequant.launch import dequant_step
 from .route import KVW, WS
-from ...launch.checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_attention_inputs, check_outputs,
-                              given_outputs, validate_attention_values)
+from ...launch.checks import (ATTENTION_ARRAYS, INT32_MAX, PointerChecks, check_outputs, validate_attention_values)
 
 READER = "tensor-core kernel"   # in alignment messages
 Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.async 16-byte units)
@@ -52,6 +51,9 @@ KV_DEQUANT = "kv_dequant"       # the dequantize path's pre-pass (ops/kv_dequant
 # build -> its kernel's split-KV rule as values (KernelDef.split_rule: the table and model choose_splits takes)
 _SPLIT_RULES = {k.name: k.split_rule for k in all_builds() if k.split_rule is not None}
 _INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
+INDEX_TC = _INDEX   # the call's array positions by name (checks.check_attention_call's index for these kernels)
+# what the tensor-core kernels ask of their inputs beyond the CUDA-core kernel (checks.check_attention_call)
+TENSOR_CORE_CHECKS = {"q_align": Q_ALIGN, "reader": READER, "row_indices32": True}
 
 
 def _kv_workspace(spec, arrays, ptrs, b: int, max_pages: int):
@@ -103,18 +105,13 @@ def pieces(offer, name: str, tail: bool, b: int, nq: int, max_pages: int, num_sp
     return parts, choose_splits(spec, b, nq, max_keys, consts["BN"], sms, *_SPLIT_RULES[name](spec, arch))
 
 
-def prepare_attention(offer, name, tail, arrays, softmax_scale, validate, num_splits,
-                      kv_scale=None) -> Prepared:
+def prepare_attention(offer, name, tail, arrays, checked, validate, num_splits) -> Prepared:
     """The checks and launch plan of one call signature (runtime.Prepared) of tensor-core build `name`
     (ops/tree_verify/route.route's choice: tree_verify_wgmma, its parts build, tree_verify_tail_mma, ...), on what the
     kernel set offers on the arrays' device (runtime.DeviceOffer), read from the build's typed record (offer.record:
     its grid, workspace source, TMA, parameter list)."""
     spec = offer.spec
-    if name not in offer.spec_builds:   # the mma.sync kernels and an fp8 spec
-        raise ArgumentError(by_name(name).why_not_built(spec))
-    ptrs = PointerChecks(_INDEX)
-    inputs, scale_log2, v_scale = check_attention_inputs(spec, ptrs, *arrays[:7], softmax_scale, kv_scale,
-                                                         q_align=Q_ALIGN, reader=READER, row_indices32=True)
+    ptrs, inputs, scale_log2, v_scale, oa, la = checked   # checks.check_attention_call's, with TENSOR_CORE_CHECKS
     qn = inputs["q_nope"]
     b, nq, h, r = qn.shape
     num_pages, max_pages = inputs["kv_cache"].shape[0], inputs["block_table"].shape[1]
@@ -145,7 +142,6 @@ def prepare_attention(offer, name, tail, arrays, softmax_scale, validate, num_sp
     if b * splits * row_tiles > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
-    oa, la = given_outputs(arrays[7], arrays[8], (b, nq, h, r), (b, nq, h))
     need = parts_workspace_elems(spec, b, nq, splits) if parts else workspace_elems(spec, b, nq, splits)
     wa = None
     if arrays[WS] is not None and need:
