@@ -257,7 +257,7 @@ def test_default_path_past_the_limit(spec, monkeypatch):
     """fp8_path=None with the workspace over KV_WORKSPACE_LIMIT (here: 0) runs the fused kernel (its plan: no
     kv_dequant), with a caller's kv_workspace the dequantize path: the fused kernel's bits both ways."""
     import cupy
-    from ddtree_gen.launch.protocol import tree_verify as tv, verify_route
+    from ddtree_gen.ops.tree_verify import launch as tv, route as verify_route
     ks = _load(spec)
     seed = fresh_seed()
     inp = _batch(spec, np.random.default_rng(seed), seed)

@@ -9,6 +9,7 @@ module names another by a "module:attribute" string (the declarations hold their
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -321,3 +322,51 @@ def test_source_is_compiled_in_one_module():
     assert where["ddtree_gen.launch.hostcode"], "hostcode compiles nothing: the rule above is stale"
     src = "import re, types\nre.compile('x')\nexec('1')\nf = types.FunctionType(g.__code__, {})\nx.eval()\n"
     assert _compiles_source(ast.parse(src)) == [3, 4]
+
+
+def test_every_import_of_the_package_resolves():
+    """Every `from ddtree_gen... import name` and `import ddtree_gen...` in the package, tests/, scripts/ and examples/,
+    function-level ones included (a GPU test's body does not run on a CPU machine, so a stale name there would wait
+    for the GPU matrix): its module imports and has the name (or the name is a submodule). A module that needs an
+    optional package that is not installed (torch, transformers) is passed over."""
+    repo = PACKAGE.parent
+    files = [p for d in ("ddtree_gen", "tests", "scripts", "examples") for p in sorted((repo / d).rglob("*.py"))]
+    wrong = []
+
+    def load(name):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and not e.name.startswith("ddtree_gen"):
+                return None   # an optional package
+            raise
+
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        name = _module_name(path) if path.is_relative_to(PACKAGE) else None
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                if node.level:   # relative: from the importing module's package
+                    parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    parts = parts[:len(parts) - (node.level - 1)]
+                    target = ".".join(parts + ([node.module] if node.module else []))
+                if target.split(".")[0] != "ddtree_gen":
+                    continue
+                targets = [(target, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names if a.name.split(".")[0] == "ddtree_gen"]
+            for target, attr in targets:
+                where = f"{path.relative_to(repo)}:{node.lineno}"
+                try:
+                    module = load(target)
+                    if module is None or attr is None or hasattr(module, attr):
+                        continue
+                    if load(f"{target}.{attr}") is None:
+                        continue
+                except ModuleNotFoundError:
+                    wrong.append(f"{where}: {target}{'.' + attr if attr else ''} does not exist")
+                except Exception as e:   # noqa: BLE001 - any failure to import is the finding
+                    wrong.append(f"{where}: {target}: {type(e).__name__}: {e}")
+    assert not wrong, "imports that do not resolve:\n" + "\n".join(wrong)
