@@ -50,8 +50,8 @@ Q_ALIGN = 16                    # q_nope / q_pe alignment in bytes (read in cp.a
 KV_DEQUANT = "kv_dequant"       # the dequantize path's pre-pass (ops/kv_dequant/plan.py)
 # build -> its kernel's split-KV rule as values (KernelDef.split_rule: the table and model choose_splits takes)
 _SPLIT_RULES = {k.name: k.split_rule for k in all_builds() if k.split_rule is not None}
-_INDEX = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
-INDEX_TC = _INDEX   # the call's array positions by name (checks.check_attention_call's index for these kernels)
+# the call's array positions by name (checks.check_attention_call's index for these kernels)
+INDEX_TC = {name: i for i, name in enumerate((*ATTENTION_ARRAYS, "workspace", "kv_workspace"))}
 # what the tensor-core kernels ask of their inputs beyond the CUDA-core kernel (checks.check_attention_call)
 TENSOR_CORE_CHECKS = {"q_align": Q_ALIGN, "reader": READER, "row_indices32": True}
 
