@@ -3,7 +3,8 @@
 A call is one record (route.VerifyCall: the arrays, scalars and choices it was given). `verify` enters the
 runtime once (runtime.run_call, its launch plan cached per call signature); on a new signature `prepare` reads the
 shapes and the device, asks the one route (ops/tree_verify/route.route: fp8 path, then backend, then build) what the
-call runs, then builds the CUDA-core or the tensor-core launch plan (tensor_core.prepare_attention); which.which_kernel
+call runs, checks the arguments once (checks.check_attention_call, with the backend's alignment rules), then builds
+the CUDA-core or the tensor-core launch plan (tensor_core.prepare_attention); which.which_kernel
 / which.schedule report the same route. Backends: "wgmma" (the Hopper warpgroup tensor-core kernels), "mma" (the
 mma.sync ones), "simple" (the CUDA-core kernels: one block per (request, query row, group of heads), keys streamed
 through shared memory with an online softmax). On a GPU other than H100 / H200 (or with DDTREE_GEN_ARCH=sm_80) the
@@ -51,8 +52,9 @@ __all__ = ["FP8_PATHS", "IMPLS", "KV_WORKSPACE_LIMIT", "VerifyCall", "auto_impl"
 
 def prepare(kset, call: VerifyCall) -> Prepared:
     """The checks and launch plan of one call signature: what the kernel set offers on the arrays' device (asked
-    once), the call's route, then the CUDA-core kernel's plan (_prepare_simple) or the tensor-core one's
-    (tensor_core.prepare_attention)."""
+    once), the call's route, the arguments' checks (one pass, checks.check_attention_call: the inputs and the caller's
+    out / lse), then the CUDA-core kernel's plan (_prepare_simple) or the tensor-core one's
+    (tensor_core.prepare_attention), which add their own buffers' checks."""
     q = _shape(call.arrays[0], "q_nope")
     table = _shape(call.arrays[3], "block_table")
     known = q is not None and len(q[0]) == 4 and table is not None and len(table[0]) == 2
