@@ -14,7 +14,7 @@ from ddtree_gen.bench import tree_verify as bench_tv
 from ddtree_gen.bench.specs import page_variant
 from ddtree_gen.errors import DdtreeError, SpecError
 from ddtree_gen.ops.tree_verify.which import which_kernel
-from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL, uses_tma
+from ddtree_gen.ops.tree_verify.wgmma import PARTS_KERNEL, seesaw_tma, uses_tma
 from ddtree_gen.spec import MAX_PAGE_SIZE, find_spec
 from test_archs import fake_devices, fake_set  # noqa: F401  (fake_devices: a fixture)
 
@@ -101,30 +101,30 @@ def test_page_shapes():
     assert all(s.h == 8 for s in got)
 
 
-@pytest.mark.parametrize("page", [1, 16, 32, 64, 128])
+@pytest.mark.parametrize("page", [1, 2, 8, 16, 32, 64, 128])
 def test_what_each_page_size_takes(page, fake_devices):  # noqa: F811
-    """docs/engine.md "Page sizes", read from the route on an H200 (fake device 0) for H = 8 and 64: off the multiples
-    of 64 the lockstep schedule with cp.async key rows and the chunks grid at every B; at 64 and its multiples the
-    seesaw with TMA tiles, and the parts grid at B = 8 over 64k keys. An fp8 spec off them: the fused lockstep kernel.
-    (A kernel change that moves these changes that table too.)"""
-    tma = page % 64 == 0
+    """docs/engine.md "Page sizes", read from the route on an H200 (fake device 0) for H = 8 and 64: the seesaw at every
+    page size, its key tiles by TMA where a page holds whole tiles or a tile whole pages of 16 or 32 keys, else gathered
+    row by row (cp.async); the chunks grid at B = 1, the parts grid at B = 8 over 64k keys. An fp8 spec: the dequantize
+    path at every page size. (A kernel change that moves these changes that table too.)"""
+    tma = page % 64 == 0 or page in (16, 32)
     for name in bench_tv.PAGE_BASES:
         spec = page_variant(find_spec(name), page)
         ks = fake_set(spec)
-        assert uses_tma(spec) == tma
+        assert seesaw_tma(spec) == tma and uses_tma(spec) == (page % 64 == 0)   # (uses_tma: the lockstep's rule)
         for b, keys in ((1, 4096), (8, 4096), (8, 65536)):
             pages = -(-(keys + 65) // page)
             choice = which_kernel(ks, b, 65, pages, device=0)
             plan = ks.tree_verify_schedule(b, 65, pages, device=0)
-            assert choice.schedule == ("seesaw" if tma else "lockstep"), (name, page, b, keys)
+            assert choice.schedule == "seesaw", (name, page, b, keys)
             assert plan.kernel == choice.kernel
-            if not tma or b == 1:
+            if b == 1:
                 assert plan.grid == "chunks" and plan.kernel == "tree_verify_wgmma"
-            if tma and keys == 65536:
+            if keys == 65536:
                 assert plan.grid == "parts" and plan.kernel == PARTS_KERNEL
     fp8 = page_variant(find_spec("kimi-k2.6-tp8-fp8"), page)
     choice = which_kernel(fake_set(fp8), 8, 65, -(-4161 // page), device=0)
-    assert (choice.fp8_path, choice.schedule) == (("dequant", "seesaw") if tma else ("fused", "lockstep"))
+    assert (choice.fp8_path, choice.schedule) == ("dequant", "seesaw")
 
 
 def test_documented_commands_parse():
@@ -171,14 +171,15 @@ def test_kernels_are_compiled_together(monkeypatch, capsys):
         bench_tv._build_together(builds)
 
 
-@pytest.mark.parametrize("page", [1, 16])
-def test_an_fp8_spec_off_the_seesaw_pages_says_why_it_has_no_dequantize_path(page, fake_devices):  # noqa: F811
-    """An fp8 spec whose pages the seesaw cannot take gets no build of the dequantize path: fp8_path=None takes the
-    fused kernel and says why, and fp8_path="dequant" is refused naming the build and the reason (not a crash)."""
+def test_an_fp8_spec_off_the_seesaw_says_why_it_has_no_dequantize_path(fake_devices):  # noqa: F811
+    """An fp8 spec the seesaw cannot take (R = 256: the dequantize path's builds are the seesaw's) gets no build of the
+    dequantize path: fp8_path=None takes the fused kernel and says why, and fp8_path="dequant" is refused naming the
+    build and the reason (not a crash)."""
     from ddtree_gen.errors import ArgumentError
-    fp8 = page_variant(find_spec("kimi-k2.6-tp8-fp8"), page)
+    from ddtree_gen.spec import make_spec
+    fp8 = make_spec("fp8-r256", 8, 256, 64, page_size=64, max_tree_size=65, max_depth=15, kv_dtype="fp8_e4m3")
     ks = fake_set(fp8)
-    choice = which_kernel(ks, 8, 65, -(-4161 // page), device=0)
+    choice = which_kernel(ks, 8, 65, 66, device=0)
     assert choice.fp8_path == "fused" and "not built for spec" in choice.reason, choice
     with pytest.raises(ArgumentError, match="fp8_path: 'dequant': .*not built for spec"):
-        which_kernel(ks, 8, 65, -(-4161 // page), device=0, fp8_path="dequant")
+        which_kernel(ks, 8, 65, 66, device=0, fp8_path="dequant")

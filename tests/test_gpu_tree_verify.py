@@ -335,16 +335,14 @@ PAGE16_CASES = [c for c in CASES if c.id in ("b1-L0-q1", "b7-small", "b64-mixed"
 
 
 @pytest.mark.parametrize("case", PAGE16_CASES, ids=[c.id for c in PAGE16_CASES])
-def test_wgmma_cp_async_tiles(spec, case):
-    """The full wgmma kernel loads its key tiles by TMA only where a page holds whole 64-key tiles (every
-    spec in specs/); other page sizes take its cp.async path. A 16-token-page variant of each bf16 spec
-    runs that path through the matrix's checks (fp8 specs always take it: test_matrix)."""
+def test_wgmma_page16(spec, case):
+    """A 16-token-page variant of each spec through the matrix's checks: tree_verify_wgmma's seesaw loads its key tiles
+    by a TMA box per page there (every spec in specs/ has 64-token pages: a box per tile), the lockstep schedule's
+    TMA path only where a page holds whole tiles (uses_tma); tests/test_gpu_page_sizes.py runs every page size."""
     from dataclasses import replace
-    from ddtree_gen.ops.tree_verify.wgmma import uses_tma
-    if spec.kv_fp8:
-        pytest.skip(f"spec {spec.name!r}: an fp8 cache always loads by cp.async (test_matrix covers it)")
+    from ddtree_gen.ops.tree_verify.wgmma import seesaw_tma, uses_tma
     variant = replace(spec, name=f"{spec.name}-page16", page_size=16)
-    assert uses_tma(spec) and not uses_tma(variant)
+    assert uses_tma(spec) and not uses_tma(variant) and seesaw_tma(variant)
     ks = WGMMA.load(variant)
     seed = fresh_seed()
     inp, rng = build_case(variant, case, seed, WGMMA.bf16)

@@ -2,6 +2,8 @@
 name; the default config from one policy; a script's variant built through `variant()` with no monkeypatching."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ddtree_gen.build import artifacts
@@ -74,8 +76,11 @@ def test_knobs_are_checked(kimi):
         variant(by_name("tree_build"), kimi, x=1)
     with pytest.raises(BuildError, match="not built for sm_80"):
         variant(WGMMA, kimi, "sm_80")
-    with pytest.raises(SpecError, match="seesaw schedule loads its key tiles by TMA"):
-        variant(WGMMA, kimi, tma=False).plan()
+    # the seesaw's row gather (tma=False: the build of pages of 1 to 8) is one it can make at any page size; TMA tiles
+    # only where a page holds whole tiles or a tile whole pages of 16 or 32 keys
+    assert variant(WGMMA, kimi, tma=False).plan().consts["USE_TMA"] == 0
+    with pytest.raises(SpecError, match="TMA key tiles need"):
+        variant(WGMMA, dataclasses.replace(kimi, name="kimi-page8", page_size=8), tma=True).plan()
     with pytest.raises(SpecError, match="TMA key tiles need"):   # the lockstep schedule's fp8 stages: cp.async
         variant(WGMMA, find_spec("kimi-k2.6-tp8-fp8"), schedule="lockstep", tma=True).plan()
     with pytest.raises(SpecError, match="fp8 seesaw runs the grid 'chunks' only"):
@@ -146,8 +151,7 @@ def test_a_build_is_a_typed_record(kimi):
                        ({"kv_source": "host"}, "kv_source 'host'")):
         with pytest.raises(SpecError, match=match):
             Build("seesaw", True, **bad)
-    with pytest.raises(SpecError, match="the seesaw schedule loads its key tiles by TMA"):
-        Build("seesaw", False)
+    assert Build("seesaw", False).spell() == ("seesaw", "cpasync")     # the row gather (pages of 1 to 8)
     with pytest.raises(SpecError, match="no such knob of tree_verify_wgmma"):
         Build.from_config({"schedule": "seesaw", "tma": True, "warps": 12})
     # every build a shipped spec gets: its record, its config (the manifest's) and its name

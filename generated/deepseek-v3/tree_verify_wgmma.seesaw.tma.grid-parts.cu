@@ -95,6 +95,14 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define ROPE 64
 #define ROW (512 + 64)          // bf16 per kv row (latent then rope) and per query row
 #define PAGE 64
+// Pages smaller than a tile (or not dividing it): a PAGED build checks each key's page (tile_row: the tile's 64-bit mask
+// of keys on valid pages) and loads the tile page by page: by TMA, a box per page and slab (PAGE divides BN and holds
+// whole swizzle atoms of 8 rows), or GATHER: the loading warpgroup's 128 threads copy each key row by cp.async (any
+// page size) and arrive on the slab's barrier when their copies land (docs/perf/journal-tree-verify.md, "Every page size")
+#define PAGED 0
+#define GATHER 0
+#define LOAD_ARRIVALS (GATHER ? 128 : 1)      // arrivals that complete a slab barrier's phase
+#define LOADER (GATHER || wtid == 0)          // the threads of a warpgroup that load its slabs
 #define MASK_WORDS 3
 #define THREADS 256
 #define FP8 0
@@ -162,7 +170,8 @@ static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
               "two warpgroups (+ FP8's converter), 64 x 64 tiles");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
-static_assert(PAGE % BN == 0, "a key tile is one rectangle of a page");
+static_assert(GATHER || PAGE % BN == 0 || (BN % PAGE == 0 && PAGE % 16 == 0),
+              "TMA tiles: a page holds whole tiles, or a tile whole pages of 16 or 32 rows");
 
 // Dynamic shared memory layout (bytes); the plan's sympy formula must give the same total.
 #define SQ_OFF 0                                       // Q [SLABS][BM][128 B]; slab QREG_SLAB later holds P_b
@@ -263,6 +272,11 @@ __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier
 // the arrival of the stage's one producer, expecting `bytes` from TMA before the phase completes
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+// the arrival of this thread's earlier cp.async copies, once they have landed (counted in the barrier's
+// arrivals: .noinc)
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
@@ -385,6 +399,14 @@ __device__ __forceinline__ uint32_t p_off(int r, int c) {
     return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2);
 }
 
+// What tile_row says of a key tile: its first cache row (-1: its page is not valid, the tile is not loaded), or in
+// a PAGED build the mask of its keys on valid pages (bit k: key k; 0: nothing to load)
+typedef int tile_src_t;
+#define NO_TILE (-1)
+__device__ __forceinline__ bool tile_any(tile_src_t s) { return s >= 0; }
+__device__ __forceinline__ bool tile_whole(tile_src_t s) { return true; }      // (with tile_any)
+__device__ __forceinline__ bool key_on(tile_src_t s, int k) { return true; }
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, R]
             const bf16_t* __restrict__ q_pe,         // [B, Nq, H, P]
@@ -449,7 +471,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     };
     if (tid == 0) {
         #pragma unroll
-        for (int s = 0; s < 2 * SLABS; ++s) mbar_init(bar0 + 8 * s, 1);
+        for (int s = 0; s < 2 * SLABS; ++s) mbar_init(bar0 + 8 * s, LOAD_ARRIVALS);
         mbar_init_fence();
     }
     int* const scan = reinterpret_cast<int*>(sP0);   // scratch until the first tile's P: per-thread sums, T, start
@@ -555,7 +577,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         const int* const table = block_table + (long long)b * max_pages;
         // cache row of tile n's first key, or -1 for a page outside [0, num_pages) (the tile is not loaded);
         // a tile is BN keys of one page (c_lo and the chunk length are multiples of BN, PAGE % BN == 0)
-        auto tile_row = [&](int n) -> int {
+        auto tile_row = [&](int n) -> tile_src_t {
             const long long t = c_lo + (long long)n * BN;
             const int page = table[t / PAGE];          // t < t_hi <= max_pages * PAGE
             if (page < 0 || page >= num_pages) return -1;
@@ -563,7 +585,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         };
         // slabs slab_at(i), i in [S0, S1), of tile n -> buffer n & 1, by the calling thread (one TMA box per slab, each
         // on its own mbarrier; a tile that is not loaded completes its barriers' phase with a plain arrival)
-        auto load_slabs = [&](int n, int src, int s0, int s1) {
+        auto load_slabs = [&](int n, tile_src_t src, int s0, int s1) {
             const int buf = n & 1;
             const uint32_t dst = smem_addr(sK + buf * TILE_BYTES);
             #pragma unroll
@@ -583,8 +605,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
 
 
         // ---- prologue: the barriers and tiles 0 and 1 (thread 0), Q (all threads, cp.async)
-        int src_a = tile_row(0);                                   // tile a's row (the even tile of the pair)
-        int src_b = n_tiles > 1 ? tile_row(1) : -1;                // tile a + 1's
+        tile_src_t src_a = tile_row(0);                            // tile a's (the even tile of the pair)
+        tile_src_t src_b = n_tiles > 1 ? tile_row(1) : NO_TILE;    // tile a + 1's
         if (tid == 0) {
             load_slabs(0, src_a, 0, SLABS);
             if (n_tiles > 1) load_slabs(1, src_b, 0, SLABS);
@@ -657,15 +679,15 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 wg_commit();
             }
         };
-        // Mask and scale S of tile n (src: its row, for the page's validity) in base 2, update the running max
+        // Mask and scale S of tile n (src: what tile_row said of it, for its pages' validity) in base 2, update the running max
         // m of sM, turn S into P = 2^(S - m_new) in place (fp32), pack it as bf16 A fragments (pb[4 ks + i]:
         // k-step ks), add its row sums into l_part after scaling them (and return) by 2^(m_old - m_new).
         // Rows of the tile that are not keys get their V rows zeroed (before the caller's hand-off).
-        auto softmax = [&](float (&s)[NS], int n, int src, uint32_t (&pb)[16], float* sScale, float (&fac)[2]) {
+        auto softmax = [&](float (&s)[NS], int n, tile_src_t src, uint32_t (&pb)[16], float* sScale, float (&fac)[2]) {
             const int rel0 = n * BN;
-            const int nv = src < 0 ? 0 : min(BN, n_keys - rel0);     // key columns [0, nv) are keys of the chunk
+            const int nv = tile_any(src) ? min(BN, n_keys - rel0) : 0;     // key columns [0, nv) are keys of the chunk
             const bool tail_tile = rel0 + BN > pre;                  // some column may be a tree node
-            if (nv == BN && !tail_tile) {
+            if (nv == BN && tile_whole(src) && !tail_tile) {
                 if (!EXP_FMA) {
                     #pragma unroll
                     for (int i = 0; i < NS; ++i) s[i] *= scale_log2;
@@ -676,7 +698,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int col = 8 * j + 2 * qd + e, rel = rel0 + col;
-                        bool v0 = col < nv, v1 = v0;
+                        bool v0 = col < nv && key_on(src, col), v1 = v0;
                         if (rel >= pre) {
                             v0 = v0 && mask_bit(mrow[0], rel - pre);   // rel - pre < q_len <= 32 W when col < nv
                             v1 = v1 && mask_bit(mrow[1], rel - pre);
@@ -686,7 +708,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                         s[4 * j + 2 + e] = v1 ? s[4 * j + 2 + e] * c : DDT_NEG_INF;
                     }
                 }
-                if (nv < BN) {       // block-uniform, rare: zero the V rows that are not keys
+                if (nv < BN || !tile_whole(src)) {       // block-uniform, rare: zero the V rows that are not keys
                     unsigned char* const tile = sK + (n & 1) * TILE_BYTES;
                     for (int idx = wtid; idx < (BN - nv) * (RANK / 8); idx += 128) {
                         const int r = nv + idx / (RANK / 8), c = idx % (RANK / 8);
@@ -755,8 +777,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         for (int a = 0; a < n_tiles; a += 2) {
             const bool has_b = a + 1 < n_tiles, next_a = a + 2 < n_tiles, next_b = a + 3 < n_tiles;
             // rows of the next pair's tiles: both warpgroups refill part of each
-            const int src_na = next_a ? tile_row(a + 2) : -1;
-            const int src_nb = next_b ? tile_row(a + 3) : -1;
+            const tile_src_t src_na = next_a ? tile_row(a + 2) : NO_TILE;
+            const tile_src_t src_nb = next_b ? tile_row(a + 3) : NO_TILE;
             const uint64_t va = v_desc;                                        // buffer 0
             const uint64_t vb = v_desc + TILE16;                               // buffer 1
             if (wg == 0) {
@@ -776,7 +798,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 keep_u32(pb);
                 // ---- WG1's max of tile b: P_a rescaled to it -> sP0 (for WG1's P_a V_aR); O_L rescaled
                 named_sync(BAR_SCALE1, 256);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
+                if (next_a && LOADER) load_slabs(a + 2, src_na, 0, EARLY);   // V_aL's slabs are free (and the rope slab)
                 float f1[2];
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) f1[half] = has_b ? sScale1[r0 + 8 * half] : 1.0f;
@@ -826,7 +848,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 if (next_a) s_gemm(s, a + 2, 0, EARLY, true);               // tile a + 2's early group: loaded first
                 if (has_b) {
                     if (next_a) wg_wait<EARLY>(); else wg_wait<0>();        // P_b V_bL is done
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
+                    if (next_b && LOADER) load_slabs(a + 3, src_nb, 0, EARLY);    // V_bL's slabs are free (and the rope slab)
                 }
                 if (next_a) s_gemm(s, a + 2, EARLY, SLABS, false);
                 wg_wait<0>();
@@ -874,11 +896,11 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                     named_arrive(BAR_P1, 256);
                     wg_wait<1>();                                            // P_b V_bR is done
                     keep_u32(pb);
-                    if (next_b && wtid == 0) load_slabs(a + 3, src_nb, EARLY, SLABS);
+                    if (next_b && LOADER) load_slabs(a + 3, src_nb, EARLY, SLABS);
                 }
                 wg_wait<0>();                                                // P_a' V_aR is done
                 wg_keep(o);
-                if (next_a && wtid == 0) load_slabs(a + 2, src_na, EARLY, SLABS);
+                if (next_a && LOADER) load_slabs(a + 2, src_na, EARLY, SLABS);
                 src_b = src_nb;
                 if (next_b) {
                     // tile a + 3's slabs in the order they were loaded: this warpgroup's (after its P_b V_bR) before

@@ -57,6 +57,8 @@ def render(plist) -> str:
             if run:
                 lines.append(" ".join(run))
                 run = []
+            if i + 1 == len(plist):   # the last one (the parts grid's spans without a tensor map): ")" before its note
+                return f"\n{INDENT}".join(lines + [f"{(text + ')').ljust(NOTE_COLUMN)}// {p.note}"]) + close
             lines.append(f"{text.ljust(NOTE_COLUMN)}// {p.note}")
         else:
             run.append(text)

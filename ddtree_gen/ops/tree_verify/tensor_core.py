@@ -170,7 +170,9 @@ def prepare_attention(offer, name, tail, arrays, checked, validate, num_splits) 
                                           offer.constants(KV_DEQUANT)))
             new.append((KVW, (layout[2],), "bf16"))
         rows, cols = pages * spec.page_size, r + spec.qk_rope_head_dim
-        tma = ((TensorMap(kv, rows, cols, bn, 64, *((1, 0) if spec.kv_fp8 and not dequant else ())),)
+        # (pages smaller than a tile: a box per page, its rows; ops/tree_verify/wgmma.seesaw_tma)
+        tma = ((TensorMap(kv, rows, cols, min(bn, spec.page_size), 64,
+                          *((1, 0) if spec.kv_fp8 and not dequant else ())),)
                if record.tma else ())
         # the grid (the record's: blocks and its own values), the launch's values by parameter name, bound in the
         # order the build declares (ops/tree_verify/params.py)

@@ -10,12 +10,12 @@ Fixed configuration: two warpgroups, BM = 64 query rows, BN = 64 keys per tile; 
 the schedule, whether key tiles come by TMA (`tma`) and the measurement knobs (KNOBS). Two schedules
 (`schedule_for` picks the default):
 * "seesaw" (templates/tree_verify_seesaw.cu.j2): each warpgroup owns half of the output columns and
-  computes S of alternate key tiles, so one warpgroup's softmax runs under the other's products; key
-  tiles by TMA, two tile buffers; needs a bf16 cache with 64-key-aligned pages, R = 512 and P = 64
-  (Q's rope slab is held in registers and its shared memory holds the odd tile's P).
+  computes S of alternate key tiles, so one warpgroup's softmax runs under the other's products; two tile
+  buffers, key tiles by TMA (seesaw_tma: pages that hold whole tiles, or pages of 16 or 32 keys: a box per page)
+  or gathered row by row by cp.async (pages of 1 to 8 keys, or not dividing 64); R = 512 and P = 64 (Q's rope
+  slab is held in registers and its shared memory holds the odd tile's P); a bf16 or an fp8 cache.
 * "lockstep" (templates/tree_verify_wgmma.cu.j2): both warpgroups split S by keys and P.V by columns,
-  softmax in between, 2 key stages (TMA or cp.async); every other variant (fp8, the tail kernel, other
-  page sizes or dims).
+  softmax in between, 2 key stages (TMA or cp.async); every other variant (the tail kernel, other dims).
 """
 from __future__ import annotations
 
@@ -82,9 +82,18 @@ def uses_tma(spec, *, tail: bool = False) -> bool:
 
 
 def seesaw_fits(spec, *, tail: bool = False) -> bool:
-    """Whether the seesaw schedule can serve the kernel of `spec`: TMA tiles (uses_tma: bf16 or fp8) and R = 512,
-    P = 64."""
-    return uses_tma(spec, tail=tail) and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
+    """Whether the seesaw schedule can serve the kernel of `spec`: the full kernel (its tiles start on multiples of BN),
+    R = 512, P = 64, at every page size (seesaw_tma says how its tiles are loaded)."""
+    return not tail and spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
+
+
+def seesaw_tma(spec) -> bool:
+    """Whether the seesaw loads its key tiles by TMA: a page holds whole tiles (one box per slab), or a tile whole pages
+    of 16 or 32 keys (a box per page and slab, at its rows' place in the slab: whole 8-row swizzle atoms). Other page
+    sizes (1 to 8, or not dividing 64) are gathered: the loading warpgroup copies each key row by cp.async (pages of 8
+    by TMA: 8 boxes a slab, and the fp8 build spilled)."""
+    page = spec.page_size
+    return page % BN == 0 or (BN % page == 0 and page % 16 == 0)
 
 
 def schedule_for(spec, *, tail: bool = False) -> str:
@@ -164,8 +173,6 @@ class WgmmaBuild:
         if int(self.ablate) & 28 and self.convert_sync == "pairs":
             raise SpecError("ablate bits 2-4 (the converter's) are the per-slab converter's: with convert_sync 'slab', "
                             "'lean' or 'group'")
-        if self.seesaw and not self.tma:
-            raise SpecError("the seesaw schedule loads its key tiles by TMA (tma=False is the lockstep schedule's)")
 
     @classmethod
     def from_config(cls, config: dict) -> "WgmmaBuild":
@@ -243,7 +250,7 @@ KNOBS = {f.name: f.default for f in fields(WgmmaBuild)[2:]}
 def default_build(spec, *, tail: bool = False) -> WgmmaBuild:
     """The policy: the schedule of schedule_for, TMA key tiles wherever they can be used, every knob at its default."""
     sched = schedule_for(spec, tail=tail)
-    return WgmmaBuild(sched, uses_tma(spec, tail=tail) and (sched == "seesaw" or not spec.kv_fp8))
+    return WgmmaBuild(sched, seesaw_tma(spec) if sched == "seesaw" else uses_tma(spec, tail=tail) and not spec.kv_fp8)
 
 
 def variant_config(spec, arch: str = "sm_90a") -> dict:
@@ -260,7 +267,7 @@ def dequant_config(spec, arch: str = "sm_90a") -> dict:
     """The dequantize path's build: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order
     "slab"), every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion
     is exact, and kv_scale enters both the same way), over kv_dequant's bf16 workspace."""
-    return WgmmaBuild("seesaw", True, rope_early=True, s_order="slab", kv_source="workspace").config()
+    return WgmmaBuild("seesaw", seesaw_tma(spec), rope_early=True, s_order="slab", kv_source="workspace").config()
 
 
 def dequant_parts_config(spec, arch: str = "sm_90a") -> dict:
@@ -286,17 +293,17 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
         raise SpecError(f"{where}: the dequantize path (kv_source 'workspace') is an fp8 spec's full kernel (kv_dtype "
                         f"'fp8_e4m3'); a bf16 cache is read by tree_verify_wgmma itself")
     if build.grid != "chunks" and not seesaw_fits(spec, tail=tail):
-        raise SpecError(f"{where}: the parts grid is built for the seesaw (page_size % {BN} == 0, R = 512, P = 64)")
+        raise SpecError(f"{where}: the parts grid is built for the seesaw (R = 512, P = 64, the full kernel)")
     fp8 = build.reads_fp8(spec)
     if build.seesaw and not seesaw_fits(spec, tail=tail):
-        raise SpecError(f"{where}: schedule {build.schedule!r} is not one it can take (seesaw needs page_size % {BN} "
-                        f"== 0, R = 512, P = 64, the full kernel)")
+        raise SpecError(f"{where}: schedule {build.schedule!r} is not one it can take (seesaw needs R = 512, P = 64, "
+                        f"the full kernel)")
     if not fp8 and (build.convert_sync != KNOBS["convert_sync"] or int(build.ablate) & 28):
         raise SpecError(f"{where} reads a bf16 cache: convert_sync and ablate bits 2-4 are the fp8 seesaw's "
                         f"converter's")
-    if build.tma and not (uses_tma(spec, tail=tail) and (build.seesaw or not fp8)):
-        raise SpecError(f"{where}: TMA key tiles need the full kernel, page_size % {BN} == 0 and (lockstep schedule) a "
-                        f"bf16 cache")
+    if build.tma and not (seesaw_tma(spec) if build.seesaw else uses_tma(spec, tail=tail) and not fp8):
+        raise SpecError(f"{where}: TMA key tiles need the full kernel and page_size % {BN} == 0 (the seesaw: or a page "
+                        f"size of 16 or 32) and (lockstep schedule) a bf16 cache")
     if build.seesaw and fp8 and build.grid != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {build.grid!r})")
     # fp8: the converter warpgroup
