@@ -84,17 +84,26 @@ def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFA
     tuned counts as (shape class, count) pairs (measured on an H200: the mma.sync one, scripts/tune_tree_verify.py,
     for the sm_90a build of the tuned configuration), else `model`(base blocks, SMs, key tiles, most) (default: the
     wave model, wave_model; the wgmma kernels' makespan_model at every length). Never more chunks than the largest
-    possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise)."""
+    possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise), nor more
+    than MAX_SPLITS, except up to one wave of blocks (ONE_WAVE_SPLITS) where the request's rows are few."""
     base = b * -(-nq * spec.num_heads // BM)
     if base <= 0:
         return 1
     useful = max(1, -(-int(max_keys) // (2 * bn)))
     tiles = max(1, -(-int(max_keys) // bn))
-    most = min(MAX_SPLITS, useful)
+    most = min(max(MAX_SPLITS, one_wave_splits(spec, base, nq, sms)), useful)
     s = dict(table).get(shape_class(base))
     if isinstance(s, int) and s >= 1:
         return max(1, min(s, most))
     return (model or wave_model)(base, sms, tiles, most)
+
+
+def one_wave_splits(spec, base: int, nq: int, sms: int) -> int:
+    """The chunk count past MAX_SPLITS that the automatic choice may take: one wave of blocks (base x s <= SMs), so that
+    a request of few rows fills the GPU (B = 1, H = 8, Nq = 22: 3 row tiles, 44 chunks on 132 SMs, not 32 chunks and 36
+    idle SMs: issue 45's sweep, 1.38x FlashMLA at 193k keys), while its partials still fit the workspace an engine sizes
+    for MAX_SPLITS chunks of max_tree_size rows (s Nq <= MAX_SPLITS N: workspace_elems(spec, B, N, MAX_SPLITS))."""
+    return min(sms // max(1, base), MAX_SPLITS * spec.max_tree_size // max(1, nq))
 
 
 # The wave model of an untuned shape (a spec of the user's, a bench variant): blocks run one per SM, so a
