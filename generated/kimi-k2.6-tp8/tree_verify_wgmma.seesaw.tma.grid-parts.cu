@@ -95,7 +95,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define ROPE 64
 #define ROW (512 + 64)          // bf16 per kv row (latent then rope) and per query row
 #define PAGE 64
-// Pages smaller than a tile (or not dividing it): a PAGED build checks each key's page (tile_row: the tile's 64-bit mask
+// Pages smaller than a tile (or not dividing it), and every GATHER build: a PAGED build checks each key's page (tile_row: the tile's 64-bit mask
 // of keys on valid pages) and loads the tile page by page: by TMA, a box per page and slab (PAGE divides BN and holds
 // whole swizzle atoms of 8 rows), or GATHER: the loading warpgroup's 128 threads copy each key row by cp.async (any
 // page size) and arrive on the slab's barrier when their copies land (docs/perf/journal-tree-verify.md, "Every page size")
