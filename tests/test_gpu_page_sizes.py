@@ -86,6 +86,9 @@ def test_bad_pages_and_lengths(base, page):
     q_len and prefix_len: test_gpu_tree_verify's checks (and the parts grid's, the dequantize path's) at this page
     size."""
     spec = page_spec(base, page)
+    if page > 64:   # (prefix page + 10: the bad page then holds prefix keys too, which the reference's mask cannot hide)
+        pytest.skip(f"page {page}: the checks hide a page of tree keys only; a page of {page} holds prefix keys too "
+                    f"(page 128 runs page 64's loads: test_a_page_size_gives_page_64s_bits holds it to page 64's bits)")
     load(spec)
     tv.test_device_values_are_clamped(spec, (WG,))
     if spec.kv_fp8:

@@ -525,6 +525,25 @@ def test_impl_auto(spec, launcher):
             launch(getattr(cuda_core, launcher), impl=impl)
 
 
+def test_one_wave_of_chunks(spec):
+    """One request of few rows (Nq = 16) over a long table: the automatic chunk count passes MAX_SPLITS up to one wave
+    of blocks (split.one_wave_splits: 66 chunks of 2 row tiles on 132 SMs at H = 8), the combine merges them: rows
+    written and untouched, the bar against the float64 reference (and at the fixed counts 1 and 5)."""
+    import cupy
+    from ddtree_gen.ops.tree_verify import split as mod
+    ks = WGMMA.load(spec)
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(spec, rng, [40000], [16], ["random"], nq=16, seed=seed, bf16=WGMMA.bf16)
+    plan = ks.tree_verify_schedule(1, 16, inp.block_table.shape[1], device=cupy.cuda.Device().id)
+    if plan.pieces <= mod.MAX_SPLITS:
+        pytest.skip(f"spec {spec.name!r}: Nq = 16 is {plan.blocks // plan.pieces} row tiles here, {plan.pieces} chunks "
+                    f"(one wave past MAX_SPLITS = {mod.MAX_SPLITS} is for fewer row tiles)")
+    heads = heads_to_check(spec.num_heads, rng, 2)
+    verify_all_splits(ks, WGMMA, "tree_verify", inp, SCALES["mla"], heads,
+                      f"wgmma {spec.name} one wave of {plan.pieces} chunks seed={seed}")
+
+
 @pytest.mark.parametrize("impl", TENSOR_CORE, ids=str)
 def test_cuda_graph_capture(spec, impl):
     """With out, lse and workspace given, a launch (auto split count) captures into a CUDA graph

@@ -770,3 +770,25 @@ def test_parts_grid_built_where_it_serves():
     k = by_name(PARTS_KERNEL)
     for spec in all_specs():
         assert k.builds_for(spec) == (not spec.kv_fp8), spec.name
+
+
+def test_one_wave_of_chunks_within_the_engines_workspace():
+    """The automatic chunk count passes MAX_SPLITS only up to one wave of blocks (B = 1, H = 8, Nq = 22, 193k keys: 3
+    row tiles x 44 chunks = 132 blocks on 132 SMs, not 32 chunks = 96 blocks), and never needs more workspace than an
+    engine sizes for MAX_SPLITS chunks of max_tree_size rows, at every Nq <= N and B."""
+    from ddtree_gen.ops.tree_verify import split as split_kv
+    from ddtree_gen.ops.tree_verify.wgmma import split_rule
+    from ddtree_gen.spec import all_specs, find_spec
+    spec = find_spec("kimi-k2.6-tp8")
+    assert split_kv.choose_splits(spec, 1, 22, 193484, 64, 132, *split_rule(spec)) == 44
+    assert split_kv.choose_splits(spec, 1, 65, 65536, 64, 132, *split_rule(spec)) == 14      # 9 row tiles: as before
+    for spec in all_specs():
+        n = spec.max_tree_size
+        for b in (1, 2, 8):
+            for nq in range(1, n + 1):
+                for keys in (4096, 65536, 262144):
+                    s = split_kv.choose_splits(spec, b, nq, keys, 64, 132, *split_rule(spec))
+                    rows = b * -(-nq * spec.num_heads // 64)
+                    assert s <= split_kv.MAX_SPLITS or rows * s <= 132, (spec.name, b, nq, keys, s)
+                    assert split_kv.workspace_elems(spec, b, nq, s) <= \
+                        split_kv.workspace_elems(spec, b, n, split_kv.MAX_SPLITS), (spec.name, b, nq, keys, s)

@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The seesaw's key-tile loads against each other (issue 46), one logical cache laid out in pages of 64, 16 and 1, in
+one process: tree_verify_wgmma's seesaw with a TMA box per tile (page 64, the default), with the row gather at page 64
+(tma=False: the gather's own cost, the pages the same), a TMA box per page (page 16, its default) and the gather at
+page 16 (tma=False), and the gather at page 1 (its default). The outputs must be bit-identical (the same tiles in the
+same order), then each is timed (CUDA-graph replay). What it separates: the cost of the gather itself (page 64 gather
+against page 64 TMA) from the cost of small TMA boxes (page 16 TMA against page 64 TMA).
+When: on a GPU after changing the seesaw's loads (templates/tree_verify_seesaw.cu.j2, tile_row / load_slabs).
+Run: PYTHONPATH=. python scripts/compare_loads.py
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree_gen.bench.specs import page_variant
+from ddtree_gen.bench.timing import graph_time_ms
+from ddtree_gen.build.variant import variant
+from ddtree_gen.inputs import relayout, verify_inputs
+from ddtree_gen.kernel_set import variant_set
+from ddtree_gen.ops import by_name
+from ddtree_gen.ops.tree_verify.split import COMBINE
+from ddtree_gen.spec import find_spec
+
+SHAPES = [(1, "kimi-k2.6-tp8", 4096), (1, "kimi-k2.6-tp8", 65536), (1, "kimi-k2.6", 16384)]   # B, base spec, keys
+BUILDS = [(64, True), (64, False), (16, True), (16, False), (1, False)]                         # page, TMA
+
+
+def main() -> None:
+    import cupy
+    rows = []
+    for b, base_name, keys in SHAPES:
+        base = find_spec(base_name)
+        nq = base.max_tree_size
+        x = verify_inputs(base, b, np.full(b, keys), nq)
+        lens = np.full(b, keys) + nq
+        ref, line = None, [f"B={b} H={base.num_heads} L={keys}"]
+        for page, tma in BUILDS:
+            spec = page_variant(base, page)
+            ks = variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma)], also=[COMBINE])
+            kv, table = relayout(x["kv_cache"], x["block_table"], lens, page, np.random.default_rng(page))
+            xp = dict(x, kv_cache=kv, block_table=table)
+            o = ks.tree_verify_wgmma(**xp)
+            got = (cupy.asnumpy(o.out), cupy.asnumpy(o.lse).view(np.uint32))
+            ref = ref or got
+            same = np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
+            ms = graph_time_ms(lambda ks=ks, xp=xp, o=o: ks.tree_verify_wgmma(**xp, out=o.out, lse=o.lse),
+                               per_graph=5, reps=10)
+            line.append((page, "TMA" if tma else "gather", 1e3 * ms, same))
+            print(line[0], line[-1], flush=True)
+        rows.append(line)
+    print(f"\n{'shape':<22}" + "".join(f"{f'page {p} {t}':>18}" for p, t in
+                                     ((p, "TMA" if t else "gather") for p, t in BUILDS)))
+    for line in rows:
+        first = line[1][2]
+        cells = [f"{us:.1f} us {us / first:.2f}x" + ("" if same else " DIFF") for _, _, us, same in line[1:]]
+        print(f"{line[0]:<22}" + "".join(f"{c:>18}" for c in cells))
+
+
+if __name__ == "__main__":
+    from ddtree_gen import needs
+    needs.script_without_options(__file__, __doc__)
+    main()
