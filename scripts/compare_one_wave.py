@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""One request of few rows over a long table (issue 45): tree_verify's automatic chunk count (split.one_wave_splits: up
-to one wave of blocks past MAX_SPLITS) against the former cap (num_splits = MAX_SPLITS) and FlashMLA's dense decode
+"""One request of few rows over a long table (issue 45): tree_verify's automatic chunk count with split.ONE_WAVE on
+(split.one_wave_splits: up to one wave of blocks past MAX_SPLITS; the script turns it on) against the cap (num_splits = MAX_SPLITS) and FlashMLA's dense decode
 (same FLOPs, no mask), in one process, CUDA-graph replay medians; the two counts' outputs within the contract's bar of
 each other. FlashMLA's package on PYTHONPATH (docs/benchmarks.md), else its column is left out.
 When: on a GPU after a change to the split rule (ddtree_gen/ops/tree_verify/split.py).
@@ -23,6 +23,8 @@ SHAPES = [(8, 22, 193484), (8, 16, 65536), (8, 24, 32768), (16, 16, 131072)]   #
 
 def main() -> None:
     import cupy
+    from ddtree_gen.ops.tree_verify import split
+    split.ONE_WAVE = True
     rows = []
     for h, nq, keys in SHAPES:
         spec = find_spec(SPEC_BY_HEADS[h])

@@ -525,12 +525,14 @@ def test_impl_auto(spec, launcher):
             launch(getattr(cuda_core, launcher), impl=impl)
 
 
-def test_one_wave_of_chunks(spec):
-    """One request of few rows (Nq = 16) over a long table: the automatic chunk count passes MAX_SPLITS up to one wave
-    of blocks (split.one_wave_splits: 66 chunks of 2 row tiles on 132 SMs at H = 8), the combine merges them: rows
-    written and untouched, the bar against the float64 reference (and at the fixed counts 1 and 5)."""
+def test_one_wave_of_chunks(spec, monkeypatch):
+    """One request of few rows (Nq = 16) over a long table with split.ONE_WAVE on (off by default until measured): the
+    automatic chunk count passes MAX_SPLITS up to one wave of blocks (split.one_wave_splits: 66 chunks of 2 row tiles
+    on 132 SMs at H = 8), the combine merges them: rows written and untouched, the bar against the float64 reference
+    (and at the fixed counts 1 and 5)."""
     import cupy
     from ddtree_gen.ops.tree_verify import split as mod
+    monkeypatch.setattr(mod, "ONE_WAVE", True)
     ks = WGMMA.load(spec)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)

@@ -620,7 +620,7 @@ def test_split_table_per_family(monkeypatch):
     base = 32 * -(-65 * spec.num_heads // split_kv.BM)          # 288 blocks: shape class "512"
     fake = {spec.name: {"config": mma_plans.config_for(spec), "splits": {"512": 2}, "wgmma": {"splits": {"512": 5}}}}
     monkeypatch.setattr(split_kv, "tuning", lambda: fake)
-    split_kv.choose_splits.cache_clear()
+    split_kv._choose_splits.cache_clear()
     try:
         assert split_kv.shape_class(base) == "512"
         wgmma, mma = wg_rule(spec, "sm_90a"), mma_plans.split_rule(spec, "sm_90a")
@@ -638,7 +638,7 @@ def test_split_table_per_family(monkeypatch):
         assert split_kv.choose_splits(spec, 1, 65, 4161, 64, 132, *wgmma) == split_kv.best_count(9, 132, 66, 32)
         assert split_kv.choose_splits(spec, 1, 65, 65600, 64, 132, *wgmma) == 14   # one wave (was 16: two)
     finally:
-        split_kv.choose_splits.cache_clear()
+        split_kv._choose_splits.cache_clear()
 
 
 def test_launch_asks_its_family(spec, fake_device, monkeypatch):
@@ -772,14 +772,17 @@ def test_parts_grid_built_where_it_serves():
         assert k.builds_for(spec) == (not spec.kv_fp8), spec.name
 
 
-def test_one_wave_of_chunks_within_the_engines_workspace():
-    """The automatic chunk count passes MAX_SPLITS only up to one wave of blocks (B = 1, H = 8, Nq = 22, 193k keys: 3
-    row tiles x 44 chunks = 132 blocks on 132 SMs, not 32 chunks = 96 blocks), and never needs more workspace than an
-    engine sizes for MAX_SPLITS chunks of max_tree_size rows, at every Nq <= N and B."""
+def test_one_wave_of_chunks_within_the_engines_workspace(monkeypatch):
+    """With ONE_WAVE on, the automatic chunk count passes MAX_SPLITS only up to one wave of blocks (B = 1, H = 8,
+    Nq = 22, 193k keys: 3 row tiles x 44 chunks = 132 blocks on 132 SMs, not 32 chunks = 96 blocks), and never needs
+    more workspace than an engine sizes for MAX_SPLITS chunks of max_tree_size rows, at every Nq <= N and B; off (the
+    default until it is measured), MAX_SPLITS as before."""
     from ddtree_gen.ops.tree_verify import split as split_kv
     from ddtree_gen.ops.tree_verify.wgmma import split_rule
     from ddtree_gen.spec import all_specs, find_spec
     spec = find_spec("kimi-k2.6-tp8")
+    assert not split_kv.ONE_WAVE and split_kv.choose_splits(spec, 1, 22, 193484, 64, 132, *split_rule(spec)) == 32
+    monkeypatch.setattr(split_kv, "ONE_WAVE", True)
     assert split_kv.choose_splits(spec, 1, 22, 193484, 64, 132, *split_rule(spec)) == 44
     assert split_kv.choose_splits(spec, 1, 65, 65536, 64, 132, *split_rule(spec)) == 14      # 9 row tiles: as before
     for spec in all_specs():

@@ -77,25 +77,38 @@ def shape_class(base_blocks: int) -> str:
     return str(1 << max(0, (int(base_blocks) - 1).bit_length()))
 
 
-@functools.lru_cache(maxsize=4096)   # on every launch: shapes only, so cached
 def choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int = DEFAULT_SMS, table: tuple = (),
                   model: Callable | None = None) -> int:
+    """_choose_splits's count under the current ONE_WAVE (a key of its cache: a script or test that turns it on gets
+    its own entries)."""
+    return _choose_splits(spec, b, nq, max_keys, bn, sms, table, model, ONE_WAVE)
+
+
+@functools.lru_cache(maxsize=4096)   # on every launch: shapes only, so cached
+def _choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int, table: tuple, model: Callable | None,
+                   one_wave: bool) -> int:
     """Key chunks per (request, row tile), from shapes only, by a backend's split rule given as values: `table`, its
     tuned counts as (shape class, count) pairs (measured on an H200: the mma.sync one, scripts/tune_tree_verify.py,
     for the sm_90a build of the tuned configuration), else `model`(base blocks, SMs, key tiles, most) (default: the
     wave model, wave_model; the wgmma kernels' makespan_model at every length). Never more chunks than the largest
     possible key range fills with two tiles each (max_keys: Nq for the tail, max_pages * page_size otherwise), nor more
-    than MAX_SPLITS, except up to one wave of blocks (ONE_WAVE_SPLITS) where the request's rows are few."""
+    than MAX_SPLITS (with ONE_WAVE on: up to one wave of blocks past it, one_wave_splits, where the rows are few)."""
     base = b * -(-nq * spec.num_heads // BM)
     if base <= 0:
         return 1
     useful = max(1, -(-int(max_keys) // (2 * bn)))
     tiles = max(1, -(-int(max_keys) // bn))
-    most = min(max(MAX_SPLITS, one_wave_splits(spec, base, nq, sms)), useful)
+    most = min(max(MAX_SPLITS, one_wave_splits(spec, base, nq, sms)) if one_wave else MAX_SPLITS, useful)
     s = dict(table).get(shape_class(base))
     if isinstance(s, int) and s >= 1:
         return max(1, min(s, most))
     return (model or wave_model)(base, sms, tiles, most)
+
+
+# Off until measured on a GPU (issue 45; docs/perf/journal-tree-verify.md "One wave for a request of few rows": built on
+# 2026-12-07 when no device time was left to run it; scripts/compare_one_wave.py and tests/test_gpu_tree_verify.py's
+# test_one_wave_of_chunks turn it on for their own calls): the automatic chunk count past MAX_SPLITS
+ONE_WAVE = False
 
 
 def one_wave_splits(spec, base: int, nq: int, sms: int) -> int:
