@@ -95,10 +95,11 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define ROPE 64
 #define ROW (512 + 64)          // bf16 per kv row (latent then rope) and per query row
 #define PAGE 64
-// Pages smaller than a tile (or not dividing it), and every GATHER build: a PAGED build checks each key's page (tile_row: the tile's 64-bit mask
-// of keys on valid pages) and loads the tile page by page: by TMA, a box per page and slab (PAGE divides BN and holds
-// whole swizzle atoms of 8 rows), or GATHER: the loading warpgroup's 128 threads copy each key row by cp.async (any
-// page size) and arrive on the slab's barrier when their copies land (docs/perf/journal-tree-verify.md, "Every page size")
+// Pages smaller than a tile (or not dividing it), and every GATHER build: a PAGED build checks each key's page
+// (tile_row: the tile's 64-bit mask of keys on valid pages) and loads the tile page by page: by TMA, a box per page
+// and slab (pages of 16 or 32 rows: whole 8-row swizzle atoms), or GATHER: the loading warpgroup's 128 threads copy
+// each key row by cp.async (any page size) and arrive on the slab's barrier when their copies land
+// (docs/perf/journal-tree-verify.md, "Every page size, built")
 #define PAGED 0
 #define GATHER 0
 #define LOAD_ARRIVALS (GATHER ? 128 : 1)      // arrivals that complete a slab barrier's phase
@@ -604,7 +605,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         };
 
 
-        // ---- prologue: the barriers and tiles 0 and 1 (thread 0), Q (all threads, cp.async)
+        // ---- prologue: the barriers and tiles 0 and 1 (thread 0; GATHER: warpgroup 0, after Q's copies), Q (all
+        // threads, cp.async)
         tile_src_t src_a = tile_row(0);                            // tile a's (the even tile of the pair)
         tile_src_t src_b = n_tiles > 1 ? tile_row(1) : NO_TILE;    // tile a + 1's
         if (tid == 0) {
@@ -679,10 +681,11 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
                 wg_commit();
             }
         };
-        // Mask and scale S of tile n (src: what tile_row said of it, for its pages' validity) in base 2, update the running max
-        // m of sM, turn S into P = 2^(S - m_new) in place (fp32), pack it as bf16 A fragments (pb[4 ks + i]:
+        // Mask and scale S of tile n (src: what tile_row said of it, for its pages' validity) in base 2, update the
+        // running max m of sM, turn S into P = 2^(S - m_new) in place (fp32), pack it as bf16 A fragments (pb[4 ks + i]:
         // k-step ks), add its row sums into l_part after scaling them (and return) by 2^(m_old - m_new).
-        // Rows of the tile that are not keys get their V rows zeroed (before the caller's hand-off).
+        // Rows of the tile that are not keys get their V rows zeroed (before the caller's hand-off; GATHER: the loads
+        // zero-filled them).
         auto softmax = [&](float (&s)[NS], int n, tile_src_t src, uint32_t (&pb)[16], float* sScale, float (&fac)[2]) {
             const int rel0 = n * BN;
             const int nv = tile_any(src) ? min(BN, n_keys - rel0) : 0;     // key columns [0, nv) are keys of the chunk
