@@ -72,12 +72,12 @@ ONE_WAVE_FILL = 0.95
 
 
 def uses_tma(spec, *, tail: bool = False) -> bool:
-    """Whether tree_verify_wgmma (`tail`: its tail kernel) of `spec` can load its key tiles with TMA: the full kernel
-    (its tiles start on multiples of BN) of a cache whose pages hold whole tiles (page_size % BN == 0), so that a tile
-    is one rectangle of the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the wgmma swizzle; fp8:
-    64-byte rows of e4m3 bytes, which only the seesaw takes: its converter warpgroup turns them into bf16 slabs).
-    Otherwise cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are converted by its
-    threads)."""
+    """Whether tree_verify_wgmma's lockstep schedule (`tail`: the tail kernel's) of `spec` can load its key tiles with
+    TMA: the full kernel (its tiles start on multiples of BN) of a cache whose pages hold whole tiles (page_size % BN
+    == 0), so that a tile is one rectangle of the cache: 9 boxes of 64 keys x 64 columns (bf16: 128-byte rows in the
+    wgmma swizzle). Otherwise cp.async (the tail kernel's tiles start at prefix_len; the lockstep fp8 stages are
+    converted by its threads). The seesaw's rule is seesaw_tma (fp8 too: 64-byte rows of e4m3 bytes, which its
+    converter warpgroup turns into bf16 slabs)."""
     return not tail and spec.page_size % BN == 0
 
 
@@ -264,9 +264,9 @@ def parts_config(spec, arch: str = "sm_90a") -> dict:
 
 
 def dequant_config(spec, arch: str = "sm_90a") -> dict:
-    """The dequantize path's build: the seesaw on TMA tiles in the fused fp8 build's slab order (rope_early, s_order
-    "slab"), every other knob at the fused build's value, so that its bits are the fused fp8 build's (the conversion
-    is exact, and kv_scale enters both the same way), over kv_dequant's bf16 workspace."""
+    """The dequantize path's build: the seesaw (its tiles loaded as seesaw_tma says) in the fused fp8 build's slab
+    order (rope_early, s_order "slab"), every other knob at the fused build's value, so that its bits are the fused
+    fp8 build's (the conversion is exact, and kv_scale enters both the same way), over kv_dequant's bf16 workspace."""
     return WgmmaBuild("seesaw", seesaw_tma(spec), rope_early=True, s_order="slab", kv_source="workspace").config()
 
 
