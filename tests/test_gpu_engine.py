@@ -291,6 +291,27 @@ def test_torch_compile_fullgraph_matches_eager(spec_name, entry):
     assert int(want[-8].max()) > 0   # some request accepted drafts: the commit really ran
 
 
+def captured_step(torch, step, kv0, kv, layers):
+    """`step(kv, layers)` warmed up on a side stream (on copies of kv0), captured in a CUDA graph on kv and layers,
+    then replayed once the caches are kv0 again and its outputs poisoned (-1, NaN); its outputs, as the replay left
+    them."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(kv0.clone(), [kv0.clone() for _ in layers])   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = step(kv, layers)
+    for cache in (kv, *layers):
+        cache.copy_(kv0)
+    for o in got:
+        o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return got
+
+
 @pytest.mark.parametrize("entry", ["op", "direct"])
 @pytest.mark.parametrize("spec_name", [SPEC, SPEC_FP8])
 def test_torch_ops_capture_in_a_cuda_graph(spec_name, entry):
@@ -300,21 +321,7 @@ def test_torch_ops_capture_in_a_cuda_graph(spec_name, entry):
     kv_eager, kv_graph = x["kv"].clone(), x["kv"].clone()
     layers_graph = [x["kv"].clone() for _ in range(3)]
     want = _step(x, kv_eager, [x["kv"].clone()])   # eager through the ops: the reference of both entries
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _step(x, x["kv"].clone(), [x["kv"].clone() for _ in range(3)], entry)   # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = _step(x, kv_graph, layers_graph, entry)
-    kv_graph.copy_(x["kv"])
-    for layer in layers_graph:
-        layer.copy_(x["kv"])
-    for o in got:
-        o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    got = captured_step(torch, lambda kv, layers: _step(x, kv, layers, entry), x["kv"], kv_graph, layers_graph)
     for a, w in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
                            w.view(torch.uint8) if w.dtype.is_floating_point else w)

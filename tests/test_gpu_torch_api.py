@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_engine import SPEC, SPEC_FP8, _load, _need_gpus, _step, _step_inputs
+from test_gpu_engine import SPEC, SPEC_FP8, _load, _need_gpus, _step, _step_inputs, captured_step
 from verify_cases import fresh_seed
 
 pytestmark = pytest.mark.gpu
@@ -52,21 +52,7 @@ def test_records_step_is_the_ops_step(spec_name, mode):
         torch._dynamo.reset()
         got = torch.compile(_records_step, fullgraph=True)(ks, x, kv_rec, layers_rec)
     else:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            _records_step(ks, x, x["kv"].clone(), [x["kv"].clone() for _ in range(2)])   # warm-up
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = _records_step(ks, x, kv_rec, layers_rec)
-        kv_rec.copy_(x["kv"])
-        for layer in layers_rec:
-            layer.copy_(x["kv"])
-        for o in got:
-            o.fill_(-1) if not o.dtype.is_floating_point else o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        got = captured_step(torch, lambda kv, layers: _records_step(ks, x, kv, layers), x["kv"], kv_rec, layers_rec)
     _same(got, want)
     for a, b in zip([kv_rec, *layers_rec], [kv_ops, *layers_ops]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
