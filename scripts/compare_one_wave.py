@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree_gen.bench.peers import flashmla_peers
-from ddtree_gen.bench.specs import SPEC_BY_HEADS, VERIFY_KERNELS
+from ddtree_gen.bench.specs import SPEC_BY_HEADS
+from ddtree_gen.bench.tree_verify import SWEEP_KERNELS
 from ddtree_gen.bench.timing import graph_time_ms
 from ddtree_gen.inputs import verify_inputs
 from ddtree_gen.kernel_set import load
@@ -28,7 +29,7 @@ def main() -> None:
     rows = []
     for h, nq, keys in SHAPES:
         spec = find_spec(SPEC_BY_HEADS[h])
-        ks = load(spec, kernels=list(VERIFY_KERNELS))
+        ks = load(spec, kernels=list(SWEEP_KERNELS))   # (FlashMLA's split path runs our tail and merge)
         x = verify_inputs(spec, 1, np.array([keys]), nq)
         plan = ks.tree_verify_schedule(1, nq, x["block_table"].shape[1], device=x["q_nope"].device.id)
         auto = ks.tree_verify(**x)
