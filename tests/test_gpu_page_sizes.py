@@ -95,3 +95,49 @@ def test_bad_pages_and_lengths(base, page):
         kd.test_dequant_path_unmapped_pages_and_bad_requests(spec)
     else:
         tv.test_parts_grid_bad_device_values(spec)
+
+
+SPREAD_BUILDS = [("kimi-k2.6-tp8", "chunks"), ("kimi-k2.6-tp8", "parts"), ("kimi-k2.6-tp8-fp8", "chunks")]
+
+
+@pytest.mark.parametrize("page", (1, 16, 32))
+@pytest.mark.parametrize("base,grid", SPREAD_BUILDS, ids=[f"{b}-{g}" for b, g in SPREAD_BUILDS])
+def test_spread_loads_give_the_serial_bits(base, grid, page):
+    """page_loads "spread" (the gather's lanes a row's chunks side by side; TMA at pages of 16 / 32 a warp per page,
+    LOAD_ARRIVALS = 64 / PAGE; not the default until measured) gives the serial build's bits, out and lse, at split
+    counts 1, 5 and the launcher's own, on a table with a page outside the cache in request 0's tree keys and a
+    negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched."""
+    import cupy
+
+    from ddtree_gen.build.variant import variant
+    from ddtree_gen.inputs import relayout
+    from ddtree_gen.kernel_set import variant_set
+    from ddtree_gen.ops import by_name
+    from ddtree_gen.ops.tree_verify.split import COMBINE
+    spec64, spec = page_spec(base, 64), page_spec(base, page)
+    tma = page in (16, 32)
+    sets = {loads: variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma, grid=grid, page_loads=loads)],
+                               also=[COMBINE]) for loads in ("serial", "spread")}
+    skip_unless_runs(sets["spread"], "tree_verify_wgmma")
+    seed = fresh_seed()
+    case = next(c for c in CASES if c.id == "b7-small")
+    inp, rng = tv.build_case(spec64, case, seed, WG.bf16)
+    lens = inp.prefix_lens + inp.q_lens
+    kv, table = relayout(inp.kv_cache, inp.block_table, lens, page, rng)
+    table = table.copy()
+    table[0, (int(lens[0]) - 1) // page] = kv.shape[0] + 3    # request 0's last key's page: outside the cache
+    table[1, 0] = -1                                          # request 1's first page (prefix keys)
+    paged = dataclasses.replace(inp, kv_cache=kv, block_table=table)
+    tag = f"{spec.name} grid={grid} ({'TMA' if tma else 'gather'}) seed={seed}"
+    for splits in (1, 5, None):
+        got = {}
+        for loads, ks in sets.items():
+            out, lse = tv.poisoned(inp.shape)
+            ks.tree_verify_wgmma(**paged.device(), softmax_scale=tv.SCALES[case.scale], out=out, lse=lse,
+                                 num_splits=splits)
+            cupy.cuda.Device().synchronize()
+            got[loads] = tv.to_host(out), tv.to_host(lse)
+            tv.check_rows_written(*got[loads], inp.q_lens, f"{tag} {loads} splits={splits}")
+        assert (got["spread"][0] == got["serial"][0]).all(), f"{tag} splits={splits}: out differs from serial's"
+        assert (got["spread"][1].view(np.uint32) == got["serial"][1].view(np.uint32)).all(), \
+            f"{tag} splits={splits}: lse differs from serial's"

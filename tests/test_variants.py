@@ -198,3 +198,25 @@ def test_a_kernel_parameter_list_is_declared_once(kimi):
     del values["spans"]
     with pytest.raises(AssertionError, match="no value of kernel parameter\\(s\\) spans"):
         bind(parts.params, values)
+
+
+def test_page_loads_knob(kimi):
+    """page_loads "spread" (not yet measured: off by default) is a page-by-page seesaw build's (the gather, or TMA at
+    pages of 16 / 32): its own name and source (a warp per page's boxes, LOAD_ARRIVALS = 64 / PAGE; the gather's lanes
+    a row's chunks side by side); refused where the tiles are whole pages (page 64 TMA) and on the lockstep schedule."""
+    import re
+    page16 = dataclasses.replace(kimi, name="kimi-page16", page_size=16)
+    page1 = dataclasses.replace(kimi, name="kimi-page1", page_size=1)
+    for spec, tma in ((page16, True), (page1, False), (kimi, False)):
+        serial, spread = variant(WGMMA, spec, tma=tma), variant(WGMMA, spec, tma=tma, page_loads="spread")
+        assert spread.name == serial.name + ".page-loads-spread" and spread.plan().consts["SPREAD_LOADS"] == 1
+        assert re.search(r"#define SPREAD 0\b", render(serial)) and re.search(r"#define SPREAD 1\b", render(spread))
+        # the gather's new lanes (a row's CHUNKS chunks) or a TMA box issued per warp: only in the spread build
+        mark = "const int buf = n & 1, j = wtid >> 5;" if tma else "const int c = wtid % CHUNKS, r0 = wtid / CHUNKS;"
+        assert mark in render(spread) and mark not in render(serial)
+    with pytest.raises(SpecError, match="page_loads 'spread' is a seesaw build's that loads its tiles page by page"):
+        variant(WGMMA, kimi, page_loads="spread").plan()                      # page 64, TMA: whole-page tiles
+    with pytest.raises(SpecError, match="page_loads 'spread'"):
+        variant(WGMMA, page1, schedule="lockstep", tma=False, page_loads="spread").plan()
+    with pytest.raises(SpecError, match="page_loads 'x': one of serial, spread"):
+        variant(WGMMA, page16, page_loads="x").plan()

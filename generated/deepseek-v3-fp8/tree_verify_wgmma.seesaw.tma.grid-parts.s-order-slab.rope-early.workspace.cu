@@ -102,8 +102,13 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // (docs/perf/journal-tree-verify.md, "Every page size, built")
 #define PAGED 0
 #define GATHER 0
-#define LOAD_ARRIVALS (GATHER ? 128 : 1)      // arrivals that complete a slab barrier's phase
-#define LOADER (GATHER || wtid == 0)          // the threads of a warpgroup that load its slabs
+// page_loads "spread" (SPREAD, a PAGED build's; not yet measured on a GPU: docs/perf/journal-tree-verify.md "The loads
+// separated"): the gather's lanes a row's chunks side by side, and a TMA build's pages each issued by its own warp
+#define SPREAD 0
+#define LOAD_ARRIVALS (GATHER ? 128 : SPREAD ? BN / PAGE : 1)   // arrivals that complete a slab barrier's phase
+// the threads of a warpgroup that load its slabs: all (GATHER), lane 0 of warp j for page j of a tile (SPREAD TMA:
+// the boxes of a tile's pages issued side by side, not one after another by one thread), or thread 0
+#define LOADER (GATHER || (SPREAD ? (wtid & 31) == 0 && (wtid >> 5) < BN / PAGE : wtid == 0))
 #define MASK_WORDS 3
 #define THREADS 256
 #define FP8 0
@@ -605,8 +610,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
         };
 
 
-        // ---- prologue: the barriers and tiles 0 and 1 (thread 0; GATHER: warpgroup 0, after Q's copies), Q (all
-        // threads, cp.async)
+        // ---- prologue: the barriers and tiles 0 and 1 (thread 0; GATHER or SPREAD: warpgroup 0's LOADER threads, after
+        // Q's copies), Q (all threads, cp.async)
         tile_src_t src_a = tile_row(0);                            // tile a's (the even tile of the pair)
         tile_src_t src_b = n_tiles > 1 ? tile_row(1) : NO_TILE;    // tile a + 1's
         if (tid == 0) {

@@ -141,6 +141,11 @@ RETIRED = {"fp8_mma": 'docs/perf/journal-fp8.md "FP8 products, built"',
 # the fp8 seesaw's convert_sync modes -> (CONV_BARS, GROUP_FENCE, CONV_PAIRS) of templates/tree_verify_seesaw.cu.j2
 CONVERT_SYNCS = {"slab": (0, 0, 0), "lean": (1, 0, 0), "group": (1, 1, 0), "pairs": (1, 0, 1)}
 P_STORES = ("sts", "stmatrix")
+# page_loads (a seesaw build whose tiles are loaded page by page: the gather, or TMA at pages of 16 or 32): "serial"
+# (the measured default: a thread pair a key row in the gather, one thread issuing every page's boxes) or "spread"
+# (a row's 16-byte chunks by side-by-side lanes, a warp per page's boxes; built 2026-12-08, not yet run on a GPU:
+# docs/perf/journal-tree-verify.md "The loads separated, and two fixes of the producer's instructions")
+PAGE_LOADS = ("serial", "spread")
 
 
 @dataclass(frozen=True)
@@ -162,10 +167,12 @@ class WgmmaBuild:
     seg_cost: int = 6
     rope_early: bool = False
     kv_source: str = "cache"
+    page_loads: str = "serial"
 
     def __post_init__(self):
         for knob, domain in (("schedule", SCHEDULES), ("grid", GRIDS), ("rescale", RESCALES), ("p_store", P_STORES),
-                             ("convert_sync", CONVERT_SYNCS), ("kv_source", KV_SOURCES)):
+                             ("convert_sync", CONVERT_SYNCS), ("kv_source", KV_SOURCES),
+                             ("page_loads", PAGE_LOADS)):
             if getattr(self, knob) not in domain:
                 raise SpecError(f"{knob} {getattr(self, knob)!r}: one of {', '.join(domain)}")
         if not isinstance(self.seg_cost, int) or isinstance(self.seg_cost, bool) or not 0 <= self.seg_cost <= 64:
@@ -306,6 +313,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
                         f"size of 16 or 32) and (lockstep schedule) a bf16 cache")
     if build.seesaw and fp8 and build.grid != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {build.grid!r})")
+    if build.page_loads != KNOBS["page_loads"] and not (build.seesaw and (not build.tma or spec.page_size % BN)):
+        raise SpecError(f"{where}: page_loads {build.page_loads!r} is a seesaw build's that loads its tiles page by "
+                        f"page (the gather, or TMA at a page size of 16 or 32; this one: page_size {spec.page_size}, "
+                        f"schedule {build.schedule!r}, tma {build.tma})")
     # fp8: the converter warpgroup
     threads = THREADS + 128 if build.seesaw and fp8 else THREADS
     if build.seesaw:
@@ -325,9 +336,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
                         "SYNC_HANDOFFS": sympy.Integer(1 if build.sync_handoffs else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
-                                 "GROUP_FENCE", "CONV_PAIRS"),
+                                 "GROUP_FENCE", "CONV_PAIRS", "SPREAD_LOADS"),
                                 (*RESCALES[build.rescale], int(build.p_store == "stmatrix"),
-                                 int(bool(fp8 or build.rope_early)), *CONVERT_SYNCS[build.convert_sync]))}
+                                 int(bool(fp8 or build.rope_early)), *CONVERT_SYNCS[build.convert_sync],
+                                 int(build.page_loads == "spread")))}
                            if build.seesaw else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()},
                         # the dequantize path's builds read bf16 tiles whatever the spec's cache holds
