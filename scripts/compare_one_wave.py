@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """One request of few rows over a long table (issue 45): tree_verify's automatic chunk count with split.ONE_WAVE on
-(split.one_wave_splits: up to one wave of blocks past MAX_SPLITS; the script turns it on) against the cap (num_splits = MAX_SPLITS) and FlashMLA's dense decode
-(same FLOPs, no mask), in one process, CUDA-graph replay medians; the two counts' outputs within the contract's bar of
-each other. FlashMLA's package on PYTHONPATH (docs/benchmarks.md), else its column is left out.
+(split.one_wave_splits: up to one wave of blocks past MAX_SPLITS; the script turns it on) against the cap
+(num_splits = MAX_SPLITS) and FlashMLA's dense decode (same FLOPs, no mask), in one process, CUDA-graph replay
+medians; the two counts' outputs within the contract's bar of each other. FlashMLA's package on PYTHONPATH
+(docs/benchmarks.md), else its column is left out.
 When: on a GPU after a change to the split rule (ddtree_gen/ops/tree_verify/split.py).
 Run: PYTHONPATH=. python scripts/compare_one_wave.py
 """

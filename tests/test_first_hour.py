@@ -292,7 +292,8 @@ def _no_gpu() -> str | None:
 
 
 @pytest.mark.parametrize("argv", [["examples/speculative_decode.py"], ["scripts/probe_tree_build.py"],
-                                  ["scripts/ablate_wgmma.py"], ["scripts/compare_tma.py"], ["scripts/compare_loads.py"], ["scripts/compare_one_wave.py"], ["scripts/sweep_splits.py"],
+                                  ["scripts/ablate_wgmma.py"], ["scripts/compare_tma.py"], ["scripts/compare_loads.py"],
+                                  ["scripts/compare_one_wave.py"], ["scripts/sweep_splits.py"],
                                   ["scripts/tune_tree_verify.py"], ["scripts/compare_topk.py"],
                                   ["scripts/probe_wgmma.py"]])
 def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):

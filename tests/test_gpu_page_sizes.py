@@ -107,8 +107,6 @@ def test_spread_loads_give_the_serial_bits(base, grid, page):
     LOAD_ARRIVALS = 64 / PAGE; not the default until measured) gives the serial build's bits, out and lse, at split
     counts 1, 5 and the launcher's own, on a table with a page outside the cache in request 0's tree keys and a
     negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched."""
-    import cupy
-
     from ddtree_gen.build.variant import variant
     from ddtree_gen.inputs import relayout
     from ddtree_gen.kernel_set import variant_set
@@ -129,14 +127,9 @@ def test_spread_loads_give_the_serial_bits(base, grid, page):
     table[1, 0] = -1                                          # request 1's first page (prefix keys)
     paged = dataclasses.replace(inp, kv_cache=kv, block_table=table)
     tag = f"{spec.name} grid={grid} ({'TMA' if tma else 'gather'}) seed={seed}"
-    for splits in (1, 5, None):
-        got = {}
-        for loads, ks in sets.items():
-            out, lse = tv.poisoned(inp.shape)
-            ks.tree_verify_wgmma(**paged.device(), softmax_scale=tv.SCALES[case.scale], out=out, lse=lse,
-                                 num_splits=splits)
-            cupy.cuda.Device().synchronize()
-            got[loads] = tv.to_host(out), tv.to_host(lse)
+    for splits in tv.TC_SPLITS:
+        got = {loads: tv.run(ks, WG, "tree_verify", paged, tv.SCALES[case.scale], splits) for loads, ks in sets.items()}
+        for loads in sets:
             tv.check_rows_written(*got[loads], inp.q_lens, f"{tag} {loads} splits={splits}")
         assert (got["spread"][0] == got["serial"][0]).all(), f"{tag} splits={splits}: out differs from serial's"
         assert (got["spread"][1].view(np.uint32) == got["serial"][1].view(np.uint32)).all(), \
