@@ -178,9 +178,10 @@ class KernelSet(Launchers):
             return self._first[name]
         return self._modules.arch_for(name, device) or self._first[name]
 
-    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
-        """Launch kernel `name` on `device`'s current stream (torch's for kind "torch", else CuPy's)."""
-        self._modules.launch(name, grid, args, device, kind, fmt)
+    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str, pdl: bool = False) -> None:
+        """Launch kernel `name` on `device`'s current stream (torch's for kind "torch", else CuPy's); pdl: as a
+        programmatic dependent of the launch before it (launch/pdl.py)."""
+        self._modules.launch(name, grid, args, device, kind, fmt, pdl)
 
     launch.direct = True   # runtime.run_call may launch this set's calls through its modules directly
 
@@ -193,9 +194,9 @@ class StandInKernelSet(Launchers):
     """A kernel set without a GPU (launch.protocol.KernelSetLike): the spec's plans and constants (of each kernel's
     sm_90a build, as KernelSet.plan without a device), every kernel of `kernels` (default: every kernel the
     spec gets) running there as its first target, and a launch that records what it was given in
-    `launches` (name, grid, args) instead of launching. The launchers' checks and their per-signature cache
-    (prepared_calls) run as on a GPU; with torch or CuPy absent, the arrays may be any objects with
-    __cuda_array_interface__ (tests/conftest.FakeCudaArray)."""
+    `launches` (name, grid, args; and "pdl" for a programmatic dependent launch) instead of launching. The
+    launchers' checks and their per-signature cache (prepared_calls) run as on a GPU; with torch or CuPy absent, the
+    arrays may be any objects with __cuda_array_interface__ (tests/conftest.FakeCudaArray)."""
 
     def __init__(self, spec, kernels=None):
         """`kernels`: the builds it holds, by key (a kernel's name: its default build; "<kernel>/<build>": another),
@@ -245,8 +246,8 @@ class StandInKernelSet(Launchers):
     def constants(self, name, device: int | None = None) -> dict:
         return _stand_in_constants(name, self.spec)
 
-    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
-        self.launches.append((name, grid, args))
+    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str, pdl: bool = False) -> None:
+        self.launches.append((name, grid, args, "pdl") if pdl else (name, grid, args))
 
     def __repr__(self):
         return f"StandInKernelSet({self.spec.name!r}, kernels={self.kernels})"

@@ -19,6 +19,10 @@ import operator
 from typing import NamedTuple
 
 
+class PdlLaunch(tuple):
+    """stand_in_kset's record of a programmatic dependent launch: the fields of a plain launch's record."""
+
+
 class _Built:
     """An artifacts.Built stand-in: KernelSet reads .binary, .arch and .variant (its plan)."""
 
@@ -30,7 +34,7 @@ def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
     """A real KernelSet of `spec` with stand-in binaries, on a stand-in Hopper device 0 whose launches are
     counted, not run, and torch CPU tensors standing for device 0's (torch_cpu_as_device0). Returns (kset,
     launches: a list of (function, grid, block, shared memory, stream, the parameter buffer's address) per
-    cuLaunchKernel call)."""
+    cuLaunchKernel call; a programmatic dependent launch's (cuLaunchKernelEx: launch/pdl.py) the same as a PdlLaunch)."""
     from ..launch import callplan, runtime
     from ..kernel_set import KernelSet
     from ..ops import all_kernels
@@ -44,8 +48,12 @@ def stand_in_kset(spec, patch=setattr, patch_item=operator.setitem):
     def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         launches.append((fn, (gx, gy, gz), (bx, by, bz), smem, stream, params))
 
+    def launch_pdl(name, fn, gx, gy, gz, bx, by, bz, smem, stream, params):
+        launches.append(PdlLaunch((fn, (gx, gy, gz), (bx, by, bz), smem, stream, params)))
+
     cuda = runtime.cuda_entries()   # the real entry points first (a torch or CuPy import), then the stand-ins over them
-    for key, value in (("launch", launch), ("get_device", lambda: 0), ("set_device", lambda d: None),
+    for key, value in (("launch", launch), ("launch_pdl", launch_pdl), ("get_device", lambda: 0),
+                       ("set_device", lambda d: None),
                        ("cupy_stream", lambda d: type("S", (), {"ptr": 0})()), ("torch_stream", lambda d: 0)):
         patch_item(cuda, key, value)
 

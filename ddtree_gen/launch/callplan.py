@@ -30,11 +30,13 @@ class Step:
     """One kernel launch of a call. `args` are the kernel's parameters: an int is the index of an
     array in the call's array list (its pointer is passed), a (index, byte offset) pair a pointer
     into it, an IsAligned(index, bytes) the int32 flag "that pointer is so aligned", anything else
-    (a numpy scalar) a constant."""
+    (a numpy scalar) a constant. `pdl`: launched as a programmatic dependent of the kernel before it in the stream
+    (launch/pdl.py; the kernel itself must wait for that kernel's results: griddepcontrol.wait)."""
     kernel: str
     grid: tuple
     args: tuple
     fmt: str = ""    # struct format of the parameters (filled in by Prepared); "[...]": one struct parameter
+    pdl: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,12 @@ class StepPlan:
     """A Step compiled for the per-call path: its flat parameter values with the constants in place
     (`template`), and where this call's pointers go: `runs` (position, first array index, count) of
     consecutive pointers, `singles` (position, array index, byte offset), `special` (position, IsAligned
-    or TensorMap). values(ptrs) is _values(step.args, ptrs), without walking the arguments per call."""
-    __slots__ = ("kernel", "grid", "fmt", "template", "runs", "singles", "special")
+    or TensorMap). values(ptrs) is _values(step.args, ptrs), without walking the arguments per call. `pdl`: the
+    step's (a programmatic dependent launch)."""
+    __slots__ = ("kernel", "grid", "fmt", "pdl", "template", "runs", "singles", "special")
 
     def __init__(self, step: Step):
-        self.kernel, self.grid, self.fmt = step.kernel, tuple(step.grid), step.fmt
+        self.kernel, self.grid, self.fmt, self.pdl = step.kernel, tuple(step.grid), step.fmt, step.pdl
         template, pointers, special = [], [], []
 
         def walk(args):

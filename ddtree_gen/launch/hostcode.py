@@ -159,24 +159,32 @@ def _buffer_lines(plan: OutputPlan, kind: str, device: int, name, source: dict) 
 
 def _launch_lines(prep, bound, env: dict, kset, name) -> list:
     """The lines that launch prep's steps: bound ones directly (one lock for the call, the parameters packed
-    when the pointers changed, the device switched for the launches only), else through kset.launch."""
+    when the pointers changed, the device switched for the launches only), else through kset.launch; a step with
+    `pdl` through launch_pdl (a programmatic dependent launch: launch/pdl.py), or kset.launch(..., pdl=True)."""
     if not prep.plans:
         return []
     if not bound:
         ks = name(kset)
         return [f"    {ks}.launch({name(p.kernel)}, grid={name(p.grid)}, args={name(p.values)}(ptrs), "
-                f"device={prep.device}, kind={prep.kind!r}, fmt={name(p.fmt)})" for p in prep.plans]
+                f"device={prep.device}, kind={prep.kind!r}, fmt={name(p.fmt)}{', pdl=True' if p.pdl else ''})"
+                for p in prep.plans]
     lock, last, cuda = bound[0][8], bound[0][11], name(env)
     stream = (f'{cuda}["torch_stream"]({prep.device})' if prep.kind == "torch" else
               f'{cuda}["cupy_stream"]({prep.device}).ptr')
-    lines = [f"    s = {stream}", f"    launch = {cuda}['launch']", f"    d = {cuda}['get_device']()",
+    # (a step launched as a programmatic dependent: through launch_pdl, looked up only where there is one)
+    pdl = [f"    launch_pdl = {cuda}['launch_pdl']"] if any(b[10].pdl for b in bound) else []
+    lines = [f"    s = {stream}", f"    launch = {cuda}['launch']", *pdl, f"    d = {cuda}['get_device']()",
              f"    if d != {prep.device}:", f"        {cuda}['set_device']({prep.device})", "    try:",
              f"        with {name(lock)}:", f"            if ptrs != {name(last)}[0]:"]
     for fn, gx, gy, gz, threads, smem, storage, params, _, pack_into, plan, _, _ in bound:
         lines.append(f"                {name(pack_into)}({name(storage)}, 0, {_pack_args(plan, name)})")
     lines.append(f"                {name(last)}[0] = ptrs")
     for fn, gx, gy, gz, threads, smem, storage, params, _, pack_into, plan, _, _ in bound:
-        lines.append(f"            launch({fn}, {gx}, {gy}, {gz}, {threads}, 1, 1, {smem}, s, {params}, 0)")
+        if plan.pdl:
+            lines.append(f"            launch_pdl({name(plan.kernel)}, {fn}, {gx}, {gy}, {gz}, {threads}, 1, 1, "
+                         f"{smem}, s, {params})")
+        else:
+            lines.append(f"            launch({fn}, {gx}, {gy}, {gz}, {threads}, 1, 1, {smem}, s, {params}, 0)")
     lines += ["    finally:", f"        if d != {prep.device}:", f"            {cuda}['set_device'](d)"]
     return lines
 

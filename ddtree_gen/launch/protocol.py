@@ -39,8 +39,9 @@ class KernelSetLike(Protocol):
     def constants(self, name: str, device: int | None = None) -> dict:
         """The template constants of `name`'s build for `device`."""
 
-    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
-        """Launch kernel `name` on `device`'s current stream."""
+    def launch(self, name: str, *, grid: tuple, args: list, device: int, kind: str, fmt: str, pdl: bool = False) -> None:
+        """Launch kernel `name` on `device`'s current stream (pdl: as a programmatic dependent of the launch before
+        it; the runtime passes pdl= only where a step asks for it)."""
 
 
 __all__ = ["KernelSetLike"]

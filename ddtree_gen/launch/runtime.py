@@ -27,6 +27,7 @@ from typing import Callable
 
 from .. import archs
 from . import arrays as _arrays
+from . import pdl as _pdl
 from .arrays import allocate, dlpack_only, fast_view, from_dlpack, pointer_of
 from .callplan import (EMPTY_US, OUTPUT_ALIGN, TENSOR_MAP_WORDS, VIEW_US, IsAligned, OutputPlan,  # noqa: F401
                        ParamStruct, Step, StepPlan, TensorMap, _TENSOR_MAPS, _param_fmt, _values,
@@ -73,7 +74,7 @@ class Prepared:
             record, indices = self.returns
             self.result = ((lambda a: record(*(a[i] for i in indices))) if record is not None else
                            (lambda a: None))
-        self.steps = tuple(Step(s.kernel, s.grid, s.args, _param_fmt(s.args)) for s in self.steps)
+        self.steps = tuple(Step(s.kernel, s.grid, s.args, _param_fmt(s.args), s.pdl) for s in self.steps)
         self.plans = tuple(StepPlan(s) for s in self.steps)
         self.outputs = OutputPlan(self.new, self.scratch) if self.new else None
 
@@ -297,9 +298,9 @@ def run_call(kset, prepare: Callable, arrays: tuple, key: tuple, *, cache: bool 
     if bound:
         _launch_bound(bound, ptrs, prep.device, prep.kind)
     else:
-        for plan in prep.plans:
+        for plan in prep.plans:   # (pdl= only where the step asks for it: a kset's own launch may not take it)
             kset.launch(plan.kernel, grid=plan.grid, args=plan.values(ptrs), device=prep.device, kind=prep.kind,
-                        fmt=plan.fmt)
+                        fmt=plan.fmt, **({"pdl": True} if plan.pdl else {}))
     return prep.result(arrays)
 
 
@@ -331,7 +332,10 @@ def _launch_bound(bound, ptrs, device: int, kind: str) -> None:
                 if last[0] != ptrs:
                     pack_into(storage, 0, *plan.values(ptrs))
                     last[0] = ptrs
-                launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
+                if plan.pdl:   # a programmatic dependent of the launch before it (launch/pdl.py)
+                    cuda["launch_pdl"](plan.kernel, fn, gx, gy, gz, threads, 1, 1, smem, stream, params)
+                else:
+                    launch(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
     finally:
         if previous != device:
             cuda["set_device"](previous)
@@ -358,7 +362,7 @@ def _cuda() -> dict:
         import cupy
         from cupy.cuda import driver, runtime
         _CUDA.update(launch=driver.launchKernel, get_device=runtime.getDevice, set_device=runtime.setDevice,
-                     cupy_stream=cupy.cuda.get_current_stream)
+                     cupy_stream=cupy.cuda.get_current_stream, launch_pdl=_pdl.launch)
         try:
             import torch
             _CUDA["torch_stream"] = torch._C._cuda_getCurrentRawStream
@@ -369,9 +373,10 @@ def _cuda() -> dict:
 
 def cuda_entries() -> dict:
     """The driver / runtime entry points a launch uses, looked up on first use: launch (cuLaunchKernel, CuPy's
-    binding), get_device, set_device, cupy_stream (the current CuPy stream) and, with torch, torch_stream (its raw
-    current stream). The runtime reads this one table per call; a probe may call its entries, a stand-in replace
-    them (ddtree_gen.bench.stand_in)."""
+    binding), launch_pdl (a programmatic dependent launch, cuLaunchKernelEx: pdl.launch, its own arguments), get_device,
+    set_device, cupy_stream (the current CuPy stream) and, with torch, torch_stream (its raw current stream). The
+    runtime reads this one table per call; a probe may call its entries, a stand-in replace them
+    (ddtree_gen.bench.stand_in)."""
     return _CUDA or _cuda()
 
 
@@ -567,8 +572,9 @@ class DeviceModules:
         return (fn, gx, gy, gz, threads, smem, storage, ctypes.addressof(params), threading.Lock(),
                 struct.Struct(flat).pack_into, plan, [None], params)
 
-    def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str) -> None:
-        """Launch `name` on `device`'s current stream (switching the thread's device for the call only)."""
+    def launch(self, name: str, grid: tuple, args: list, device: int, kind: str, fmt: str, pdl: bool = False) -> None:
+        """Launch `name` on `device`'s current stream (switching the thread's device for the call only); pdl: as a
+        programmatic dependent of the launch before it (launch/pdl.py)."""
         cuda = _CUDA or _cuda()
         _, fn, threads, smem = self._loaded.get((name, device)) or self._entry(name, device)
         stream = current_stream(device, kind)
@@ -580,7 +586,10 @@ class DeviceModules:
         try:
             with lock:   # the parameter buffer is reused; the driver copies it at launch
                 struct.pack_into(flat, storage, 0, *args)
-                cuda["launch"](fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
+                if pdl:
+                    cuda["launch_pdl"](name, fn, gx, gy, gz, threads, 1, 1, smem, stream, params)
+                else:
+                    cuda["launch"](fn, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
         finally:
             if previous != device:
                 cuda["set_device"](previous)

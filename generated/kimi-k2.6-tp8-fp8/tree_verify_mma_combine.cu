@@ -87,6 +87,12 @@ ddtree_tree_verify_mma_combine(const float* __restrict__ part_o,      // [splits
             const int* __restrict__ spans)         // null: every row has `splits` chunks; else the seesaw kernel's
                                                    // parts: [2 B + 1] request key-tile ranges and their total
 {
+#if __CUDA_ARCH__ >= 900
+    // Launched as a programmatic dependent of the attention kernel (split.PDL_COMBINE) this block may start before
+    // that kernel's partials are visible: wait for it first. Launched plainly, the wait returns at once (PTX ISA).
+    // sm_90+ only: the sm_80 build has no wait, and the launcher never launches it as a dependent.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const long long row = (long long)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows_total) return;                                   // warp-uniform

@@ -24,6 +24,7 @@ from ...launch import arrays as ar
 from ...errors import ArgumentError
 from .. import all_kernels, builds_of, by_name
 from ..kv_dequant.plan import workspace_elems
+from . import split as _split
 from .split import COMBINE, parts_workspace_elems
 from .wgmma import PARTS_MIN_B, PARTS_MIN_KEYS, parts_for, parts_pay
 from ...launch.runtime import sm_count
@@ -58,9 +59,10 @@ class VerifyCall(NamedTuple):
         return self.arrays[KVW] if len(self.arrays) > KVW else None
 
     def key(self) -> tuple:
-        """The non-array arguments the launch plan depends on (runtime.run_call's key; types: 1 is not 1.0)."""
+        """The non-array arguments the launch plan depends on (runtime.run_call's key; types: 1 is not 1.0), and
+        split.PDL_COMBINE (how the plan launches its combine: a script or test may turn it on and off)."""
         return (self.name, self.impl, self.fp8_path, self.build, type(self.softmax_scale), self.softmax_scale,
-                type(self.num_splits), self.num_splits, type(self.kv_scale), self.kv_scale)
+                type(self.num_splits), self.num_splits, type(self.kv_scale), self.kv_scale, _split.PDL_COMBINE)
 
 
 class Route(NamedTuple):

@@ -111,6 +111,20 @@ def _choose_splits(spec, b: int, nq: int, max_keys: int, bn: int, sms: int, tabl
 ONE_WAVE = False
 
 
+# Off until measured on a GPU (built on a machine without one; scripts/compare_pdl.py and tests/test_gpu_pdl.py turn it
+# on for their own calls): the combine launched as a programmatic dependent of the attention kernel (launch/pdl.py:
+# cuLaunchKernelEx with programmatic stream serialization), so that its launch overlaps that kernel's end instead of
+# following it. A key of tree_verify's call cache (route.VerifyCall.key), so a script or test may turn it on and off.
+PDL_COMBINE = False
+PDL_TARGETS = ("sm_90a",)   # the combine builds that wait for the partials themselves (griddepcontrol.wait: sm_90+)
+
+
+def pdl_combine(target: str | None) -> bool:
+    """Whether the combine's launch is a programmatic dependent one: PDL_COMBINE on and the build that runs (`target`)
+    one that waits for the attention kernel (its sm_80 PTX has no griddepcontrol.wait, so it is launched plainly)."""
+    return PDL_COMBINE and target in PDL_TARGETS
+
+
 def one_wave_splits(spec, base: int, nq: int, sms: int) -> int:
     """The chunk count past MAX_SPLITS that the automatic choice may take: one wave of blocks (base x s <= SMs), so that
     a request of few rows fills the GPU (B = 1, H = 8, Nq = 22: 3 row tiles, 44 chunks on 132 SMs, not 32 chunks and 36

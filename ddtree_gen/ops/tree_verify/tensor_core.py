@@ -33,8 +33,9 @@ import numpy as np
 from ...launch import arrays as ar
 from ...errors import ArgumentError
 from .. import all_builds
+from . import split as _split
 from .split import BM, COMBINE, COMBINE_ROWS_PER_BLOCK, DEFAULT_SMS, MAX_PARTS, MAX_SPLITS, choose_splits
-from .split import COMBINE_DEF, parts_workspace_elems, workspace_elems
+from .split import COMBINE_DEF, parts_workspace_elems, pdl_combine, workspace_elems
 from ...build.declaration import Declaration
 from .simple import tensor_core_sanitizer_cases
 from ..kv_dequant.plan import workspace_layout as dequant_layout
@@ -137,8 +138,8 @@ def prepare_attention(offer, name, tail, arrays, checked, validate, num_splits) 
     if splits > 1 and COMBINE not in offer.builds:
         raise ArgumentError(f"num_splits: {splits} key chunks need {COMBINE}, not loaded in this kernel set of "
                             f"spec {spec.name!r} (load it, or pass num_splits=1)")
-    if splits > 1:
-        offer.require(COMBINE)
+    # the combine a programmatic dependent of the attention kernel where split.PDL_COMBINE says so (its sm_90a build)
+    pdl = splits > 1 and pdl_combine(offer.require(COMBINE))
     if b * splits * row_tiles > INT32_MAX:
         raise ArgumentError(f"q_nope: batch size {b} too large for one launch")
     # the caller's buffers are checked before anything is allocated or copied
@@ -186,7 +187,7 @@ def prepare_attention(offer, name, tail, arrays, checked, validate, num_splits) 
             new.append((WS, (need,), "float32"))
         if splits > 1:
             steps.append(combine_step(part_o, part_lse, 4, 5, nq, splits, rows_total, 7, 8,
-                                      spans if parts else np.uint64(0)))
+                                      spans if parts else np.uint64(0), pdl=pdl))
     return Prepared(device=qn.device, kind=qn.kind, steps=tuple(steps), new=tuple(new), aligned=tuple(ptrs.aligned),
                     disjoint=tuple(ptrs.disjoint), scratch=(WS, KVW) if dequant else (WS,),
                     returns=(AttentionOutput, (7, 8)))
@@ -205,14 +206,16 @@ def bind(plist, values: dict) -> tuple:
     return tuple(SCALARS[p.ctype](values[p.name]) if p.ctype in SCALARS else values[p.name] for p in plist)
 
 
-def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0)) -> Step:
+def combine_step(part_o, part_lse, pl, ql, nq, splits, rows_total, out, lse, spans=np.uint64(0), *,
+                 pdl: bool = False) -> Step:
     """The combine of `splits` chunks ([splits, rows_total] partials), or of the seesaw kernel's parts (`spans`:
-    the request spans it wrote, partials in slots b + part)."""
+    the request spans it wrote, partials in slots b + part). pdl: launched as a programmatic dependent of the kernel
+    before it (split.pdl_combine: only a build that waits for that kernel's partials)."""
     blocks = -(-rows_total // COMBINE_ROWS_PER_BLOCK)
     if blocks > INT32_MAX:
         raise ArgumentError(f"q_nope: {rows_total} rows are too many for one launch")
     return Step(COMBINE, (blocks,), (part_o, part_lse, pl, ql, np.int32(nq), np.int32(splits), np.int64(rows_total),
-                                     out, lse, spans))
+                                     out, lse, spans), pdl=pdl)
 
 
 def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> AttentionOutput:
@@ -236,7 +239,9 @@ def combine(kset, workspace, prefix_lens, q_lens, splits, out, lse) -> Attention
     ptrs.align(wa, "workspace", 16, READER)
     ptrs.align(oa, "out", 4, READER)
     rows = b * nq * h
-    steps = (combine_step((0, 0), (0, splits * rows * r * 4), 1, 2, nq, splits, rows, 3, 4),) if rows else ()
+    # (the switch read per call: this launcher is not cached)
+    pdl = bool(rows) and _split.PDL_COMBINE and pdl_combine(kset.require(COMBINE, device))
+    steps = (combine_step((0, 0), (0, splits * rows * r * 4), 1, 2, nq, splits, rows, 3, 4, pdl=pdl),) if rows else ()
     arrays = (wa.obj, pl.obj, ql.obj, oa.obj, la.obj)
     prep = Prepared(device=device, kind=oa.kind, steps=steps, aligned=tuple(ptrs.aligned),
                     returns=(AttentionOutput, (3, 4)))
