@@ -5,7 +5,8 @@ one process: tree_verify_wgmma's seesaw with a TMA box per tile (page 64, the de
 page 16 (tma=False), and the gather at page 1 (its default). The outputs must be bit-identical (the same tiles in the
 same order), then each is timed (CUDA-graph replay). What it separates: the cost of the gather itself (page 64 gather
 against page 64 TMA) from the cost of small TMA boxes (page 16 TMA against page 64 TMA); and each page-by-page build
-against its page_loads "spread" form (marked +: a row's chunks by side-by-side lanes, a warp per page's boxes).
+against its page_loads "spread" form (marked +: a row's chunks by side-by-side lanes, a warp per page's boxes) and its
+"producer" form (marked *: a third warpgroup loads, a warp per buffer and slab group; the computing warps load nothing).
 When: on a GPU after changing the seesaw's loads (templates/tree_verify_seesaw.cu.j2, tile_row / load_slabs).
 Run: PYTHONPATH=. python scripts/compare_loads.py
 """
@@ -22,24 +23,30 @@ from ddtree_gen.ops import by_name
 from ddtree_gen.ops.tree_verify.split import COMBINE
 from ddtree_gen.spec import find_spec
 
-SHAPES = [(1, "kimi-k2.6-tp8", 4096), (1, "kimi-k2.6-tp8", 65536), (1, "kimi-k2.6", 16384)]   # B, base spec, keys
-# page, TMA, page_loads ("spread": the gather's lanes a row's chunks side by side, a warp per page's TMA boxes)
-BUILDS = [(64, True, "serial"), (64, False, "serial"), (64, False, "spread"), (16, True, "serial"),
-          (16, True, "spread"), (16, False, "spread"), (1, False, "serial"), (1, False, "spread")]
+# B, base spec, keys a request, grid (a batch: the parts grid, which the route takes at B >= 2)
+SHAPES = [(1, "kimi-k2.6-tp8", 4096, "chunks"), (1, "kimi-k2.6-tp8", 65536, "chunks"),
+          (1, "kimi-k2.6", 16384, "chunks"), (8, "kimi-k2.6-tp8", 8192, "parts")]
+# page, TMA, page_loads ("spread": the gather's lanes a row's chunks side by side, a warp per page's TMA boxes;
+# "producer": the loads by a third warpgroup)
+BUILDS = [(64, True, "serial"), (64, True, "producer"), (64, False, "serial"), (64, False, "spread"),
+          (64, False, "producer"), (16, True, "serial"), (16, True, "spread"), (16, True, "producer"),
+          (16, False, "spread"), (1, False, "serial"), (1, False, "spread"), (1, False, "producer")]
+MARK = {"serial": "", "spread": "+", "producer": "*"}
 
 
 def main() -> None:
     import cupy
     rows = []
-    for b, base_name, keys in SHAPES:
+    for b, base_name, keys, grid in SHAPES:
         base = find_spec(base_name)
         nq = base.max_tree_size
         x = verify_inputs(base, b, np.full(b, keys), nq)
         lens = np.full(b, keys) + nq
-        ref, line = None, [f"B={b} H={base.num_heads} L={keys}"]
+        ref, line = None, [f"B={b} H={base.num_heads} L={keys}" + (" parts" if grid == "parts" else "")]
         for page, tma, loads in BUILDS:
             spec = page_variant(base, page)
-            ks = variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma, page_loads=loads)], also=[COMBINE])
+            build = variant(by_name("tree_verify_wgmma"), spec, tma=tma, grid=grid, page_loads=loads)
+            ks = variant_set([build], also=[COMBINE])
             kv, table = relayout(x["kv_cache"], x["block_table"], lens, page, np.random.default_rng(page))
             xp = dict(x, kv_cache=kv, block_table=table)
             o = ks.tree_verify_wgmma(**xp)
@@ -48,10 +55,10 @@ def main() -> None:
             same = np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1])
             ms = graph_time_ms(lambda ks=ks, xp=xp, o=o: ks.tree_verify_wgmma(**xp, out=o.out, lse=o.lse),
                                per_graph=5, reps=10)
-            line.append((page, ("TMA" if tma else "gather") + ("+" if loads == "spread" else ""), 1e3 * ms, same))
+            line.append((page, ("TMA" if tma else "gather") + MARK[loads], 1e3 * ms, same))
             print(line[0], line[-1], flush=True)
         rows.append(line)
-    print("(+: page_loads 'spread')")
+    print("(+: page_loads 'spread'; *: page_loads 'producer')")
     print(f"\n{'shape':<22}" + "".join(f"{f'page {p} {t}':>18}" for p, t, _, _ in rows[0][1:]))
     for line in rows:
         first = line[1][2]

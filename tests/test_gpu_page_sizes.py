@@ -97,16 +97,30 @@ def test_bad_pages_and_lengths(base, page):
         tv.test_parts_grid_bad_device_values(spec)
 
 
-SPREAD_BUILDS = [("kimi-k2.6-tp8", "chunks"), ("kimi-k2.6-tp8", "parts"), ("kimi-k2.6-tp8-fp8", "chunks")]
+# (base spec, grid, the build's other knobs) of the page-by-page builds whose loads are tried against the serial ones;
+# page_loads "producer" is a bf16 tile build's: on the fp8 spec its place is the dequantize path's slab order
+# (rope_early, s_order "slab") on a bf16 cache, the build that path runs over its workspace
+LOAD_BUILDS = {"spread": [("kimi-k2.6-tp8", "chunks", {}), ("kimi-k2.6-tp8", "parts", {}),
+                          ("kimi-k2.6-tp8-fp8", "chunks", {})],
+               "producer": [("kimi-k2.6-tp8", "chunks", {}), ("kimi-k2.6-tp8", "parts", {}),
+                            ("kimi-k2.6-tp8", "chunks", {"rope_early": True, "s_order": "slab"})]}
+LOAD_CASES = [(loads, *b) for loads, builds in LOAD_BUILDS.items() for b in builds]
 
 
+def _load_id(loads, base, grid, knobs):
+    return "-".join([loads, base, grid, *knobs])
+
+
+@pytest.mark.parametrize("case_id", ("b7-small", "b3-L16500"))
 @pytest.mark.parametrize("page", (1, 16, 32))
-@pytest.mark.parametrize("base,grid", SPREAD_BUILDS, ids=[f"{b}-{g}" for b, g in SPREAD_BUILDS])
-def test_spread_loads_give_the_serial_bits(base, grid, page):
+@pytest.mark.parametrize("loads,base,grid,knobs", LOAD_CASES, ids=[_load_id(*c) for c in LOAD_CASES])
+def test_page_loads_give_the_serial_bits(loads, base, grid, knobs, page, case_id):
     """page_loads "spread" (the gather's lanes a row's chunks side by side; TMA at pages of 16 / 32 a warp per page,
-    LOAD_ARRIVALS = 64 / PAGE; not the default until measured) gives the serial build's bits, out and lse, at split
-    counts 1, 5 and the launcher's own, on a table with a page outside the cache in request 0's tree keys and a
-    negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched."""
+    LOAD_ARRIVALS = 64 / PAGE) and "producer" (a third warpgroup loads, the computing ones free the slabs; on the parts
+    grid it runs ahead into the next segment's tiles), neither the default until measured, give the serial build's
+    bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page outside the cache in
+    request 0's tree keys and a negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched.
+    b3-L16500: hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
     from ddtree_gen.build.variant import variant
     from ddtree_gen.inputs import relayout
     from ddtree_gen.kernel_set import variant_set
@@ -114,11 +128,11 @@ def test_spread_loads_give_the_serial_bits(base, grid, page):
     from ddtree_gen.ops.tree_verify.split import COMBINE
     spec64, spec = page_spec(base, 64), page_spec(base, page)
     tma = page in (16, 32)
-    sets = {loads: variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma, grid=grid, page_loads=loads)],
-                               also=[COMBINE]) for loads in ("serial", "spread")}
-    skip_unless_runs(sets["spread"], "tree_verify_wgmma")
+    sets = {k: variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma, grid=grid, page_loads=k, **knobs)],
+                           also=[COMBINE]) for k in ("serial", loads)}
+    skip_unless_runs(sets[loads], "tree_verify_wgmma")
     seed = fresh_seed()
-    case = next(c for c in CASES if c.id == "b7-small")
+    case = next(c for c in tv.CASES if c.id == case_id)
     inp, rng = tv.build_case(spec64, case, seed, WG.bf16)
     lens = inp.prefix_lens + inp.q_lens
     kv, table = relayout(inp.kv_cache, inp.block_table, lens, page, rng)
@@ -126,11 +140,11 @@ def test_spread_loads_give_the_serial_bits(base, grid, page):
     table[0, (int(lens[0]) - 1) // page] = kv.shape[0] + 3    # request 0's last key's page: outside the cache
     table[1, 0] = -1                                          # request 1's first page (prefix keys)
     paged = dataclasses.replace(inp, kv_cache=kv, block_table=table)
-    tag = f"{spec.name} grid={grid} ({'TMA' if tma else 'gather'}) seed={seed}"
+    tag = f"{spec.name} {loads} grid={grid} {knobs} ({'TMA' if tma else 'gather'}) {case_id} seed={seed}"
     for splits in tv.TC_SPLITS:
-        got = {loads: tv.run(ks, WG, "tree_verify", paged, tv.SCALES[case.scale], splits) for loads, ks in sets.items()}
-        for loads in sets:
-            tv.check_rows_written(*got[loads], inp.q_lens, f"{tag} {loads} splits={splits}")
-        assert (got["spread"][0] == got["serial"][0]).all(), f"{tag} splits={splits}: out differs from serial's"
-        assert (got["spread"][1].view(np.uint32) == got["serial"][1].view(np.uint32)).all(), \
+        got = {k: tv.run(ks, WG, "tree_verify", paged, tv.SCALES[case.scale], splits) for k, ks in sets.items()}
+        for k in sets:
+            tv.check_rows_written(*got[k], inp.q_lens, f"{tag} {k} splits={splits}")
+        assert (got[loads][0] == got["serial"][0]).all(), f"{tag} splits={splits}: out differs from serial's"
+        assert (got[loads][1].view(np.uint32) == got["serial"][1].view(np.uint32)).all(), \
             f"{tag} splits={splits}: lse differs from serial's"

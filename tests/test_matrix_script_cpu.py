@@ -116,3 +116,20 @@ def test_probe_overlap_dequant_without_a_gpu():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and len(run.stdout.splitlines()) == 1, run.stdout + run.stderr
     assert run.stdout.startswith("probe_overlap_dequant.py needs a CUDA GPU"), run.stdout
+
+
+def test_device_queue_runs_its_steps_under_a_deadline(tmp_path):
+    """scripts/device_queue.sh (the measurements waiting for a GPU): --help prints its step list; each step's exit
+    status and time land in the table printed last, an unknown step fails its row, and a step with no time left
+    before DEADLINE is not started (it says so) rather than cut off."""
+    script = ROOT / "scripts" / "device_queue.sh"
+    h = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert h.returncode == 0 and "prebuild" in h.stdout and "compare_loads.py" in h.stdout, h.stdout + h.stderr
+    env = dict(os.environ, OUT=str(tmp_path / "out"), STEPS="bogus bogus", DEADLINE="60")
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    rows = r.stdout.splitlines()[-2:]
+    assert all(row.split()[:3] == ["bogus", "rc", "1"] for row in rows), r.stdout
+    assert "unknown step bogus" in (tmp_path / "out" / "bogus.log").read_text()
+    env["DEADLINE"] = "5"
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.stdout.splitlines()[-1].split()[:3] == ["bogus", "no", "time"], r.stdout

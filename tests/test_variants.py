@@ -218,5 +218,39 @@ def test_page_loads_knob(kimi):
         variant(WGMMA, kimi, page_loads="spread").plan()                      # page 64, TMA: whole-page tiles
     with pytest.raises(SpecError, match="page_loads 'spread'"):
         variant(WGMMA, page1, schedule="lockstep", tma=False, page_loads="spread").plan()
-    with pytest.raises(SpecError, match="page_loads 'x': one of serial, spread"):
+    with pytest.raises(SpecError, match="page_loads 'x': one of serial, spread, producer"):
         variant(WGMMA, page16, page_loads="x").plan()
+
+
+def test_page_loads_producer(kimi):
+    """page_loads "producer" (not yet measured: off by default): a third warpgroup (384 threads) loads the tiles of a
+    bf16 seesaw build at any page size (the gather, TMA per page, TMA per tile at page 64), a warp per (buffer, slab
+    group), behind 4 FREE mbarriers that the computing warpgroups arrive on where the other builds load (the plan's
+    shared memory counts them); the computing warps load nothing. Refused on an fp8 cache's own seesaw (its third
+    warpgroup converts) and on the lockstep schedule; the dequantize path's build (bf16 tiles from the workspace) takes
+    it."""
+    import re
+    page16 = dataclasses.replace(kimi, name="kimi-page16", page_size=16)
+    page1 = dataclasses.replace(kimi, name="kimi-page1", page_size=1)
+    for spec, tma in ((page16, True), (page1, False), (kimi, False), (kimi, True)):
+        for grid in ("chunks", "parts"):
+            serial = variant(WGMMA, spec, tma=tma, grid=grid)
+            prod = variant(WGMMA, spec, tma=tma, grid=grid, page_loads="producer")
+            assert prod.name == serial.name + ".page-loads-producer"
+            ps, pp = serial.plan(), prod.plan()
+            assert (pp.value(pp.threads), ps.value(ps.threads)) == (384, 256)
+            assert pp.value(pp.dynamic_smem) == ps.value(ps.dynamic_smem) + 4 * 8
+            assert pp.consts["PRODUCER_LOADS"] == 1 and ps.consts["PRODUCER_LOADS"] == 0
+            src, ser = render(prod), render(serial)
+            assert re.search(r"#define PRODUCER 1\b", src) and re.search(r"#define PRODUCER 0\b", ser)
+            # the computing warps free the groups (4 sites), never load; the producer's warps wait on FREE
+            assert src.count("release(") == 4 and "load_slabs(" not in src and "load_slabs(" in ser
+            assert "mbar_wait(pfree" in src and "pfree" not in ser
+            assert "setmaxnreg.inc.sync.aligned.u32 224" in src and "setmaxnreg.dec.sync.aligned.u32 56" in src
+    fp8 = dataclasses.replace(kimi, name="kimi-page1-fp8", page_size=1, kv_dtype="fp8_e4m3")
+    with pytest.raises(SpecError, match="page_loads 'producer' is a bf16 tile build's"):
+        variant(WGMMA, fp8, tma=False, page_loads="producer").plan()
+    dq = variant(WGMMA, fp8, tma=False, rope_early=True, s_order="slab", kv_source="workspace", page_loads="producer")
+    assert dq.plan().value(dq.plan().threads) == 384 and "#define FP8 0" in render(dq)
+    with pytest.raises(SpecError, match="page_loads 'producer' is the seesaw's"):
+        variant(WGMMA, page1, schedule="lockstep", tma=False, page_loads="producer").plan()

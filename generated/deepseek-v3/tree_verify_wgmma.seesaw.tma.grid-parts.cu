@@ -105,14 +105,21 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // page_loads "spread" (SPREAD, a PAGED build's; not yet measured on a GPU: docs/perf/journal-tree-verify.md "The loads
 // separated"): the gather's lanes a row's chunks side by side, and a TMA build's pages each issued by its own warp
 #define SPREAD 0
-#define LOAD_ARRIVALS (GATHER ? 128 : SPREAD ? BN / PAGE : 1)   // arrivals that complete a slab barrier's phase
+// page_loads "producer" (PRODUCER, a bf16 tile build's; not yet measured on a GPU: docs/perf/journal-tree-verify.md
+// "A producer warpgroup"): a third warpgroup loads the tiles, a warp per (buffer, slab group), the computing
+// warpgroups only say when a group's slabs are free (the FREE barriers); the gather by a warp's lanes as SPREAD's,
+// TMA a box of BOX rows a lane (a page of 16 or 32 rows, or a tile of a larger page)
+#define PRODUCER 0
+#define BOX (PAGE < BN ? PAGE : BN)
+// arrivals that complete a slab barrier's phase
+#define LOAD_ARRIVALS (PRODUCER ? (GATHER ? 32 : BN / BOX) : GATHER ? 128 : SPREAD ? BN / PAGE : 1)
 // the threads of a warpgroup that load its slabs: all (GATHER), lane 0 of warp j for page j of a tile (SPREAD TMA:
 // the boxes of a tile's pages issued side by side, not one after another by one thread), or thread 0
 #define LOADER (GATHER || (SPREAD ? (wtid & 31) == 0 && (wtid >> 5) < BN / PAGE : wtid == 0))
 #define MASK_WORDS 3
 #define THREADS 256
 #define FP8 0
-#define CONSUMERS 256                    // the two computing warpgroups (FP8: warpgroup 2 converts)
+#define CONSUMERS 256                    // the two computing warpgroups (FP8: warpgroup 2 converts; PRODUCER: loads)
 #define BM 64                      // query rows per block
 #define BN 64                      // keys per tile
 #define SLABS 9                // 64-column slabs per tile row: ROW / 64
@@ -136,7 +143,7 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 #define BAR_P1 4                         // the odd tile's P is in sP1 (and WG1's P_a.V_aR is issued)
 #define BAR_WG 5                         // + w: warpgroup w alone
 #define BAR_CONV 7                       // the converter warpgroup (FP8)
-#define BAR_CONS 8                       // the two computing warpgroups (FP8; without a converter: __syncthreads)
+#define BAR_CONS 8                       // the two computing warpgroups (FP8, PRODUCER; else __syncthreads)
 // Ablation (scripts/compare_schedules.py --ablate, results wrong on purpose): bit 0 leaves out the S products,
 // bit 1 the P.V products, bit 2 (FP8) the converter's conversion (it waits and arrives only), bit 3 (FP8) the
 // converter's fences (a race: for timing only), bit 4 (FP8) its arithmetic (it stores the e4m3 bytes); 0 in every build
@@ -172,8 +179,9 @@ __device__ __forceinline__ uint32_t fp8x4_nan_bits(uint32_t x) {
 // also one fence per load group, its slabs' arrivals at its end. The converter's ablation bits: not with "pairs"
 #define CONV_BARS 1
 #define GROUP_FENCE 0
-static_assert(THREADS == CONSUMERS + (FP8 ? 128 : 0) && BM == 64 && BN == 64,
-              "two warpgroups (+ FP8's converter), 64 x 64 tiles");
+static_assert(THREADS == CONSUMERS + (FP8 || PRODUCER ? 128 : 0) && BM == 64 && BN == 64,
+              "two warpgroups (+ FP8's converter or the producer), 64 x 64 tiles");
+static_assert(!(FP8 && PRODUCER), "an fp8 cache's third warpgroup is its converter");
 static_assert(!(FP8 && PARTS), "the fp8 seesaw runs the chunks grid");
 static_assert(RANK == 512 && ROPE == 64 && SLABS == 9, "the seesaw layout: R = 512 (2 x 4 V slabs), one rope slab");
 static_assert(GATHER || PAGE % BN == 0 || (BN % PAGE == 0 && PAGE % 16 == 0),
@@ -186,7 +194,8 @@ static_assert(GATHER || PAGE % BN == 0 || (BN % PAGE == 0 && PAGE % 16 == 0),
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
 #define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
-#define SEG_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
+#define FREE_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))  // PRODUCER: [2][2] mbarriers: buffer k, slab group g free
+#define SEG_OFF (FREE_OFF + (PRODUCER ? 4 * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
 #define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230864, "template layout and resource plan disagree");
@@ -392,11 +401,12 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 x, uint4& c0, uint4& 
 // 128 x 32 fits it (240 / 32 does not: the increase would wait forever), and CONV_PAIRS' 224 / 40 (room for two slabs
 // per converter step). A second converter warpgroup does not fit: at 512 threads ptxas has 128 registers for the
 // whole kernel, and a m64n256 P.V product needs 158.
-__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
-__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
-// the computing warpgroups' block barrier (FP8: the converter is not part of it)
+// PRODUCER: 2 x 128 x 224 + 128 x 56, the whole pool (its gather spilled at 40; the computing warps fit 224).
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory"); }
+// the computing warpgroups' block barrier (FP8, PRODUCER: the third warpgroup is not part of it)
 __device__ __forceinline__ void consumers_sync() {
-    if (FP8) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
+    if (FP8 || PRODUCER) asm volatile("bar.sync %0, %1;\n" :: "n"(BAR_CONS), "n"(CONSUMERS) : "memory");
     else __syncthreads();
 }
 
@@ -450,6 +460,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     float* const sL = sM + 3 * BM;                               // [2][BM] row sums, at the end
     const uint32_t bar0 = smem_addr(smem + BAR_OFF);             // buffer k, slab s: bar0 + 8 (k SLABS + s)
     const uint32_t rdy0 = FP8 ? smem_addr(smem + RDY_OFF) : bar0;   // what the S products wait on (FP8: converted)
+    const uint32_t free0 = smem_addr(smem + FREE_OFF);           // PRODUCER: buffer k, group g: free0 + 8 (2 k + g)
 
     // ---- the block's work: row tile `tile` of part `part` of the batch's work. Request r has W_r key tiles
     // (its keys [0, min(prefix + q_len, max_pages PAGE)), at least one; none for a request with bad lengths) and

@@ -144,8 +144,12 @@ P_STORES = ("sts", "stmatrix")
 # page_loads (a seesaw build whose tiles are loaded page by page: the gather, or TMA at pages of 16 or 32): "serial"
 # (the measured default: a thread pair a key row in the gather, one thread issuing every page's boxes) or "spread"
 # (a row's 16-byte chunks by side-by-side lanes, a warp per page's boxes; built 2026-12-08, not yet run on a GPU:
-# docs/perf/journal-tree-verify.md "The loads separated, and two fixes of the producer's instructions")
-PAGE_LOADS = ("serial", "spread")
+# docs/perf/journal-tree-verify.md "The loads separated, and two fixes of the producer's instructions") or "producer" (a bf16
+# tile seesaw build's third warpgroup loads the tiles, a warp per buffer and slab group, while the two computing
+# warpgroups only free the slabs: the loads off the computing warps, and on the parts grid the next segment's first tiles
+# loaded under this one's epilogue; every page size, TMA too; built 2026-12-08, not yet run: "A producer warpgroup")
+PAGE_LOADS = ("serial", "spread", "producer")
+PRODUCER_FREE_BYTES = 4 * 8                        # its FREE mbarriers: a buffer's two slab groups
 
 
 @dataclass(frozen=True)
@@ -313,14 +317,21 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
                         f"size of 16 or 32) and (lockstep schedule) a bf16 cache")
     if build.seesaw and fp8 and build.grid != "chunks":
         raise SpecError(f"spec {spec.name!r}: the fp8 seesaw runs the grid 'chunks' only (grid {build.grid!r})")
-    if build.page_loads != KNOBS["page_loads"] and not (build.seesaw and (not build.tma or spec.page_size % BN)):
+    if build.page_loads == "spread" and not (build.seesaw and (not build.tma or spec.page_size % BN)):
         raise SpecError(f"{where}: page_loads {build.page_loads!r} is a seesaw build's that loads its tiles page by "
                         f"page (the gather, or TMA at a page size of 16 or 32; this one: page_size {spec.page_size}, "
                         f"schedule {build.schedule!r}, tma {build.tma})")
-    # fp8: the converter warpgroup
-    threads = THREADS + 128 if build.seesaw and fp8 else THREADS
+    producer = build.page_loads == "producer"
+    if producer and not build.seesaw:
+        raise SpecError(f"{where}: page_loads 'producer' is the seesaw's (schedule {build.schedule!r})")
+    if producer and fp8:
+        raise SpecError(f"{where}: page_loads 'producer' is a bf16 tile build's (an fp8 cache's seesaw has its converter "
+                        f"warpgroup; its dequantize path, kv_source 'workspace', reads bf16 tiles)")
+    # fp8: the converter warpgroup; page_loads "producer": the producer warpgroup
+    threads = THREADS + 128 if build.seesaw and (fp8 or producer) else THREADS
     if build.seesaw:
-        smem = SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if build.parts else 0)
+        smem = (SEESAW_SMEM_FP8 if fp8 else SEESAW_SMEM + (SEG_BYTES if build.parts else 0)
+                + (PRODUCER_FREE_BYTES if producer else 0))
     else:
         smem = SMEM_FP8 if fp8 else SMEM + (8 * STAGES if build.tma else 0)   # TMA: one mbarrier per stage
     return Plan(kernel=kernel, spec=spec, threads=sympy.Integer(threads), min_blocks=1,
@@ -336,10 +347,10 @@ def verify_plan(spec, kernel="tree_verify_wgmma", config=None, *, tail: bool = F
                         "SYNC_HANDOFFS": sympy.Integer(1 if build.sync_handoffs else 0),
                         **({k: sympy.Integer(v) for k, v in      # the seesaw's own knobs (its template only)
                             zip(("RESCALE_SKIP", "MAX_SLACK", "EXP_FMA", "P_STMATRIX", "ROPE_EARLY", "CONV_BARS",
-                                 "GROUP_FENCE", "CONV_PAIRS", "SPREAD_LOADS"),
+                                 "GROUP_FENCE", "CONV_PAIRS", "SPREAD_LOADS", "PRODUCER_LOADS"),
                                 (*RESCALES[build.rescale], int(build.p_store == "stmatrix"),
                                  int(bool(fp8 or build.rope_early)), *CONVERT_SYNCS[build.convert_sync],
-                                 int(build.page_loads == "spread")))}
+                                 int(build.page_loads == "spread"), int(producer)))}
                            if build.seesaw else {}),
                         **{k: sympy.Integer(v) for k, v in V_DESC.items()},
                         # the dequantize path's builds read bf16 tiles whatever the spec's cache holds
