@@ -254,3 +254,26 @@ def test_page_loads_producer(kimi):
     assert dq.plan().value(dq.plan().threads) == 384 and "#define FP8 0" in render(dq)
     with pytest.raises(SpecError, match="page_loads 'producer' is the seesaw's"):
         variant(WGMMA, page1, schedule="lockstep", tma=False, page_loads="producer").plan()
+
+
+def test_default_page_loads_policy(kimi, monkeypatch):
+    """The default builds' page_loads come from wgmma.DEFAULT_PAGE_LOADS by how a build loads its tiles (the gather, a
+    box per page, a box per tile): "serial" everywhere until the others are measured. Set to "producer", a bf16 spec's
+    default, parts and dequantize builds take it and a fused fp8 build keeps "serial"; the default's name then spells
+    it."""
+    from ddtree_gen.ops.tree_verify import wgmma
+    page1 = dataclasses.replace(kimi, name="kimi-page1", page_size=1)
+    page16 = dataclasses.replace(kimi, name="kimi-page16", page_size=16)
+    fp8 = dataclasses.replace(kimi, name="kimi-page1-fp8", page_size=1, kv_dtype="fp8_e4m3")
+    assert set(wgmma.DEFAULT_PAGE_LOADS.values()) == {"serial"}
+    assert [wgmma.loads_kind(s, wgmma.seesaw_tma(s)) for s in (page1, page16, kimi)] == ["gather", "tma_pages",
+                                                                                          "tma_tiles"]
+    for spec in (page1, page16, kimi, fp8):
+        assert wgmma.default_build(spec).page_loads == "serial"
+    monkeypatch.setitem(wgmma.DEFAULT_PAGE_LOADS, "gather", "producer")
+    assert wgmma.variant_config(page1)["page_loads"] == "producer"
+    assert wgmma.parts_config(page1)["page_loads"] == "producer"
+    assert wgmma.dequant_config(fp8)["page_loads"] == "producer"         # bf16 tiles from the workspace
+    assert wgmma.variant_config(fp8)["page_loads"] == "serial"           # the fused fp8 build's converter
+    assert wgmma.variant_config(page16)["page_loads"] == "serial"        # another kind of loads
+    assert variant(WGMMA, page1).name.endswith(".page-loads-producer")

@@ -258,10 +258,33 @@ class WgmmaBuild:
 KNOBS = {f.name: f.default for f in fields(WgmmaBuild)[2:]}
 
 
+# The page_loads a seesaw build takes by default, by how its tiles are loaded: "gather" (cp.async rows: pages of 1 to 8
+# or not dividing 64), "tma_pages" (a TMA box per page: 16, 32), "tma_tiles" (a box per tile: 64 and its multiples).
+# "serial" everywhere: the only loads measured on a GPU so far; the spread and producer builds wait for the next device
+# call (scripts/device_queue.sh; docs/perf/journal-tree-verify.md "A producer warpgroup"), whose winners go here. A
+# fused fp8 build takes "serial" where this says "producer" (its third warpgroup converts).
+DEFAULT_PAGE_LOADS = {"gather": "serial", "tma_pages": "serial", "tma_tiles": "serial"}
+
+
+def loads_kind(spec, tma: bool) -> str:
+    """How a seesaw build of `spec` loads its tiles: a key of DEFAULT_PAGE_LOADS."""
+    return "gather" if not tma else "tma_pages" if spec.page_size % BN else "tma_tiles"
+
+
+def default_page_loads(spec, tma: bool, *, fp8: bool) -> str:
+    """The page_loads of a seesaw build (DEFAULT_PAGE_LOADS); `fp8`: it reads e4m3 tiles (no producer warpgroup)."""
+    loads = DEFAULT_PAGE_LOADS[loads_kind(spec, tma)]
+    return "serial" if loads == "producer" and fp8 else loads
+
+
 def default_build(spec, *, tail: bool = False) -> WgmmaBuild:
-    """The policy: the schedule of schedule_for, TMA key tiles wherever they can be used, every knob at its default."""
+    """The policy: the schedule of schedule_for, TMA key tiles wherever they can be used, the seesaw's page_loads of
+    DEFAULT_PAGE_LOADS, every other knob at its default."""
     sched = schedule_for(spec, tail=tail)
-    return WgmmaBuild(sched, seesaw_tma(spec) if sched == "seesaw" else uses_tma(spec, tail=tail) and not spec.kv_fp8)
+    if sched != "seesaw":
+        return WgmmaBuild(sched, uses_tma(spec, tail=tail) and not spec.kv_fp8)
+    tma = seesaw_tma(spec)
+    return WgmmaBuild(sched, tma, page_loads=default_page_loads(spec, tma, fp8=spec.kv_fp8))
 
 
 def variant_config(spec, arch: str = "sm_90a") -> dict:
@@ -278,7 +301,9 @@ def dequant_config(spec, arch: str = "sm_90a") -> dict:
     """The dequantize path's build: the seesaw (its tiles loaded as seesaw_tma says) in the fused fp8 build's slab
     order (rope_early, s_order "slab"), every other knob at the fused build's value, so that its bits are the fused
     fp8 build's (the conversion is exact, and kv_scale enters both the same way), over kv_dequant's bf16 workspace."""
-    return WgmmaBuild("seesaw", seesaw_tma(spec), rope_early=True, s_order="slab", kv_source="workspace").config()
+    tma = seesaw_tma(spec)
+    return WgmmaBuild("seesaw", tma, rope_early=True, s_order="slab", kv_source="workspace",
+                      page_loads=default_page_loads(spec, tma, fp8=False)).config()
 
 
 def dequant_parts_config(spec, arch: str = "sm_90a") -> dict:
