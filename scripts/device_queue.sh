@@ -13,15 +13,17 @@
 #   one_wave   scripts/compare_one_wave.py (issue 45: one wave of chunks for a request of few rows)
 #   pdl_time   scripts/compare_pdl.py, where it exists (issue 45: the combine's launch gap)
 #   pages      ddtree-gen bench tree_verify --pages 1,16,64 --seed 43 (the default builds, drawn shapes)
+#   ncu        scripts/ncu_tree_verify.py: the attention kernel and the combine of one call under ncu (issue 45's
+#              "measure the limit first"), the default route and the producer loads
 #   sanitize   scripts/sanitize_loads.py: memcheck and synccheck on the spread and producer builds
 set -uo pipefail
 case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;; esac
 out="${OUT:-device-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
 deadline=$(( $(date +%s) + ${DEADLINE:-560} ))
-steps="${STEPS:-prebuild loads pdl compare one_wave pdl_time pages sanitize}"
+steps="${STEPS:-prebuild loads pdl compare one_wave pdl_time pages ncu sanitize}"
 declare -A limit=([prebuild]=150 [loads]=240 [pdl]=120 [compare]=240 [one_wave]=120 [pdl_time]=120 [pages]=200
-                  [sanitize]=400)
+                  [ncu]=300 [sanitize]=400)
 table=()
 
 prebuild() {
@@ -70,6 +72,8 @@ step() {   # name: run it under the smaller of its limit and what is left of the
     pdl_time) if [ -f scripts/compare_pdl.py ]; then timeout "$lim" python3 scripts/compare_pdl.py
               else echo "no scripts/compare_pdl.py"; fi ;;
     pages)    timeout "$lim" python3 -m ddtree_gen bench tree_verify --pages 1,16,64 --seed 43 ;;
+    ncu)      timeout "$lim" bash -c "python3 scripts/ncu_tree_verify.py --out '$out/ncu'; \
+                python3 scripts/ncu_tree_verify.py --loads producer --out '$out/ncu-producer'" ;;
     sanitize) timeout "$lim" python3 scripts/sanitize_loads.py --out "$out/sanitize" ;;
     *)        echo "unknown step $name"; false ;;
   esac > "$out/$name.log" 2>&1
