@@ -239,7 +239,7 @@ def test_page_loads_producer(kimi):
             assert prod.name == serial.name + ".page-loads-producer"
             ps, pp = serial.plan(), prod.plan()
             assert (pp.value(pp.threads), ps.value(ps.threads)) == (384, 256)
-            assert pp.value(pp.dynamic_smem) == ps.value(ps.dynamic_smem) + 4 * 8
+            assert pp.value(pp.dynamic_smem) == ps.value(ps.dynamic_smem) + 6 * 8
             assert pp.consts["PRODUCER_LOADS"] == 1 and ps.consts["PRODUCER_LOADS"] == 0
             src, ser = render(prod), render(serial)
             assert re.search(r"#define PRODUCER 1\b", src) and re.search(r"#define PRODUCER 0\b", ser)

@@ -194,8 +194,9 @@ static_assert(GATHER || PAGE % BN == 0 || (BN % PAGE == 0 && PAGE % 16 == 0),
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
 #define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
-#define FREE_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))  // PRODUCER: [2][2] mbarriers: buffer k, slab group g free
-#define SEG_OFF (FREE_OFF + (PRODUCER ? 4 * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
+// PRODUCER: [2][2] mbarriers: buffer k, slab group g free; then (the parts grid) Q loaded, Q free
+#define FREE_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))
+#define SEG_OFF (FREE_OFF + (PRODUCER ? 6 * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
 #define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230944, "template layout and resource plan disagree");

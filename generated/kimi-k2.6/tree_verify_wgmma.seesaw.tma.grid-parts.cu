@@ -194,8 +194,9 @@ static_assert(GATHER || PAGE % BN == 0 || (BN % PAGE == 0 && PAGE % 16 == 0),
 #define SM_OFF (SP0_OFF + SLAB_BYTES)                  // f32: sM[BM], sScale0[BM], sScale1[BM], sL[2][BM]
 #define BAR_OFF (SM_OFF + 5 * BM * 4)                  // [2][SLABS] mbarriers: buffer k, slab s (its TMA box)
 #define RDY_OFF (BAR_OFF + 2 * SLABS * 8)              // FP8: [2][SLABS] mbarriers: buffer k, slab s converted
-#define FREE_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))  // PRODUCER: [2][2] mbarriers: buffer k, slab group g free
-#define SEG_OFF (FREE_OFF + (PRODUCER ? 4 * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
+// PRODUCER: [2][2] mbarriers: buffer k, slab group g free; then (the parts grid) Q loaded, Q free
+#define FREE_OFF (RDY_OFF + (FP8 ? 2 * SLABS * 8 : 0))
+#define SEG_OFF (FREE_OFF + (PRODUCER ? 6 * 8 : 0))   // PARTS: the segment loop's state, SEG_WORDS ints
 #define SEG_WORDS 16
 #define SMEM_BYTES (SEG_OFF + (PARTS ? SEG_WORDS * 4 : 0))
 static_assert(SMEM_BYTES == 230864, "template layout and resource plan disagree");
@@ -537,7 +538,8 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
     // The segment loop's state lives in shared memory (seg: thread 0 writes it between barriers, every thread reads
     // it at a segment's start and in its epilogue), not in registers across the tile loop: held there it took the
     // kernel from the chunks grid's 242 registers to the cap (255), and the tile loop ran 11-16 % slower per tile.
-    // T < 2^31 (the launcher's check of B max_pages PAGE / BN): ints. SEG_USES: bit k = buffer k's barrier phase.
+    // T < 2^31 (the launcher's check of B max_pages PAGE / BN): ints. SEG_USES: bit k = buffer k's barrier phase
+    // (PRODUCER: bit 2 = the phase of qfull, the barrier of the producer's copies of Q).
     volatile int* const seg = reinterpret_cast<volatile int*>(smem + SEG_OFF);
     enum { SEG_R, SEG_S, SEG_LO, SEG_HI, SEG_B, SEG_USES, SEG_CUR, SEG_WHOLE };
     if (tid == 0) {

@@ -149,7 +149,7 @@ P_STORES = ("sts", "stmatrix")
 # warpgroups only free the slabs: the loads off the computing warps, and on the parts grid the next segment's first tiles
 # loaded under this one's epilogue; every page size, TMA too; built 2026-12-08, not yet run: "A producer warpgroup")
 PAGE_LOADS = ("serial", "spread", "producer")
-PRODUCER_FREE_BYTES = 4 * 8                        # its FREE mbarriers: a buffer's two slab groups
+PRODUCER_FREE_BYTES = 6 * 8     # its mbarriers: a buffer's two slab groups free (FREE), Q landed and read (parts)
 
 
 @dataclass(frozen=True)
