@@ -11,6 +11,7 @@
 #   pdl        the gpu tests of the combine by programmatic dependent launch (-k pdl), where they exist
 #   compare    scripts/compare_loads.py: every loader at pages 64 / 16 / 1 of one cache (issue 46's table)
 #   one_wave   scripts/compare_one_wave.py (issue 45: one wave of chunks for a request of few rows)
+#   producer   scripts/compare_producer.py (issue 45: the producer at page 64 on drawn shapes, against FlashMLA)
 #   pdl_time   scripts/compare_pdl.py, where it exists (issue 45: the combine's launch gap)
 #   pages      ddtree-gen bench tree_verify --pages 1,16,64 --seed 43 (the default builds, drawn shapes)
 #   ncu        scripts/ncu_tree_verify.py: the attention kernel and the combine of one call under ncu (issue 45's
@@ -21,8 +22,8 @@ case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} N
 out="${OUT:-device-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DDTREE_GEN_CACHE="${DDTREE_GEN_CACHE:-/tmp/ddtree-gen-cache}"
 deadline=$(( $(date +%s) + ${DEADLINE:-560} ))
-steps="${STEPS:-prebuild loads pdl compare one_wave pdl_time pages ncu sanitize}"
-declare -A limit=([prebuild]=150 [loads]=240 [pdl]=120 [compare]=240 [one_wave]=120 [pdl_time]=120 [pages]=200
+steps="${STEPS:-prebuild loads pdl compare one_wave producer pdl_time pages ncu sanitize}"
+declare -A limit=([prebuild]=150 [loads]=240 [pdl]=120 [compare]=240 [one_wave]=120 [producer]=240 [pdl_time]=120 [pages]=200
                   [ncu]=300 [sanitize]=400)
 table=()
 
@@ -69,6 +70,7 @@ step() {   # name: run it under the smaller of its limit and what is left of the
               else echo "no pdl test"; fi ;;
     compare)  timeout "$lim" python3 scripts/compare_loads.py ;;
     one_wave) timeout "$lim" python3 scripts/compare_one_wave.py ;;
+    producer) timeout "$lim" python3 scripts/compare_producer.py ;;
     pdl_time) if [ -f scripts/compare_pdl.py ]; then timeout "$lim" python3 scripts/compare_pdl.py
               else echo "no scripts/compare_pdl.py"; fi ;;
     pages)    timeout "$lim" python3 -m ddtree_gen bench tree_verify --pages 1,16,64 --seed 43 ;;

@@ -296,7 +296,7 @@ def _no_gpu() -> str | None:
                                   ["scripts/compare_one_wave.py"], ["scripts/sweep_splits.py"],
                                   ["scripts/tune_tree_verify.py"], ["scripts/compare_topk.py"],
                                   ["scripts/probe_wgmma.py"], ["scripts/sanitize_loads.py"],
-                                  ["scripts/ncu_tree_verify.py"]])
+                                  ["scripts/ncu_tree_verify.py"], ["scripts/compare_producer.py"]])
 def test_gpu_scripts_without_gpu_say_so_in_one_line(argv, tmp_path):
     if _no_gpu() is None:
         pytest.skip("a CUDA GPU is usable here: this test is of a machine without one")
