@@ -537,7 +537,7 @@ ddtree_tree_verify_wgmma(const bf16_t* __restrict__ q_nope,       // [B, Nq, H, 
 
 
         // ---- prologue: the barriers and tiles 0 and 1 (thread 0; GATHER or SPREAD: warpgroup 0's LOADER threads, after
-        // Q's copies), Q (all threads, cp.async)
+        // Q's copies; PRODUCER: the producer warpgroup), Q (all threads, cp.async; PRODUCER on the parts grid: the producer)
         tile_src_t src_a = tile_row(0);                            // tile a's (the even tile of the pair)
         tile_src_t src_b = n_tiles > 1 ? tile_row(1) : NO_TILE;    // tile a + 1's
         if (tid == 0) {
