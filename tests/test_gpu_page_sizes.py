@@ -104,21 +104,22 @@ LOAD_BUILDS = {"spread": [("kimi-k2.6-tp8", "chunks", {}), ("kimi-k2.6-tp8", "pa
                           ("kimi-k2.6-tp8-fp8", "chunks", {})],
                "producer": [("kimi-k2.6-tp8", "chunks", {}), ("kimi-k2.6-tp8", "parts", {}),
                             ("kimi-k2.6-tp8", "chunks", {"rope_early": True, "s_order": "slab"})]}
-LOAD_CASES = [(loads, *b) for loads, builds in LOAD_BUILDS.items() for b in builds]
+# the page sizes of each: spread is a page-by-page build's; the producer also loads page 64's whole-tile boxes
+LOAD_PAGES = {"spread": (1, 16, 32), "producer": (1, 16, 32, 64)}
+LOAD_CASES = [(loads, *b, page) for loads, builds in LOAD_BUILDS.items() for b in builds for page in LOAD_PAGES[loads]]
 
 
-def _load_id(loads, base, grid, knobs):
-    return "-".join([loads, base, grid, *knobs])
+def _load_id(loads, base, grid, knobs, page):
+    return "-".join([loads, base, grid, *knobs, f"page{page}"])
 
 
 @pytest.mark.parametrize("case_id", ("b7-small", "b3-L16500"))
-@pytest.mark.parametrize("page", (1, 16, 32))
-@pytest.mark.parametrize("loads,base,grid,knobs", LOAD_CASES, ids=[_load_id(*c) for c in LOAD_CASES])
+@pytest.mark.parametrize("loads,base,grid,knobs,page", LOAD_CASES, ids=[_load_id(*c) for c in LOAD_CASES])
 def test_page_loads_give_the_serial_bits(loads, base, grid, knobs, page, case_id):
     """page_loads "spread" (the gather's lanes a row's chunks side by side; TMA at pages of 16 / 32 a warp per page,
     LOAD_ARRIVALS = 64 / PAGE) and "producer" (a third warpgroup loads, the computing ones free the slabs; on the parts
-    grid it runs ahead into the next segment's tiles), neither the default until measured, give the serial build's
-    bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page outside the cache in
+    grid it runs ahead into the next segment's Q and tiles; page 64 too), neither the default until measured, give
+    the serial build's bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page outside the cache in
     request 0's tree keys and a negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched.
     b3-L16500: hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
     from ddtree_gen.build.variant import variant
@@ -126,8 +127,9 @@ def test_page_loads_give_the_serial_bits(loads, base, grid, knobs, page, case_id
     from ddtree_gen.kernel_set import variant_set
     from ddtree_gen.ops import by_name
     from ddtree_gen.ops.tree_verify.split import COMBINE
+    from ddtree_gen.ops.tree_verify.wgmma import seesaw_tma
     spec64, spec = page_spec(base, 64), page_spec(base, page)
-    tma = page in (16, 32)
+    tma = seesaw_tma(spec)
     sets = {k: variant_set([variant(by_name("tree_verify_wgmma"), spec, tma=tma, grid=grid, page_loads=k, **knobs)],
                            also=[COMBINE]) for k in ("serial", loads)}
     skip_unless_runs(sets[loads], "tree_verify_wgmma")
