@@ -117,11 +117,12 @@ def _load_id(loads, base, grid, knobs, page):
 @pytest.mark.parametrize("loads,base,grid,knobs,page", LOAD_CASES, ids=[_load_id(*c) for c in LOAD_CASES])
 def test_page_loads_give_the_serial_bits(loads, base, grid, knobs, page, case_id):
     """page_loads "spread" (the gather's lanes a row's chunks side by side; TMA at pages of 16 / 32 a warp per page,
-    LOAD_ARRIVALS = 64 / PAGE) and "producer" (a third warpgroup loads, the computing ones free the slabs; on the parts
-    grid it runs ahead into the next segment's Q and tiles; page 64 too), neither the default until measured, give
-    the serial build's bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page outside the cache in
-    request 0's tree keys and a negative one in request 1's prefix (their keys hidden alike), rows >= q_len untouched.
-    b3-L16500: hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
+    LOAD_ARRIVALS = 64 / PAGE) and "producer" (a third warpgroup loads, the computing ones free the slabs; on the
+    parts grid it runs ahead into the next segment's Q and tiles; page 64 too), neither the default until measured,
+    give the serial build's bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page
+    outside the cache in request 0's tree keys and a negative one in request 1's prefix (their keys hidden alike),
+    rows >= q_len untouched.
+    b3-L16500:hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
     from ddtree_gen.build.variant import variant
     from ddtree_gen.inputs import relayout
     from ddtree_gen.kernel_set import variant_set
