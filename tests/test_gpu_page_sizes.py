@@ -122,7 +122,7 @@ def test_page_loads_give_the_serial_bits(loads, base, grid, knobs, page, case_id
     give the serial build's bits, out and lse, at split counts 1, 5 and the launcher's own, on a table with a page
     outside the cache in request 0's tree keys and a negative one in request 1's prefix (their keys hidden alike),
     rows >= q_len untouched.
-    b3-L16500:hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
+    b3-L16500: hundreds of tiles a block, so that each FREE barrier of the producer goes through many phases."""
     from ddtree_gen.build.variant import variant
     from ddtree_gen.inputs import relayout
     from ddtree_gen.kernel_set import variant_set
