@@ -277,3 +277,5 @@ def test_default_page_loads_policy(kimi, monkeypatch):
     assert wgmma.variant_config(fp8)["page_loads"] == "serial"           # the fused fp8 build's converter
     assert wgmma.variant_config(page16)["page_loads"] == "serial"        # another kind of loads
     assert variant(WGMMA, page1).name.endswith(".page-loads-producer")
+    monkeypatch.setitem(wgmma.DEFAULT_PAGE_LOADS, "tma_tiles", "spread")   # not a whole-tile build's: serial
+    assert wgmma.variant_config(kimi)["page_loads"] == "serial" and variant(WGMMA, kimi).plan()

@@ -272,9 +272,13 @@ def loads_kind(spec, tma: bool) -> str:
 
 
 def default_page_loads(spec, tma: bool, *, fp8: bool) -> str:
-    """The page_loads of a seesaw build (DEFAULT_PAGE_LOADS); `fp8`: it reads e4m3 tiles (no producer warpgroup)."""
-    loads = DEFAULT_PAGE_LOADS[loads_kind(spec, tma)]
-    return "serial" if loads == "producer" and fp8 else loads
+    """The page_loads of a seesaw build (DEFAULT_PAGE_LOADS); `fp8`: it reads e4m3 tiles (no producer warpgroup).
+    A value the build cannot take falls back to "serial": the producer on e4m3 tiles, spread on whole-tile boxes."""
+    kind = loads_kind(spec, tma)
+    loads = DEFAULT_PAGE_LOADS[kind]
+    if (loads == "producer" and fp8) or (loads == "spread" and kind == "tma_tiles"):
+        return "serial"
+    return loads
 
 
 def default_build(spec, *, tail: bool = False) -> WgmmaBuild:
