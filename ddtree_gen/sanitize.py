@@ -251,6 +251,23 @@ def _run_case(kset, kernel, inputs, cupy, build=None):
     cupy.cuda.runtime.deviceSynchronize()
 
 
+def run_cases(kset, kernel, cases, cupy, tag: str, build=None) -> tuple[int, list]:
+    """Each (case name, inputs) of `cases` launched on `kernel` of kset, one line each (`tag` [case]: ok / FAILED);
+    a failure is reported and the next case runs. Returns (cases that ran, names of those that failed)."""
+    launched, failed = 0, []
+    for case, inputs in cases:
+        t0 = time.perf_counter()
+        try:
+            _run_case(kset, kernel, inputs, cupy, build)
+        except Exception as e:  # report and go on: the other cases still tell something
+            failed.append(case)
+            print(f"{tag} [{case}]: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        launched += 1
+        print(f"{tag} [{case}]: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return launched, failed
+
+
 def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) -> int:
     """Launch every kernel of every spec on its edge cases; 0 if every case ran, else 1."""
     from .build import artifacts
@@ -294,17 +311,10 @@ def worker(specs: list[str], kernels: list[str] | None = None, seed: int = 0) ->
             if why:   # e.g. the wgmma kernels off Hopper or with DDTREE_GEN_ARCH=sm_80
                 print(f"{spec.name} {label}: skipped: {why}", flush=True)
                 continue
-            rng = np.random.default_rng(seed)
-            for case, inputs in cases[kernel](spec, rng):
-                t0 = time.perf_counter()
-                try:
-                    _run_case(kset, kernel, inputs, cupy, build)
-                except Exception as e:  # report and go on: the other cases still tell something
-                    failures.append((spec.name, label, case))
-                    print(f"{spec.name} {label} [{case}]: FAILED {type(e).__name__}: {e}", flush=True)
-                    continue
-                launched += 1
-                print(f"{spec.name} {label} [{case}]: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+            ran, failed = run_cases(kset, kernel, cases[kernel](spec, np.random.default_rng(seed)), cupy,
+                                    f"{spec.name} {label}", build)
+            launched += ran
+            failures += [(spec.name, label, case) for case in failed]
     print(f"sanitize worker: {launched} cases ran, {len(failures)} failed", flush=True)
     return 1 if failures else 0
 

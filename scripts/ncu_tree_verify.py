@@ -17,8 +17,9 @@ import os
 import subprocess
 import sys
 
+from ddtree_gen.bench.specs import SPEC_BY_HEADS
+
 SHAPES = ["1,8,65,4096", "1,8,22,65536", "8,8,32,8192"]   # B, H, Nq, keys a request
-SPEC_BY_H = {8: "kimi-k2.6-tp8", 16: "deepseek-v3-tp8", 64: "kimi-k2.6", 128: "deepseek-v3"}
 # the columns of the table (ncu's raw names; absent ones are left out) and their short names
 COLUMNS = [("gpu__time_duration.sum", "time"), ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "SM %"),
            ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed", "gmma %"),
@@ -35,8 +36,8 @@ def parse_shape(text: str) -> tuple:
         b, h, nq, keys = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shape {text!r}: expected B,H,NQ,L (four integers)") from None
-    if h not in SPEC_BY_H or min(b, nq, keys) < 1:
-        raise argparse.ArgumentTypeError(f"--shape {text!r}: B, NQ, L >= 1 and H one of {sorted(SPEC_BY_H)}")
+    if h not in SPEC_BY_HEADS or min(b, nq, keys) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: B, NQ, L >= 1 and H one of {sorted(SPEC_BY_HEADS)}")
     return b, h, nq, keys
 
 
@@ -53,7 +54,7 @@ def target(shape: tuple, loads: str) -> None:
     from ddtree_gen.ops.tree_verify.split import COMBINE
     from ddtree_gen.spec import find_spec
     b, h, nq, keys = shape
-    spec = find_spec(SPEC_BY_H[h])
+    spec = find_spec(SPEC_BY_HEADS[h])
     x = verify_inputs(spec, b, np.full(b, keys), nq)
     if loads == "default":
         ks = load(spec, kernels=list(SWEEP_KERNELS))

@@ -32,7 +32,7 @@ def worker() -> int:
     from ddtree_gen.ops import by_name
     from ddtree_gen.ops.tree_verify.split import COMBINE
     from ddtree_gen.ops.tree_verify.wgmma import seesaw_tma
-    from ddtree_gen.sanitize import _run_case
+    from ddtree_gen.sanitize import run_cases
     from ddtree_gen.spec import find_spec
     cupy.cuda.set_allocator(None)         # one cudaMalloc per array: memcheck sees every overrun
     cases = registry.sanitizer_cases()["tree_verify_wgmma"]
@@ -41,16 +41,10 @@ def worker() -> int:
         spec = page_variant(find_spec(base), page)
         v = variant(by_name("tree_verify_wgmma"), spec, tma=seesaw_tma(spec), grid=grid, page_loads=loads)
         ks = variant_set([v], also=[COMBINE])
-        for case, inputs in cases(spec, np.random.default_rng(0)):
-            t0 = time.perf_counter()
-            try:
-                _run_case(ks, "tree_verify_wgmma", inputs, cupy)
-            except Exception as e:   # report and go on: the other cases still tell something
-                failures += 1
-                print(f"{v.name} {spec.name} [{case}]: FAILED {type(e).__name__}: {e}", flush=True)
-                continue
-            launched += 1
-            print(f"{v.name} {spec.name} [{case}]: ok ({time.perf_counter() - t0:.2f} s)", flush=True)
+        ran, failed = run_cases(ks, "tree_verify_wgmma", cases(spec, np.random.default_rng(0)), cupy,
+                                f"{v.name} {spec.name}")
+        launched += ran
+        failures += len(failed)
     print(f"sanitize_loads worker: {launched} cases ran, {failures} failed", flush=True)
     return 1 if failures else 0
 
